@@ -1,0 +1,33 @@
+# Two commands do all the set-up: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?= default
+PROMPT ?= The capital of France is
+MAX_TOKENS ?= 32
+# On a CPU-only machine the exact CPU wheel of torch is installed first: a looser range can pull a
+# multi-GB CUDA build. A machine that already has torch>=2.11 in the venv keeps it.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install run test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/python -m engine generate --model "$(MODEL)" --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
+
+# pytest exits 5 when it collected no tests: a CI run that ran nothing must fail.
+test: install
+	$(BIN)/python -m pytest -q -ra; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) *.egg-info

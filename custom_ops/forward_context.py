@@ -1,0 +1,55 @@
+"""The per-step context: what one forward needs beyond its input tensors.
+
+The engine (or `compile_backend.forward_context_for_tokens` for other callers) sets it around a
+forward; the attention op reads the metadata and the piecewise runners read the runtime mode. It is
+the only module-level mutable state besides the graph pool, and it refuses to nest so a stale
+context can never leak into the next step.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import Iterator
+
+from custom_ops.metadata import AttentionMetadata
+
+
+class RuntimeMode(enum.Enum):
+    NONE = "none"            # compiled pieces, no graph
+    PIECEWISE = "piecewise"  # one CUDA graph per piece per token-count bucket, attention eager
+    FULL = "full"            # an outer native capture records the whole forward; pieces pass through
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    runtime_mode: RuntimeMode
+    num_tokens: int  # the (padded) token count the forward runs with
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext | None:
+    return _current
+
+
+@contextlib.contextmanager
+def forward_context(
+    attn_metadata: AttentionMetadata | None,
+    runtime_mode: RuntimeMode = RuntimeMode.NONE,
+    num_tokens: int | None = None,
+) -> Iterator[ForwardContext]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context is already set: forward contexts do not nest")
+    if num_tokens is None:
+        if attn_metadata is None:
+            raise ValueError("forward_context needs num_tokens when attn_metadata is None")
+        num_tokens = int(attn_metadata.slot_mapping.shape[0])
+    _current = ForwardContext(attn_metadata, RuntimeMode(runtime_mode), int(num_tokens))
+    try:
+        yield _current
+    finally:
+        _current = None

@@ -1,0 +1,25 @@
+"""Shared test set-up: CPU runs Triton kernels in the interpreter; GPU tests skip without CUDA."""
+import os
+
+import torch
+
+# The interpreter must be chosen before any @triton.jit kernel is defined, and only where there is
+# no GPU: on a CUDA machine the same tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
