@@ -1,0 +1,106 @@
+"""Timing and the two ceilings every floor is built from (copy bandwidth, bf16 matmul rate).
+
+Times are medians of per-iteration CUDA-event intervals after a warm-up; host-side timers are used
+only on the CPU, where there is no asynchrony to hide.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+    """Median milliseconds of one call of fn, measured call by call."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        samples = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_bytes_per_s: float    # device-to-device copy, bytes read + bytes written per second
+    matmul_flops_per_s: float  # bf16 dense matmul
+    device_name: str
+
+    def memory_floor_ms(self, bytes_moved: float) -> float:
+        return bytes_moved / self.copy_bytes_per_s * 1e3
+
+    def compute_floor_ms(self, flops: float) -> float:
+        return flops / self.matmul_flops_per_s * 1e3
+
+
+def measure_ceilings(device: str = "cuda") -> Ceilings:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the floor suite needs a CUDA device: ceilings are the GPU's")
+    nbytes = 2 << 30  # 2 GiB: far beyond L2, so the copy measures HBM
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), warmup=3, iters=20)
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)  # random, never zeros: zeros run faster
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    mm_ms = median_ms(lambda: a @ b, warmup=3, iters=20)
+    return Ceilings(
+        copy_bytes_per_s=2 * nbytes / (copy_ms * 1e-3),
+        matmul_flops_per_s=2 * n ** 3 / (mm_ms * 1e-3),
+        device_name=torch.cuda.get_device_name(),
+    )
+
+
+@dataclass
+class Report:
+    """One suite's results: rows of flat dicts, written as JSON and as a Markdown table."""
+
+    suite: str
+    model: str
+    device: str
+    columns: list[str]
+    rows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+
+    def markdown(self) -> str:
+        def fmt(value):
+            return f"{value:.3f}" if isinstance(value, float) else str(value)
+        lines = [f"# {self.suite} — {self.model} on {self.device}", ""]
+        lines += [f"- {note}" for note in self.notes]
+        if self.notes:
+            lines.append("")
+        lines.append("| " + " | ".join(self.columns) + " |")
+        lines.append("|" + "---|" * len(self.columns))
+        for row in self.rows:
+            lines.append("| " + " | ".join(fmt(row.get(c, "")) for c in self.columns) + " |")
+        return "\n".join(lines) + "\n"
+
+    def write(self, out_dir: str) -> tuple[str, str]:
+        os.makedirs(out_dir, exist_ok=True)
+        stem = os.path.join(out_dir, f"{self.suite}-{self.model}")
+        with open(stem + ".json", "w") as f:
+            json.dump({"suite": self.suite, "model": self.model, "device": self.device,
+                       "date": time.strftime("%Y-%m-%d"), "notes": self.notes, "rows": self.rows}, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(self.markdown())
+        return stem + ".json", stem + ".md"
