@@ -1,0 +1,55 @@
+"""What every causal LM here has in common: the flat-token contract, logits, tied embeddings, names.
+
+`forward(input_ids[T], positions[T]) -> hidden[T, H]` runs the decoder stack (`self.model`, laid out
+like transformers' so checkpoint names map one to one, apart from the fused qkv / gate_up matmuls).
+`compute_logits(hidden[N, H]) -> [N, V]` is separate because the engine computes logits only for each
+sequence's last token, outside the captured graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from custom_ops import unique_prefix
+from models.config import ModelConfig
+from models.layers import Linear, init_random_
+
+
+class CausalLM(nn.Module):
+    name_stem = "model_"  # layer-name prefix stem; subclasses name their architecture
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # A fresh prefix per instance: two models in one process never share an attention layer's
+        # registry entry (and its bound KV cache).
+        self.layer_prefix = unique_prefix(self.name_stem)
+        self.model = self.build_decoder(config)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, False, config.dtype)
+
+    def build_decoder(self, config: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    def layer_name(self, index: int) -> str:
+        return f"{self.layer_prefix}.layers.{index}"
+
+    @property
+    def attention_layer_names(self) -> list[str]:
+        """One name per attention layer, in layer order; the engine binds a KV cache to each."""
+        return [layer.self_attn.layer_name for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def init_random_(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        init_random_(self, std, generator)

@@ -1,0 +1,160 @@
+"""The pieces Llama, Qwen3 and Gemma 3 share: linear/embedding, RMSNorm, rotary embedding, gated MLP,
+and the attention block that calls `torch.ops.infer.attention`.
+
+Everything here is graph-capture friendly: no host syncs, no data-dependent control flow, and every
+per-step quantity is a tensor op on the inputs (rope reads a precomputed cos/sin table by position).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import custom_ops  # noqa: F401  (registers torch.ops.infer.attention)
+from custom_ops import AttentionLayer, register_attention_layer
+from models.config import ModelConfig, RopeParams
+
+
+class Linear(nn.Module):
+    """nn.Linear without the random init: checkpoints overwrite every weight, and init of a multi-GB
+    model costs seconds; `init_random_` fills weights when a model is built from a config only."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32.
+
+    `unit_offset=True` is Gemma's variant: scale by (1 + w) in float32 and round once at the end
+    (its checkpoints store w around 0). Otherwise Llama's: normalize in float32, round to the input
+    dtype, then multiply by w in that dtype. The rounding order matters for bf16 parity.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_positions, head_dim // 2] computed once; a step only gathers rows by position.
+
+    The tables stay float32 (a buffer, not a parameter: not in the state dict) and are cast to the
+    activation dtype on use, which is where transformers rounds them too.
+    """
+
+    def __init__(self, params: RopeParams, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), params.inv_freq(head_dim))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by position: the half-split ("rotate_half") layout of HF checkpoints."""
+    cos = cos.to(x.dtype).unsqueeze(1)
+    sin = sin.to(x.dtype).unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, config.dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, config.dtype)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)
+
+
+class Attention(nn.Module):
+    """q/k/v projection (fused `qkv_proj`), optional per-head q/k norms, rope, the attention op, o_proj.
+
+    The per-layer constants go into the custom-op registry under `layer_name`, so the op call carries
+    only tensors and a name: Dynamo sees one node per layer and the graph bakes in no Python floats.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_name: str, *, sliding_window: int | None,
+        qk_norm: bool, unit_offset_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, config.dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.attention_bias, config.dtype)
+        if qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype, unit_offset_norm)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype, unit_offset_norm)
+        else:
+            self.q_norm = self.k_norm = None
+        register_attention_layer(layer_name, AttentionLayer(
+            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            scale=config.attention_scale, sliding_window=sliding_window,
+            logit_softcap=config.attn_logit_softcap))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # v is a strided slice of the fused projection; kernels (and the paged-cache store) get a
+        # dense [T, Hkv, D] tensor instead of having to honour the fused row stride.
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Allocated right before the op so a graph split at the op hands this buffer, at a fixed
+        # address, from the piece before (which allocates it) to the piece after (which reads it).
+        out = torch.empty_like(q)
+        torch.ops.infer.attention(q, k, v, out, self.layer_name)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+def init_random_(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+    """Random weights for a model built from a config alone (tests, benchmarks): normal(0, std)
+    matrices, zero biases, and norms at identity (w = 1, or w = 0 for the (1 + w) variant)."""
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, (Linear, Embedding)):
+                sub.weight.normal_(0.0, std, generator=generator)
+                if isinstance(sub, Linear) and sub.bias is not None:
+                    sub.bias.zero_()
+            elif isinstance(sub, RMSNorm):
+                sub.weight.fill_(0.0 if sub.unit_offset else 1.0)

@@ -1,0 +1,52 @@
+"""Llama 3.x: pre-norm blocks of attention and a SiLU-gated MLP, one rope for all layers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.base import CausalLM
+from models.config import ModelConfig
+from models.errors import UnsupportedConfigError
+from models.layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_name: str, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.self_attn = Attention(config, layer_name, sliding_window=None, qk_norm=qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, layer_names: list[str], qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.dtype)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, name, qk_norm) for name in layer_names)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(positions)  # gathered once per step, shared by every layer
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(CausalLM):
+    name_stem = "llama_"
+    qk_norm = False
+
+    def build_decoder(self, config: ModelConfig) -> nn.Module:
+        if config.sliding_window is not None:
+            raise UnsupportedConfigError(
+                f"{config.architecture} with sliding-window layers (use_sliding_window / layer_types) "
+                "is not implemented; only Gemma3ForCausalLM has sliding layers here")
+        names = [self.layer_name(i) for i in range(config.num_layers)]
+        return LlamaModel(config, names, self.qk_norm)

@@ -1,0 +1,161 @@
+"""Building models: `from_config` (random weights) and `from_pretrained` (HF-format dir or .gguf).
+
+Checkpoint names are transformers' names. Ours are the same except for two fused matmuls, so the map
+is: `...self_attn.{q,k,v}_proj.*` -> row slices of `...self_attn.qkv_proj.*`, and
+`...mlp.{gate,up}_proj.*` -> row slices of `...mlp.gate_up_proj.*`. Every checkpoint tensor is
+checked against the slot it fills (name and shape), and every slot must be filled exactly once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from models.base import CausalLM
+from models.config import ModelConfig, architecture_of, parse_dtype
+from models.errors import MissingWeightError, ModelPathError, UnexpectedWeightError, WeightShapeError
+from models.gemma3 import Gemma3ForCausalLM
+from models.llama import LlamaForCausalLM
+from models.paths import resolve_model_path
+from models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
+# Checkpoint tensors that are not weights: old checkpoints saved rope tables as buffers.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def build_model(config: ModelConfig, device: torch.device | str | None = None) -> CausalLM:
+    """The model for `config` on `device`, weights uninitialized (the caller fills them)."""
+    with torch.device(device or "cpu"):
+        return MODEL_CLASSES[config.architecture](config)
+
+
+def from_config(
+    config: Any, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+    seed: int | None = None,
+) -> CausalLM:
+    """Random init from a transformers config object or a config.json dict (or a ModelConfig)."""
+    if isinstance(config, ModelConfig):
+        model_config = config if dtype is None else dataclasses.replace(config, dtype=parse_dtype(dtype))
+    else:
+        model_config = ModelConfig.from_hf(config, dtype)
+    model = build_model(model_config, device)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.model.embed_tokens.weight.device).manual_seed(seed)
+    model.init_random_(generator=generator)
+    return model.eval()
+
+
+def from_pretrained(
+    path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> CausalLM:
+    """Load an HF-format dir (config.json + model.safetensors or a sharded index), a .gguf file,
+    or "default" (the real Gemma 3 270M, converted once to a cached dir)."""
+    model_dir = Path(resolve_model_path(path))
+    raw = read_config(model_dir)
+    architecture_of(raw)  # fail on an unknown architecture before reading any weights
+    config = ModelConfig.from_hf(raw, dtype)
+    model = build_model(config, device)
+    load_weights(model, iter_checkpoint(model_dir))
+    return model.eval()
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    config_path = model_dir / "config.json"
+    try:
+        return json.loads(config_path.read_text())
+    except OSError as exc:
+        raise ModelPathError(f"cannot read {config_path}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelPathError(f"{config_path} is not valid JSON: {exc}") from exc
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise ModelPathError(f"cannot read shard index {index}: {exc}") from exc
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelPathError(
+        f"{model_dir} has no model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are read)")
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every shard, read one at a time to bound host memory."""
+    from safetensors import SafetensorError, safe_open
+    for file in _checkpoint_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+        except (OSError, SafetensorError) as exc:
+            raise ModelPathError(f"cannot read checkpoint shard {file}: {exc}") from exc
+
+
+def weight_slots(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the tensor (a parameter or a row slice of a fused one) it must fill."""
+    slots: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        data = param.data
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        if proj == "qkv_proj":
+            attn = model.get_submodule(parent)
+            sizes = {"q_proj": attn.q_size, "k_proj": attn.kv_size, "v_proj": attn.kv_size}
+        elif proj == "gate_up_proj":
+            size = model.get_submodule(parent).intermediate_size
+            sizes = {"gate_proj": size, "up_proj": size}
+        else:
+            slots[name] = data
+            continue
+        start = 0
+        for part, size in sizes.items():
+            slots[f"{parent}.{part}.{leaf}"] = data[start:start + size]
+            start += size
+    return slots
+
+
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+    """Copy checkpoint tensors into the model, cast to its dtype; every slot must be filled once."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    slots = weight_slots(model)
+    filled: set[str] = set()
+    arch = model.config.architecture
+    with torch.no_grad():
+        for name, tensor in items:
+            slot = slots.get(name)
+            if slot is None:
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue  # a tied checkpoint may still carry the shared tensor; the embedding wins
+                raise UnexpectedWeightError(
+                    f"checkpoint weight {name!r} {tuple(tensor.shape)} has no place in {arch} "
+                    f"(check the config's architecture and tie_word_embeddings)")
+            if tuple(tensor.shape) != tuple(slot.shape):
+                raise WeightShapeError(
+                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"but {arch} expects {tuple(slot.shape)} (config and checkpoint disagree)")
+            slot.copy_(tensor)
+            filled.add(name)
+    missing = [name for name in slots if name not in filled]
+    if missing:
+        shown = ", ".join(f"{n!r} {tuple(slots[n].shape)}" for n in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise MissingWeightError(f"checkpoint lacks {len(missing)} weight(s) {arch} needs: {shown}{more}")
