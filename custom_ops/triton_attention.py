@@ -1,0 +1,76 @@
+"""The CUDA implementation of `torch.ops.infer.attention`: Triton kernels behind two entry points.
+
+- `dense_causal_attention(q, k, v, out, layer)`: no forward context, one causal sequence, no cache.
+- `paged_attention(q, k, v, out, layer, kv_cache, meta)`: store the real rows' K/V by slot mapping,
+  then decode (``meta.is_uniform_decode``) or prefill/extend attention reading the paged cache.
+
+No host syncs and launch grids from python ints only, so both are CUDA-graph capturable; the split
+scratch of decode is cached per shape and device. Kernels live in `triton_kv_store`,
+`triton_decode`, `triton_prefill`; the KV layout is documented in `custom_ops.metadata`.
+"""
+from __future__ import annotations
+
+import torch
+
+from custom_ops.layers import AttentionLayer
+from custom_ops.metadata import AttentionMetadata
+from custom_ops.triton_decode import launch_decode
+from custom_ops.triton_kv_store import store_kv
+from custom_ops.triton_prefill import launch_prefill
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> None:
+    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    if q.shape[1:] != (hq, d) or out.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)} / out {tuple(out.shape)} must be [T, {hq}, {d}] and equal")
+    if k.shape[1:] != (hkv, d) or v.shape != k.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [T={q.shape[0]}, {hkv}, {d}]")
+    if q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("q and out need a contiguous last dimension")
+
+
+def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer,
+    *, config: dict | None = None,
+) -> None:
+    """Causal attention of T tokens at positions 0..T-1 (with the layer's window and softcap) into out."""
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    _check_qkv(q, k, v, out, layer)
+    t = q.shape[0]
+    launch_prefill(
+        q, k, v, out, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+        scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
+        paged=False, num_seqs=1, max_query_len=t, dense_len=t, config=config)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer,
+    kv_cache: torch.Tensor, meta: AttentionMetadata,
+    *, num_splits: int | None = None, config: dict | None = None,
+) -> None:
+    """Store the step's K/V, then attend every sequence over its cached prefix plus its new tokens.
+
+    ``num_splits`` / ``config`` override the decode split count and tile shapes (tests, benchmarks).
+    """
+    q = _contiguous_last(q)
+    _check_qkv(q, k, v, out, layer)
+    n = meta.num_actual_tokens
+    store_kv(k, v, kv_cache, meta.slot_mapping, n)
+    common = dict(
+        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+        scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
+        config=config)
+    if meta.is_uniform_decode:
+        launch_decode(q, kv_cache, out, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+                      max_seq_len=meta.max_seq_len, num_splits=num_splits, **common)
+    else:
+        launch_prefill(q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs,
+                       max_query_len=meta.max_query_len, block_tables=meta.block_tables,
+                       query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                       page_size=kv_cache.shape[2], **common)
+    if n < out.shape[0]:
+        out[n:].zero_()  # padding rows read nothing; zeros keep them deterministic (as the reference)

@@ -1,0 +1,208 @@
+"""Triton split-K decode attention over the paged KV cache (one query token per sequence).
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``: every program serves all ``Hq / Hkv`` query heads of
+its kv head (the group's queries form the M side of one ``tl.dot``), so each key/value byte is read
+once per step, which is what bounds decode. A sequence's visible keys
+``[max(0, seq_len - window), seq_len)`` are cut into ``num_splits`` equal runs of whole
+``BLOCK_N`` tiles; keys before the window are never loaded. With one split the kernel normalizes
+and writes ``out`` itself; otherwise each split writes its unnormalized accumulator, running max
+and sum to scratch and a second kernel merges the splits.
+
+The grid depends only on python ints the caller fixes (batch size, heads, and ``num_splits`` from
+``max_seq_len``), and lengths and page tables are read from device tensors, so the launch is CUDA-graph
+capturable and a replay with new metadata values stays correct.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.triton_common import interpreting, load_kv_tile, log2_scores
+from custom_ops.triton_prefill import dot_precision
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
+    scale, softcap, window,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    else:
+        start = 0
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - start, BLOCK_N), NUM_SPLITS)
+    begin = start + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(begin + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    qo_mask = (offs_g < GROUP)[:, None] & d_mask[None, :]
+    seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=qo_mask, other=0.0)
+    block_table_ptr = block_tables_ptr + seq64 * stride_bt
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # Every key in [begin, end) is visible (the window start was applied above); only the tail of
+    # the last tile is masked.
+    for start_n in range(begin, end, BLOCK_N):
+        n = start_n + offs_n
+        n_valid = n < end
+        k, v = load_kv_tile(
+            k_ptr, v_ptr, block_table_ptr, n, n_valid, kv_head,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+            PAGE_SIZE=PAGE_SIZE, PAGED=True, MASKED=True, EVEN_D=EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = log2_scores(s, scale, softcap, SOFTCAP=SOFTCAP)
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds >= 1 valid key
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (a padding sequence): write zeros
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + seq64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        # partials are [num_seqs, NUM_HEADS, NUM_SPLITS(, BLOCK_D)] fp32
+        row = (seq64 * NUM_HEADS + heads) * NUM_SPLITS + split
+        g_mask = offs_g < GROUP
+        tl.store(part_max_ptr + row, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + row, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    rows = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_max_ptr + rows, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + rows, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_ref)  # empty splits have m = -inf: weight 0
+    denom = tl.sum(w * l, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+_sm_counts: dict[int, int] = {}
+_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+    """Splits per (sequence, kv head) so the grid holds ~2 waves of programs, each >= 256 keys.
+
+    Depends only on host ints, so a graph captured for a batch size keeps a valid grid. Batch 1 at
+    8k context with 8 kv heads: 32 splits of 256 keys, 256 programs on 132 SMs.
+    """
+    programs = num_seqs * num_kv_heads
+    wanted = triton.cdiv(2 * sm_count, programs)
+    by_length = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def decode_config(head_dim: int) -> dict:
+    if interpreting():
+        return dict(BLOCK_N=16, num_warps=1, num_stages=1)
+    if head_dim <= 128:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def _partials(device: torch.device, num_seqs: int, num_heads: int, num_splits: int, block_d: int):
+    """Scratch for split partials, cached per shape and device so replays and eager steps reuse it."""
+    key = (device, num_seqs, num_heads, num_splits, block_d)
+    bufs = _scratch.get(key)
+    if bufs is None:
+        rows = num_seqs * num_heads * num_splits
+        bufs = (torch.empty(rows, block_d, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device))
+        _scratch[key] = bufs
+    return bufs
+
+
+def launch_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *,
+    num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+    sliding_window: int | None, logit_softcap: float | None,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+    num_splits: int | None = None, config: dict | None = None,
+) -> None:
+    """Decode attention for ``num_seqs = seq_lens.shape[0]`` sequences; query row i is sequence i."""
+    num_seqs = int(seq_lens.shape[0])
+    if num_seqs == 0:
+        return
+    cfg = dict(decode_config(head_dim))
+    cfg.update(config or {})
+    block_n = cfg.pop("BLOCK_N")
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    visible = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+    if num_splits is None:
+        num_splits = 1 if interpreting() else decode_num_splits(
+            num_seqs, num_kv_heads, visible, _sm_count(q.device))
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if num_splits > 1:
+        part_acc, part_max, part_sum = _partials(q.device, num_seqs, num_heads, num_splits, block_d)
+    else:
+        part_acc = part_max = part_sum = out  # unused under NUM_SPLITS == 1
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
+        NUM_SPLITS=num_splits, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
+        DOT_PRECISION=dot_precision(q.dtype), **cfg,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2,
+        )

@@ -1,0 +1,191 @@
+"""Triton prefill / extend attention: variable-length queries, causal over cached prefix + new tokens.
+
+One program owns ``BLOCK_M`` query rows of one sequence and one query head, and streams that
+sequence's keys in ``BLOCK_N`` tiles with an online softmax (flash-attention style). Keys come
+either from the paged cache (``PAGED``: the new tokens were stored there first, so cached prefix and
+new tokens are read the same way) or from dense ``k, v [T, Hkv, D]`` (the op without a forward
+context: one sequence at positions ``0..T-1``).
+
+Query row ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` total sits at position
+``seq_len - q_len + i`` and sees key ``kp`` iff ``0 <= pos - kp < window``. The key range of a tile is
+cut in three loops: the window's lower edge (masked), the interior every row sees (no mask), and the
+diagonal (masked), so most tiles skip the mask arithmetic. Tiles with the most work (last rows) are
+launched first.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.triton_common import interpreting, load_kv_tile, log2_scores
+
+
+@triton.jit
+def _attend_keys(
+    acc, l_i, m_i, q, q_pos, start, end,
+    k_ptr, v_ptr, block_table_ptr, kv_head,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    offs_d, d_mask, scale, softcap, window,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        n = start_n + offs_n
+        n_valid = n < end
+        k, v = load_kv_tile(
+            k_ptr, v_ptr, block_table_ptr, n, n_valid, kv_head,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+            PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED, EVEN_D=EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = log2_scores(s, scale, softcap, SOFTCAP=SOFTCAP)
+        if MASKED:
+            distance = q_pos[:, None] - n[None, :]
+            visible = (distance >= 0) & n_valid[None, :]
+            if WINDOW:
+                visible = visible & (distance < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row may see nothing in this tile (window edge): keep its running max finite so
+            # exp2(-inf - -inf) never makes a NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
+    dense_len, scale, softcap, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # most work first
+    seq = tl.program_id(2)
+    if PAGED:
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq)
+    else:
+        q_start = 0
+        q_len = dense_len
+        seq_len = dense_len
+    if m_tile * BLOCK_M >= q_len:
+        return
+    kv_head = head // GROUP
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    rows = m_tile * BLOCK_M + offs_m
+    row_valid = rows < q_len
+    q_pos = seq_len - q_len + rows
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+
+    first_pos = seq_len - q_len + m_tile * BLOCK_M
+    last_pos = first_pos + BLOCK_M - 1  # counts rows past q_len too: only makes masking safer
+    hi = tl.minimum(seq_len, last_pos + 1)
+    if WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, lo)
+    else:
+        lo = 0
+        full_lo = 0
+    # [lo, edge_end): window edge, masked; [edge_end, diag_start): every row sees every key;
+    # [diag_start, hi): causal diagonal, masked.
+    edge_end = tl.minimum(lo + tl.cdiv(full_lo - lo, BLOCK_N) * BLOCK_N, hi)
+    diag_start = edge_end + (tl.maximum(first_pos + 1 - edge_end, 0) // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if WINDOW:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, lo, edge_end, k_ptr, v_ptr, block_table_ptr, kv_head,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+            scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
+            EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION)
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, edge_end, diag_start, k_ptr, v_ptr, block_table_ptr, kv_head,
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+        scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=False,
+        EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION)
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, diag_start, hi, k_ptr, v_ptr, block_table_ptr, kv_head,
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+        scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
+        EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+
+
+def prefill_config(head_dim: int) -> dict:
+    """Tile shapes per head dim (tuned on an H100; see bench/NOTES_attention.md)."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs (fp32 models, CPU tests) get full-precision dots; 16-bit inputs ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_prefill(
+    q: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor, out: torch.Tensor, *,
+    num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+    sliding_window: int | None, logit_softcap: float | None,
+    paged: bool, num_seqs: int, max_query_len: int, dense_len: int = 0,
+    block_tables: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None, page_size: int = 1, config: dict | None = None,
+) -> None:
+    """Launch the prefill kernel. Paged: ``k_src/v_src`` are ``cache[0]/cache[1]`` ``[NB, BS, Hkv, D]``;
+    dense: ``[T, Hkv, D]`` with ``dense_len = T`` and ``num_seqs = 1``."""
+    cfg = dict(prefill_config(head_dim))
+    cfg.update(config or {})
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    if max_query_len <= 0 or num_seqs <= 0:
+        return
+    if paged:
+        stride_kb, stride_ko, stride_kh = k_src.stride(0), k_src.stride(1), k_src.stride(2)
+        stride_vb, stride_vo, stride_vh = v_src.stride(0), v_src.stride(1), v_src.stride(2)
+        stride_bt = block_tables.stride(0)
+    else:
+        stride_kb, stride_ko, stride_kh = 0, k_src.stride(0), k_src.stride(1)
+        stride_vb, stride_vo, stride_vh = 0, v_src.stride(0), v_src.stride(1)
+        block_tables = query_start_loc = seq_lens = q  # unused pointers under PAGED=False
+        stride_bt = 0
+    grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
+    _prefill_kernel[grid](
+        q, k_src, v_src, out, block_tables, query_start_loc, seq_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
+        dense_len, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,
+        SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window), DOT_PRECISION=dot_precision(q.dtype),
+        **cfg,
+    )

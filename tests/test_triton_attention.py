@@ -1,0 +1,324 @@
+"""Triton attention kernels against the torch reference.
+
+CPU: the kernels run in Triton's interpreter on tiny shapes (a few programs each). GPU (`gpu` mark):
+many random shapes in bf16/fp16 against a float64 reference, and decode through CUDA graph replay.
+Outputs are poisoned with NaN before every call so an unwritten row cannot pass.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from custom_ops import AttentionLayer, AttentionMetadata, reference
+from custom_ops.metadata import SCRATCH_BLOCK
+
+
+def make_layer(num_heads, num_kv_heads, head_dim, window=None, softcap=None) -> AttentionLayer:
+    return AttentionLayer(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window, softcap)
+
+
+def make_batch(prefix_lens, query_lens, layer, block_size, dtype, device, pad_tokens=0, max_seq_len=None):
+    """Random q/k/v for the new tokens, a random cache (the prefixes' contents) with shuffled pages,
+    and the metadata the engine would build; padding rows write slots of the scratch block."""
+    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+    blocks_per_seq = [max(1, math.ceil(s / block_size)) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + 3
+    pages = (torch.randperm(num_blocks - 1) + 1).tolist()  # block 0 is the scratch block
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 1), SCRATCH_BLOCK, dtype=torch.int32)
+    slots = []
+    for i, (prefix, seq_len) in enumerate(zip(prefix_lens, seq_lens)):
+        for j in range(blocks_per_seq[i]):
+            block_tables[i, j] = pages.pop()
+        for pos in range(prefix, seq_len):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    n = len(slots)
+    slots += [SCRATCH_BLOCK * block_size + (i % block_size) for i in range(pad_tokens)]
+    t = n + pad_tokens
+    q = torch.randn(t, hq, d, dtype=dtype, device=device)
+    k = torch.randn(t, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(t, hkv, d, dtype=dtype, device=device)
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, dtype=dtype, device=device)
+    qsl = [0]
+    for ql in query_lens:
+        qsl.append(qsl[-1] + ql)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        num_actual_tokens=n, max_query_len=max(query_lens), max_seq_len=max_seq_len or max(seq_lens),
+        is_uniform_decode=all(ql == 1 for ql in query_lens))
+    return q, k, v, cache, meta
+
+
+def reference_paged(q, k, v, cache, meta, layer, dtype=torch.float64):
+    """The reference on CPU copies in `dtype`; returns (out, cache after the store)."""
+    cpu_meta = AttentionMetadata(
+        meta.slot_mapping.cpu(), meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.block_tables.cpu(),
+        meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len, meta.is_uniform_decode)
+    ref_cache = cache.detach().cpu().clone()
+    out = torch.empty(q.shape, dtype=dtype)
+    # store in the cache's dtype (as the kernel does), attend in `dtype`
+    reference.store_kv(k[: meta.num_actual_tokens].cpu(), v[: meta.num_actual_tokens].cpu(), ref_cache,
+                       cpu_meta.slot_mapping)
+    reference.paged_attention(q.cpu().to(dtype), k.cpu().to(dtype), v.cpu().to(dtype), out, layer,
+                              ref_cache.to(dtype), cpu_meta)
+    return out, ref_cache
+
+
+def run_paged(q, k, v, cache, meta, layer, **kwargs):
+    from custom_ops import triton_attention
+    out = torch.full_like(q, float("nan"))
+    triton_attention.paged_attention(q, k, v, out, layer, cache, meta, **kwargs)
+    return out
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_close(out, ref, n, dtype):
+    """Real rows near the reference (relative L2 by dtype), padding rows zero, nothing NaN."""
+    assert not torch.isnan(out).any(), "an output element was never written (NaN poison survived)"
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.2e-2}[out.dtype]
+    err = rel_err(out[:n], ref[:n])
+    assert err < tol, f"relative error {err:.2e} >= {tol:.0e}"
+    assert (out[n:] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------- CPU
+
+
+def test_store_kv_writes_real_rows_by_slot_and_skips_padding():
+    from custom_ops.triton_kv_store import store_kv
+    layer = make_layer(4, 2, 16)
+    q, k, v, cache, meta = make_batch([3, 0], [4, 2], layer, block_size=4, dtype=torch.float32, device="cpu",
+                                      pad_tokens=2)
+    expected = cache.clone()
+    reference.store_kv(k[: meta.num_actual_tokens], v[: meta.num_actual_tokens], expected, meta.slot_mapping)
+    store_kv(k, v, cache, meta.slot_mapping, meta.num_actual_tokens)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 5.0), (1, None), (64, 3.0)])
+def test_dense_causal_matches_reference(dtype, window, softcap):
+    from custom_ops.triton_attention import dense_causal_attention
+    layer = make_layer(4, 2, 16, window, softcap)
+    t = 37  # three 16-row query tiles, off the tile boundary
+    q, k, v = (torch.randn(t, h, 16, dtype=dtype) for h in (4, 2, 2))
+    out = torch.full_like(q, float("nan"))
+    dense_causal_attention(q, k, v, out, layer)
+    ref = reference.causal_attention(q.double(), k.double(), v.double(), layer)
+    check_close(out, ref, t, dtype)
+
+
+def test_dense_causal_reads_strided_qkv_views():
+    """Models split one fused qkv projection: q, k, v are strided views of it."""
+    from custom_ops.triton_attention import dense_causal_attention
+    layer = make_layer(4, 1, 16)
+    qkv = torch.randn(20, 6, 16)
+    q, k, v = qkv[:, :4], qkv[:, 4:5], qkv[:, 5:6]
+    out = torch.full_like(q, float("nan"))
+    dense_causal_attention(q, k, v, out, layer)
+    check_close(out, reference.causal_attention(q.double(), k.double(), v.double(), layer), 20, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 4.0)])
+def test_paged_extend_matches_reference(dtype, window, softcap):
+    """Three sequences: a fresh prefill, a decode-like single token, a chunk after a cached prefix."""
+    layer = make_layer(4, 1, 16, window, softcap)  # GQA 4
+    q, k, v, cache, meta = make_batch([0, 5, 19], [7, 1, 12], layer, block_size=8, dtype=dtype,
+                                      device="cpu", pad_tokens=3)
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    out = run_paged(q, k, v, cache, meta, layer)
+    assert torch.equal(cache, ref_cache)
+    check_close(out, ref, meta.num_actual_tokens, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 4.0), (1, None)])
+def test_decode_matches_reference(num_splits, window, softcap):
+    layer = make_layer(8, 2, 16, window, softcap)  # GQA 4
+    q, k, v, cache, meta = make_batch([0, 15, 44], [1, 1, 1], layer, block_size=8, dtype=torch.float32,
+                                      device="cpu")
+    assert meta.is_uniform_decode
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits)
+    assert torch.equal(cache, ref_cache)
+    check_close(out, ref, meta.num_actual_tokens, torch.float32)
+
+
+def test_decode_padding_rows_are_zero_and_never_stored():
+    """A padded decode batch: the last row is padding, its slot is in the scratch block."""
+    layer = make_layer(4, 4, 16)  # no GQA
+    q, k, v, cache, meta = make_batch([9, 3], [1, 1], layer, block_size=4, dtype=torch.float16, device="cpu",
+                                      pad_tokens=1)
+    # the padding row is a third "sequence" of length 1 reading only the scratch block
+    meta.seq_lens = torch.tensor([10, 4, 1], dtype=torch.int32)
+    meta.block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
+    meta.query_start_loc = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    before = cache.clone()
+    out = run_paged(q, k, v, cache, meta, layer, num_splits=2)
+    assert torch.equal(cache[:, SCRATCH_BLOCK], before[:, SCRATCH_BLOCK])
+    ref, _ = reference_paged(q, k, v, before, meta, layer)
+    check_close(out, ref, 2, torch.float16)
+
+
+def test_num_splits_fill_the_gpu_and_respect_length():
+    from custom_ops.triton_decode import decode_num_splits
+    assert decode_num_splits(1, 8, 8192, 132) == 32      # batch 1, 8k: 256 programs of 256 keys
+    assert decode_num_splits(32, 8, 4096, 132) == 2
+    assert decode_num_splits(256, 8, 4096, 132) == 1
+    assert decode_num_splits(1, 8, 300, 132) == 2        # short contexts: >= 256 keys a split
+    assert decode_num_splits(1, 1, 1 << 20, 132) == 64   # capped
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _random_case(rng: random.Random, decode: bool):
+    d = rng.choice([64, 128, 256])
+    group = rng.choice([1, 4, 8])
+    hkv = rng.choice([1, 2]) if d == 256 else rng.choice([1, 2, 4])
+    block_size = rng.choice([16, 16, 32])
+    b = rng.randint(1, 5)
+    prefix_lens = [rng.choice([0, block_size, 3 * block_size, rng.randint(1, 300), rng.randint(300, 1200)])
+                   for _ in range(b)]
+    query_lens = [1] * b if decode else [rng.choice([1, block_size, rng.randint(2, 200)]) for _ in range(b)]
+    if decode:
+        prefix_lens = [max(p, 1) for p in prefix_lens]
+    longest = max(p + q for p, q in zip(prefix_lens, query_lens))
+    window = rng.choice([None, None, 1, rng.randint(2, 64), block_size, longest, longest + 7,
+                         max(1, longest // 2)])
+    softcap = rng.choice([None, None, 30.0, 5.0])
+    layer = make_layer(hkv * group, hkv, d, window, softcap)
+    return layer, block_size, prefix_lens, query_lens, rng.choice(GPU_DTYPES), rng.randint(0, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_gpu_paged_random_shapes_match_float64_reference(decode):
+    rng = random.Random(1234 + decode)
+    failures = []
+    for case in range(40):
+        layer, block_size, prefix_lens, query_lens, dtype, pad = _random_case(rng, decode)
+        q, k, v, cache, meta = make_batch(prefix_lens, query_lens, layer, block_size, dtype, "cuda",
+                                          pad_tokens=0 if decode else pad)
+        ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+        out = run_paged(q, k, v, cache, meta, layer)
+        torch.cuda.synchronize()
+        try:
+            assert torch.equal(cache.cpu(), ref_cache), "cache differs after the store"
+            check_close(out.cpu(), ref, meta.num_actual_tokens, dtype)
+        except AssertionError as e:
+            failures.append(f"case {case}: {layer} bs={block_size} prefix={prefix_lens} q={query_lens} "
+                            f"{dtype}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_decode_any_split_count_matches_reference(num_splits, dtype):
+    layer = make_layer(32, 8, 128, None, None)
+    q, k, v, cache, meta = make_batch([0, 15, 16, 17, 1000, 4095], [1] * 6, layer, 16, dtype, "cuda")
+    ref, _ = reference_paged(q, k, v, cache, meta, layer)
+    check_close(run_paged(q, k, v, cache, meta, layer, num_splits=num_splits).cpu(), ref, 6, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_dense_causal_matches_reference(head_dim, dtype):
+    from custom_ops.triton_attention import dense_causal_attention
+    for t, group, window, softcap in [(1, 1, None, None), (17, 4, None, None), (128, 8, 1, None),
+                                      (300, 4, 64, 30.0), (1000, 1, None, 50.0), (777, 8, 5000, None)]:
+        layer = make_layer(2 * group, 2, head_dim, window, softcap)
+        q = torch.randn(t, 2 * group, head_dim, dtype=dtype, device="cuda")
+        k, v = (torch.randn(t, 2, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        out = torch.full_like(q, float("nan"))
+        dense_causal_attention(q, k, v, out, layer)
+        ref = reference.causal_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), layer)
+        check_close(out.cpu(), ref, t, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
+    """Capture decode at batch 8 with max_seq_len 4096 (split-K), then change lengths, page tables,
+    slots and inputs in place: every replay equals an eager call on the same values."""
+    from custom_ops import triton_attention
+    layer = make_layer(16, 4, 128, None, 20.0)
+    batch, block_size, max_blocks, num_blocks = 8, 16, 256, 4096
+    dtype = torch.bfloat16
+    cache = torch.randn(2, num_blocks, block_size, 4, 128, dtype=dtype, device="cuda")
+    q = torch.randn(batch, 16, 128, dtype=dtype, device="cuda")
+    k, v = (torch.randn(batch, 4, 128, dtype=dtype, device="cuda") for _ in range(2))
+    out = torch.empty_like(q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.ones(batch, dtype=torch.int32, device="cuda"),
+        block_tables=torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda"),
+        num_actual_tokens=batch, max_query_len=1, max_seq_len=max_blocks * block_size, is_uniform_decode=True)
+
+    def fill(seed):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(1, max_blocks * block_size, (batch,), generator=g)
+        lens[0] = 1
+        # disjoint pages: two sequences never write one slot, so replay and eager are bit-equal
+        tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * max_blocks] + 1).view(batch, max_blocks)
+        slots = tables[torch.arange(batch), (lens - 1) // block_size] * block_size + (lens - 1) % block_size
+        meta.seq_lens.copy_(lens)
+        meta.block_tables.copy_(tables)
+        meta.slot_mapping.copy_(slots)
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=g).to(dtype))
+
+    fill(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_attention.paged_attention(q, k, v, out, layer, cache, meta)  # warm-up compiles
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_attention.paged_attention(q, k, v, out, layer, cache, meta)
+    for seed in (1, 2, 3):
+        fill(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        replayed = out.clone()
+        eager = torch.full_like(out, float("nan"))
+        triton_attention.paged_attention(q, k, v, eager, layer, cache, meta)
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)
+        ref, _ = reference_paged(q, k, v, cache, meta, layer)
+        check_close(replayed.cpu(), ref, batch, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_op_dispatches_to_triton_with_and_without_context():
+    from custom_ops import bind_kv_cache, forward_context, register_attention_layer
+    layer = make_layer(8, 2, 64, 32, None)
+    register_attention_layer("test_triton.op", layer)
+    q, k, v, cache, meta = make_batch([40, 0], [9, 33], layer, 16, torch.bfloat16, "cuda", pad_tokens=2)
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    bind_kv_cache("test_triton.op", cache)
+    out = torch.full_like(q, float("nan"))
+    with forward_context(meta):
+        torch.ops.infer.attention(q, k, v, out, "test_triton.op")
+    check_close(out.cpu(), ref, meta.num_actual_tokens, torch.bfloat16)
+    dense_out = torch.full_like(q, float("nan"))
+    torch.ops.infer.attention(q, k, v, dense_out, "test_triton.op")
+    dense_ref = reference.causal_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), layer)
+    check_close(dense_out.cpu(), dense_ref, q.shape[0], torch.bfloat16)
+    bind_kv_cache("test_triton.op", None)
