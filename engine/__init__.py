@@ -1,0 +1,8 @@
+"""The serving engine: paged KV cache, continuous batching with chunked prefill, full-decode CUDA
+graphs, piecewise prefill graphs (through the infer_graphs backend), GPU sampling, the LLM API."""
+from engine.config import ConfigError, EngineConfig
+from engine.llm import LLM
+from engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
+
+__all__ = ["ConfigError", "EngineConfig", "LLM", "FinishReason", "InvalidRequestError", "RequestOutput",
+           "SamplingParams"]

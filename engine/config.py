@@ -1,0 +1,167 @@
+"""EngineConfig: every knob of the engine in one validated dataclass.
+
+Graph options on a CPU device: CUDA graphs do not exist there, so `cuda_graphs=True` or
+`prefill_graphs=True` with a CPU device is *ignored with one warning* (not an error), so that one
+command line works on a laptop and on a GPU machine. `resolve()` turns the "auto" values (None) into
+concrete ones for the device; the rest of the engine reads only resolved configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PIECE_COMPILERS = ("inductor", "eager")
+
+
+class ConfigError(ValueError):
+    """An EngineConfig field has a value the engine cannot run with; the message names the field."""
+
+
+def default_decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Dense at small batch (1, 2, 4, 8), then steps of 8, always ending at max_num_seqs itself."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 8))
+    if sizes[-1] != max_num_seqs:  # an off-stride maximum must still be captured
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
+def default_prefill_graph_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Token buckets for piecewise graphs: 4..32 by 4, 48..256 by 16, then 288.. by 32, up to the budget."""
+    sizes = list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 4097, 32))
+    sizes = [s for s in sizes if s <= max_num_batched_tokens]
+    if not sizes or sizes[-1] != max_num_batched_tokens:
+        sizes.append(max_num_batched_tokens)
+    return tuple(sizes)
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"                 # HF-format dir, a name models.resolve_model_path knows, or "default"
+    tokenizer: str | None = None           # defaults to the model's own
+    dtype: str | None = None               # float32 | bfloat16 | float16; None: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None              # None: cuda if available, else cpu
+    max_model_len: int | None = None       # prompt + output tokens per request; None: min(model limit, 4096)
+    max_num_seqs: int = 32                 # requests running at once (also the largest decode batch)
+    max_num_batched_tokens: int = 1024     # per-step token budget shared by decodes and prefill chunks
+    block_size: int = 16                   # tokens per KV cache block
+    kv_memory_fraction: float = 0.9        # of the GPU memory left after weights, warm-up peak and graphs
+    num_gpu_blocks: int | None = None      # explicit KV pool size in blocks (incl. the scratch block)
+    compile: bool | None = None            # torch.compile with the infer_graphs backend; None: on for CUDA
+    piece_compiler: str = "inductor"       # how the backend compiles pieces: inductor | eager
+    cuda_graphs: bool | None = None        # full-decode graphs; None: on for CUDA
+    decode_graph_sizes: tuple[int, ...] | None = None   # batch buckets; None: default_decode_graph_sizes
+    prefill_graphs: bool = False           # piecewise graphs for prefill and mixed steps
+    prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: default_prefill_graph_sizes
+    seed: int = 0                          # for requests that give no seed of their own
+    show_progress: bool = True             # tqdm bar during graph capture
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.model, str) and self.model != "", "model", self.model, "a path or model name")
+        if self.dtype is not None:
+            name = str(self.dtype).removeprefix("torch.")
+            _check(name in _DTYPES, "dtype", self.dtype, f"one of {', '.join(_DTYPES)}")
+            self.dtype = name
+        if self.device is not None:
+            try:
+                device = torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ConfigError(f"EngineConfig.device={self.device!r} is not a torch device") from None
+            _check(device.type in ("cuda", "cpu"), "device", self.device, "'cuda', 'cuda:N' or 'cpu'")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check_int(name, getattr(self, name), 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        if self.num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", self.num_gpu_blocks, 2, "an int >= 2 (block 0 is the scratch block)")
+        _check(isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1,
+               "kv_memory_fraction", self.kv_memory_fraction, "a number in (0, 1]")
+        _check(self.piece_compiler in _PIECE_COMPILERS, "piece_compiler", self.piece_compiler,
+               f"one of {', '.join(_PIECE_COMPILERS)}")
+        _check_int("seed", self.seed, 0)
+        for name in ("decode_graph_sizes", "prefill_graph_sizes"):
+            sizes = getattr(self, name)
+            if sizes is None:
+                continue
+            sizes = tuple(sizes)
+            _check(len(sizes) > 0 and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes),
+                   name, sizes, "a non-empty list of ints >= 1")
+            setattr(self, name, tuple(sorted(set(sizes))))
+        if self.decode_graph_sizes is not None:
+            _check(max(self.decode_graph_sizes) <= self.max_num_seqs, "decode_graph_sizes",
+                   self.decode_graph_sizes, f"sizes <= max_num_seqs ({self.max_num_seqs})")
+        if self.prefill_graph_sizes is not None:
+            _check(max(self.prefill_graph_sizes) <= self.max_num_batched_tokens, "prefill_graph_sizes",
+                   self.prefill_graph_sizes, f"sizes <= max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.prefill_graphs and self.compile is False:
+            raise ConfigError("EngineConfig.prefill_graphs=True needs compile=True (piecewise graphs are "
+                              "captured by the infer_graphs torch.compile backend)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            raise ConfigError("EngineConfig.dtype is unresolved: call resolve() first")
+        return _DTYPES[self.dtype]
+
+    def device_and_dtype(self) -> tuple[str, str]:
+        """The device and dtype names this config runs with (what the model is loaded with)."""
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_cuda = torch.device(device).type == "cuda"
+        if on_cuda and not torch.cuda.is_available():
+            raise ConfigError(f"EngineConfig.device={device!r} but CUDA is not available; use device='cpu'")
+        return device, self.dtype or ("bfloat16" if on_cuda else "float32")
+
+    def resolve(self, model_max_len: int | None = None) -> EngineConfig:
+        """A copy with every automatic value made concrete for the device (and the model's length limit)."""
+        device, dtype = self.device_and_dtype()
+        on_cuda = torch.device(device).type == "cuda"
+        changes: dict[str, Any] = {"device": device, "dtype": dtype}
+        changes["compile"] = on_cuda if self.compile is None else self.compile
+        cuda_graphs, prefill_graphs = self.cuda_graphs, self.prefill_graphs
+        if not on_cuda and (cuda_graphs or prefill_graphs):
+            logger.warning("EngineConfig: device %r has no CUDA graphs; cuda_graphs=%s and prefill_graphs=%s "
+                           "are ignored", device, cuda_graphs, prefill_graphs)
+            cuda_graphs, prefill_graphs = False, False
+        changes["cuda_graphs"] = on_cuda if cuda_graphs is None else cuda_graphs
+        changes["prefill_graphs"] = prefill_graphs
+        if prefill_graphs:
+            changes["compile"] = True
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = min(model_max_len or 4096, 4096)
+        elif model_max_len is not None and max_len > model_max_len:
+            raise ConfigError(f"EngineConfig.max_model_len={max_len} exceeds the model's "
+                              f"max_position_embeddings ({model_max_len})")
+        changes["max_model_len"] = max_len
+        changes["decode_graph_sizes"] = self.decode_graph_sizes or default_decode_graph_sizes(self.max_num_seqs)
+        changes["prefill_graph_sizes"] = (self.prefill_graph_sizes
+                                          or default_prefill_graph_sizes(self.max_num_batched_tokens))
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ConfigError(f"unknown EngineConfig field(s) {unknown}; known: {sorted(fields)}")
+        return cls(model=model, **kwargs)
+
+
+def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"EngineConfig.{field}={value!r} is invalid: expected {allowed}")
+
+
+def _check_int(field: str, value: Any, minimum: int, allowed: str | None = None) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, field, value,
+           allowed or f"an int >= {minimum}")

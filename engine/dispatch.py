@@ -1,0 +1,84 @@
+"""The ONE place that decides how a step runs: batch descriptor -> (runtime mode, padded descriptor).
+
+FULL       a uniform decode batch whose size fits a captured decode graph: replay it, padded up to
+           the bucket (the engine's native full-decode graph).
+PIECEWISE  with prefill graphs on, any other step whose token count fits a piece bucket: the backend
+           replays its per-piece graphs at the padded token count.
+NONE       everything else: the compiled (or eager) model, no graph.
+
+The tables are built once from the sizes that were actually captured, so a lookup is one list index.
+A step that wanted a graph and got none is a fallback: counted, and logged once per reason.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from custom_ops import RuntimeMode
+
+logger = logging.getLogger("engine")
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    num_tokens: int
+    uniform_decode: bool  # every sequence contributes exactly one token (so num_tokens == num_seqs)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    mode: RuntimeMode
+    descriptor: BatchDescriptor  # padded: num_tokens is the graph's size under FULL / PIECEWISE
+    fallback: str | None = None  # why no graph was used although one was wanted
+
+
+def _pad_table(sizes: tuple[int, ...]) -> list[int]:
+    """table[n] = smallest size >= n, for n in 0..max(sizes)."""
+    ordered = sorted(sizes)
+    if not ordered:
+        return [0]
+    return [ordered[bisect.bisect_left(ordered, n)] for n in range(ordered[-1] + 1)]
+
+
+class Dispatcher:
+    def __init__(self, decode_sizes: tuple[int, ...] = (), piecewise_sizes: tuple[int, ...] = (),
+                 decode_graphs_wanted: bool = False, piecewise_graphs_wanted: bool = False) -> None:
+        self.decode_sizes = tuple(sorted(decode_sizes))
+        self.piecewise_sizes = tuple(sorted(piecewise_sizes))
+        self._decode_wanted = decode_graphs_wanted
+        self._piecewise_wanted = piecewise_graphs_wanted
+        self._full_pad = _pad_table(self.decode_sizes)
+        self._piece_pad = _pad_table(self.piecewise_sizes)
+        self.mode_counts: Counter[str] = Counter()
+        self.fallback_counts: Counter[str] = Counter()
+
+    @property
+    def fallbacks(self) -> int:
+        return sum(self.fallback_counts.values())
+
+    def dispatch(self, batch: BatchDescriptor) -> Dispatch:
+        result = self._decide(batch)
+        self.mode_counts[result.mode.value] += 1
+        if result.fallback is not None:
+            if not self.fallback_counts[result.fallback]:
+                logger.warning("no CUDA graph for this step (%s): running %s; further cases are counted, "
+                               "not logged", result.fallback, result.mode.value)
+            self.fallback_counts[result.fallback] += 1
+        return result
+
+    def _decide(self, batch: BatchDescriptor) -> Dispatch:
+        n = batch.num_tokens
+        fallback = None
+        if batch.uniform_decode and self._decode_wanted:
+            if n < len(self._full_pad):
+                return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True))
+            fallback = f"decode batch of {n} > largest decode graph {self.decode_sizes[-1] if self.decode_sizes else 0}"
+        if self._piecewise_wanted:
+            if n < len(self._piece_pad):
+                return Dispatch(RuntimeMode.PIECEWISE, BatchDescriptor(self._piece_pad[n], batch.uniform_decode),
+                                fallback)
+            fallback = fallback or (f"{n} tokens > largest piecewise graph "
+                                    f"{self.piecewise_sizes[-1] if self.piecewise_sizes else 0}")
+        return Dispatch(RuntimeMode.NONE, batch, fallback)

@@ -1,0 +1,198 @@
+"""LLM: the user-facing engine. `generate` for a batch, `add_request` / `step` for streaming.
+
+    llm = LLM("default", max_num_seqs=8, prefill_graphs=True)
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
+
+Each step: schedule (decodes + prefill chunks under the token budget) -> run the model (the
+dispatcher picks FULL / PIECEWISE / NONE) -> sample on the device -> update the requests.
+Requests are validated when added, before anything reaches the device; a bad request raises
+InvalidRequestError naming it and leaves the requests in flight untouched.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Sequence, Union
+
+import torch
+
+from engine.config import EngineConfig
+from engine.request import (
+    InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
+)
+from engine.runtime import build_runtime
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger("engine")
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLM:
+    def __init__(self, model: str | torch.nn.Module = "default", tokenizer: Any = None, **config_fields: Any) -> None:
+        """`model`: an HF-format dir, a .gguf file, "default", or an already built models.CausalLM.
+
+        `config_fields` are EngineConfig fields (max_num_seqs=..., prefill_graphs=..., ...).
+        `tokenizer`: a transformers tokenizer; by default the model directory's own (if it has one).
+        """
+        import models
+
+        name = model if isinstance(model, str) else f"<{type(model).__name__} instance>"
+        config = EngineConfig.from_kwargs(name, **config_fields)
+        device, dtype = config.device_and_dtype()
+        if isinstance(model, str):
+            load_start = time.perf_counter()
+            model = models.from_pretrained(model, dtype=dtype, device=device)
+            logger.info("loaded %s in %.1f s", name, time.perf_counter() - load_start)
+            if tokenizer is None:
+                tokenizer = _load_tokenizer(config.tokenizer or name)
+        elif config.tokenizer is not None and tokenizer is None:
+            tokenizer = _load_tokenizer(config.tokenizer)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_config = model.config
+        self.config = config.resolve(model.config.max_position_embeddings)
+        self.runtime = build_runtime(model, self.config)
+        self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, self.config.max_model_len,
+                                   tuple(model.config.eos_token_ids))
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _validated(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"request {request_id!r}: params must be SamplingParams, got "
+                                      f"{type(params).__name__}")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request {request_id!r}: a request with this id is already in flight")
+        vocab = self.model_config.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError(f"request {request_id!r}: prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"request {request_id!r}: prompt is a string but the engine has no "
+                                          "tokenizer; pass token ids or LLM(..., tokenizer=...)")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        ids = check_prompt(request_id, prompt, vocab, self.config.max_model_len)
+        params.check(request_id, vocab)
+        return Request(request_id, ids, params)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request; it runs from the next `step`. Returns its id."""
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        request = self._validated(prompt, params or SamplingParams(), request_id)
+        self._admit(request)
+        return request_id
+
+    def _admit(self, request: Request) -> None:
+        self.runtime.sampler.attach(request)
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; an output for every request that got a token (finished ones included)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            return []
+        result = self.runtime.runner.execute(out, self.runtime.block_pool)
+        sampling = [c.request for c in out.chunks if c.samples]
+        tokens = self.runtime.sampler(result.logits, sampling) if sampling else []
+        self.scheduler.update(out, tokens, time.perf_counter())
+        self.num_steps += 1
+        self.num_generated_tokens += len(tokens)
+        outputs = [self._output(r) for r in sampling]
+        for request in sampling:
+            if request.is_finished:
+                del self._requests[request.request_id]
+        return outputs
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is validated before any of them runs."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"generate got {len(prompts)} prompts but {len(params)} SamplingParams")
+        base = next(self._ids)
+        requests = [self._validated(p, sp, f"{base}.{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        for request in requests:
+            self._admit(request)
+        while any(not r.is_finished for r in requests):
+            self.step()
+        return [self._output(r) for r in requests]
+
+    def _output(self, request: Request) -> RequestOutput:
+        tokens = request.output_token_ids
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+        times = request.token_times
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            token_ids=list(tokens),
+            text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            ttft_s=times[0] - request.arrival_time if times else None,
+            inter_token_latencies_s=[b - a for a, b in zip(times, times[1:])],
+            num_preemptions=request.num_preemptions,
+        )
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        runner = self.runtime.runner
+        graphs = runner.decode_graphs
+        stats: dict[str, Any] = {
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "modes": dict(runner.dispatcher.mode_counts),
+            "fallbacks": runner.dispatcher.fallbacks,
+            "fallback_reasons": dict(runner.dispatcher.fallback_counts),
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_blocks": self.runtime.block_pool.num_blocks,
+            "decode_graphs": len(graphs.sizes) if graphs else 0,
+            "decode_graph_replays": graphs.replays if graphs else 0,
+            "decode_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
+            "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
+            "piecewise_capture_seconds": self.runtime.piecewise_capture_seconds,
+            **self.runtime.memory,
+        }
+        backend = self.runtime.backend
+        if backend is not None and hasattr(backend, "stats"):
+            stats["backend"] = _as_dict(backend.stats)
+        return stats
+
+
+def _load_tokenizer(name: str) -> Any:
+    import models
+    try:
+        return models.load_tokenizer(name)
+    except Exception as exc:  # a weights-only dir (tests, converted checkpoints) has no tokenizer
+        logger.info("no tokenizer for %s (%s): prompts must be token ids", name, exc)
+        return None
+
+
+def _as_dict(stats: Any) -> Any:
+    if callable(stats):
+        stats = stats()
+    if hasattr(stats, "__dataclass_fields__"):
+        import dataclasses
+        return dataclasses.asdict(stats)
+    return stats

@@ -1,0 +1,181 @@
+"""ModelRunner: one scheduled step -> logits of the sequences that sample.
+
+It flattens the step's chunks into `input_ids` / `positions` and the attention metadata, written into
+static buffers allocated once at the largest size and sliced per step (a graph recorded their
+addresses; eager steps use the same buffers so there is one path). The dispatcher picks the mode;
+FULL steps replay a native decode graph (engine.decode_graphs), the others run the (compiled) model
+under a forward context and compute logits only for the last token of each sampling sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from custom_ops import SCRATCH_BLOCK, AttentionMetadata, RuntimeMode, forward_context
+from engine.block_pool import BlockPool
+from engine.dispatch import BatchDescriptor, Dispatch, Dispatcher
+from engine.scheduler import SchedulerOutput
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StaticBuffers:
+    """Every tensor a step reads, at fixed device addresses, plus pinned host staging for the copies."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
+        pin = device.type == "cuda"
+
+        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, pin_memory=pin))
+
+        self.input_ids, self._input_ids = pair((max_tokens,), torch.int64)
+        self.positions, self._positions = pair((max_tokens,), torch.int64)
+        self.slot_mapping, self._slot_mapping = pair((max_tokens,), torch.int64)
+        self.query_start_loc, self._query_start_loc = pair((max_seqs + 1,), torch.int32)
+        self.seq_lens, self._seq_lens = pair((max_seqs,), torch.int32)
+        self.block_tables, self._block_tables = pair((max_seqs, max_blocks_per_seq), torch.int32)
+        self.logits_indices, self._logits_indices = pair((max_seqs,), torch.int64)
+
+    def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
+             seq_lens: list[int], tables: list[list[int]], logits_indices: list[int]) -> None:
+        """Copy one step's values in (host lists -> pinned staging -> device, asynchronously)."""
+        width = self.max_blocks_per_seq
+        flat_tables = [b for row in tables for b in (row + [SCRATCH_BLOCK] * (width - len(row)))]
+        for device_buf, host_buf, values in (
+            (self.input_ids, self._input_ids, ids), (self.positions, self._positions, positions),
+            (self.slot_mapping, self._slot_mapping, slots),
+            (self.query_start_loc, self._query_start_loc, query_start_loc),
+            (self.seq_lens, self._seq_lens, seq_lens),
+            (self.block_tables.view(-1), self._block_tables.view(-1), flat_tables),
+            (self.logits_indices, self._logits_indices, logits_indices),
+        ):
+            n = len(values)
+            if n:
+                host_buf[:n] = torch.tensor(values, dtype=host_buf.dtype)
+                device_buf[:n].copy_(host_buf[:n], non_blocking=True)
+
+    def metadata(self, num_tokens: int, num_seqs: int, num_actual_tokens: int, max_query_len: int,
+                 max_seq_len: int, uniform_decode: bool) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_loc[:num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs],
+            block_tables=self.block_tables[:num_seqs],
+            num_actual_tokens=num_actual_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            is_uniform_decode=uniform_decode,
+        )
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor   # [N, V], row i for the i-th sampling chunk
+    dispatch: Dispatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, forward: Forward, block_size: int, max_model_len: int,
+                 max_tokens: int, max_seqs: int, device: torch.device,
+                 mark_dynamic: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        self.model = model
+        self.forward = forward
+        self.mark_dynamic = mark_dynamic
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.buffers = StaticBuffers(max_tokens, max_seqs, -(-max_model_len // block_size), device)
+        self.dispatcher = Dispatcher()
+        self.decode_graphs = None  # engine.decode_graphs.DecodeGraphs, once captured
+        self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
+
+    def execute(self, out: SchedulerOutput, pool: BlockPool) -> StepResult:
+        dispatch = self.dispatcher.dispatch(BatchDescriptor(out.num_tokens, out.is_uniform_decode))
+        full = dispatch.mode is RuntimeMode.FULL
+        num_padded = dispatch.descriptor.num_tokens
+        meta, sample_rows = self._prepare(out, pool, num_padded, full)
+        if full:
+            logits = self.decode_graphs.replay(num_padded, len(out.chunks))
+            if len(sample_rows) != len(out.chunks):
+                logits = logits[torch.tensor(sample_rows, device=logits.device)]
+            return StepResult(logits, dispatch)
+        hidden = self.run_forward(meta, dispatch.mode, num_padded)
+        logits = self.model.compute_logits(hidden[self.buffers.logits_indices[:len(sample_rows)]])
+        return StepResult(logits, dispatch)
+
+    def run_forward(self, meta: AttentionMetadata, mode: RuntimeMode, num_tokens: int) -> torch.Tensor:
+        """The model over the first num_tokens buffered tokens, under the step's forward context."""
+        ids, positions = self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens]
+        if self.mark_dynamic is not None:
+            self.mark_dynamic(ids, positions)
+        with forward_context(meta, mode, num_tokens):
+            return self.forward(ids, positions)
+
+    def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
+                 full: bool) -> tuple[AttentionMetadata, list[int]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        block_size = self.block_size
+        for row, chunk in enumerate(out.chunks):
+            request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+            table = pool.block_table(request.request_id)
+            ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
+            seq_lens.append(end)
+            tables.append(table)
+            if chunk.samples:
+                logits_indices.append(query_start_loc[-1] - 1)
+                sample_rows.append(row)
+        num_tokens, num_seqs = len(ids), len(out.chunks)
+        pad = num_padded - num_tokens
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.scratch_slot] * pad
+        if full:
+            # Padding rows are one-token sequences on the scratch block, so the captured kernels see
+            # well-formed sequences and every write they make lands in scratch.
+            query_start_loc += range(num_tokens + 1, num_padded + 1)
+            seq_lens += [1] * pad
+            tables += [[]] * pad
+            num_seqs = num_padded
+        self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices)
+        meta = self.buffers.metadata(
+            num_padded, num_seqs, num_padded if full else num_tokens,
+            max(c.num_tokens for c in out.chunks), self.max_model_len if full else max(seq_lens),
+            out.is_uniform_decode)
+        return meta, sample_rows
+
+    def load_dummy(self, num_tokens: int, num_seqs: int, uniform_decode: bool) -> AttentionMetadata:
+        """Metadata for a warm-up or capture step that touches only the scratch block.
+
+        The tokens are split over num_seqs sequences; every slot and block-table entry is in the
+        scratch block, so it needs no KV pool beyond block 0 and never disturbs a live sequence.
+        """
+        if not 1 <= num_seqs <= num_tokens:
+            raise ValueError(f"dummy step needs 1 <= num_seqs ({num_seqs}) <= num_tokens ({num_tokens})")
+        base, extra = divmod(num_tokens, num_seqs)
+        lens = [base + (i < extra) for i in range(num_seqs)]
+        if max(lens) > self.max_model_len:
+            raise ValueError(f"dummy sequence of {max(lens)} tokens exceeds max_model_len ({self.max_model_len})")
+        query_start_loc = [0]
+        positions: list[int] = []
+        for n in lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+            positions.extend(range(n))
+        slots = [self.scratch_slot + p % self.block_size for p in positions]
+        self.buffers.load([0] * num_tokens, positions, slots, query_start_loc, lens, [[]] * num_seqs,
+                          [q - 1 for q in query_start_loc[1:]])
+        max_seq_len = self.max_model_len if uniform_decode else max(lens)
+        return self.buffers.metadata(num_tokens, num_seqs, num_tokens, max(lens), max_seq_len, uniform_decode)

@@ -1,0 +1,141 @@
+"""What a user asks for (SamplingParams), what the engine tracks per request (Request), and what it
+hands back (RequestOutput).
+
+SamplingParams are validated when the request is added (`check`), so an error names the request as
+well as the field, and is raised before the request touches the GPU.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request (prompt or sampling parameters) the engine refuses; the message names request and field."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens generated, or the sequence reached max_model_len
+    EOS = "eos"        # the model's end-of-sequence token (unless ignore_eos)
+    STOP = "stop"      # one of SamplingParams.stop_token_ids
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when temperature == 0 (the default); top_k 0 and top_p 1.0 disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # same seed (and prompt), same output, whatever else is in the batch
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def check(self, request_id: str, vocab_size: int) -> None:
+        def bad(name: str, allowed: str) -> InvalidRequestError:
+            return InvalidRequestError(
+                f"request {request_id!r}: SamplingParams.{name}={getattr(self, name)!r} is invalid: "
+                f"expected {allowed}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "an int >= 1")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an int >= 0 (0 = off)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1] (1 = off)")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "None or an int in [0, 2**63)")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+            raise bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "a bool")
+
+
+@dataclass(eq=False)  # identity: a request is itself, whatever its tokens
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(init=False)   # prompt + generated so far
+    num_computed_tokens: int = 0               # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    token_times: list[float] = field(default_factory=list)  # perf_counter at each generated token
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]                   # generated tokens (a stop / EOS token included)
+    text: str                              # decoded generated text ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None
+    ttft_s: float | None                   # arrival -> first generated token
+    inter_token_latencies_s: list[float]   # between consecutive generated tokens
+    num_preemptions: int = 0
+
+
+def check_prompt(request_id: str, prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as a list of ints, or InvalidRequestError naming the request and what is wrong."""
+    if isinstance(prompt_token_ids, torch.Tensor):
+        prompt_token_ids = prompt_token_ids.tolist()
+    ids = list(prompt_token_ids)
+    if not ids:
+        raise InvalidRequestError(f"request {request_id!r}: prompt is empty")
+    if not all(_is_int(t) for t in ids):
+        raise InvalidRequestError(f"request {request_id!r}: prompt token ids must be ints")
+    if len(ids) > max_model_len:
+        raise InvalidRequestError(
+            f"request {request_id!r}: prompt has {len(ids)} tokens, longer than max_model_len ({max_model_len})")
+    out_of_vocab = [t for t in ids if not 0 <= t < vocab_size]
+    if out_of_vocab:
+        raise InvalidRequestError(
+            f"request {request_id!r}: prompt token ids {out_of_vocab[:5]} are outside the vocabulary "
+            f"[0, {vocab_size})")
+    return [int(t) for t in ids]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

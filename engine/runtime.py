@@ -1,0 +1,197 @@
+"""Start-up: from a loaded model to a runner with its KV pool and graphs, in the one safe order.
+
+On CUDA:
+1. compile (optional) and bind a scratch-only KV cache (block 0), enough for dummy steps;
+2. warm-up: a dummy step at the full token budget and a dummy decode at the largest batch, then the
+   sampler on the largest batch of logits; the measured peak is memory every later eager step needs;
+3. piecewise graphs (prefill_graphs), largest size first: they do not record the KV address
+   (attention runs between pieces), so they are captured now and their memory is simply resident;
+4. a throwaway capture of the largest decode graph measures the memory the decode graphs will need;
+5. the KV pool takes kv_memory_fraction of what is left (or num_gpu_blocks, checked to fit);
+6. the decode graphs are captured against the final pool, largest first, into the shared pool.
+On CPU: compile (optional), a pool of num_gpu_blocks (or kv_cache.CPU_KV_BYTES worth), no graphs.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from custom_ops import RuntimeMode
+from engine.block_pool import BlockPool
+from engine.config import ConfigError, EngineConfig
+from engine.decode_graphs import DecodeGraphs, free_memory_gib, frozen_gc
+from engine.dispatch import Dispatcher
+from engine.kv_cache import CPU_KV_BYTES, KVCache
+from engine.model_runner import ModelRunner
+from engine.request import Request, SamplingParams
+from engine.sampler import Sampler
+
+logger = logging.getLogger("engine")
+GRAPH_OVERHEAD_BYTES = 8 * 2**20  # per decode graph, outside the caching allocator (a margin)
+
+
+@dataclass
+class Runtime:
+    runner: ModelRunner
+    kv_cache: KVCache
+    block_pool: BlockPool
+    sampler: Sampler
+    backend: object | None = None           # the compile backend (for its stats), if compiled
+    memory: dict[str, int] = field(default_factory=dict)  # start-up measurements, bytes
+    piecewise_capture_seconds: float = 0.0
+
+
+def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
+    device = torch.device(config.device)
+    forward, mark_dynamic, backend = model, None, None
+    if config.compile:
+        from engine.compile import compile_model
+        forward, mark_dynamic, backend = compile_model(model, config)
+    max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
+                         config.max_num_seqs, device, mark_dynamic)
+    kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device)
+    sampler = Sampler(device, config.seed)
+    min_blocks = -(-config.max_model_len // config.block_size) + 1  # one full-length request + scratch
+    if device.type != "cuda":
+        num_blocks = config.num_gpu_blocks
+        if num_blocks is None:
+            num_blocks = max(min_blocks, min(kv_cache.blocks_for_memory(CPU_KV_BYTES),
+                                             config.max_num_seqs * (min_blocks - 1) + 1))
+        _check_blocks(num_blocks, min_blocks, config)
+        kv_cache.allocate(num_blocks)
+        if config.compile:
+            _warm_up(runner, sampler, config)  # compiles now, not in the first request's step
+        runner.dispatcher = Dispatcher()
+        return Runtime(runner, kv_cache, BlockPool(num_blocks, config.block_size), sampler, backend)
+
+    kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
+    memory: dict[str, int] = {}
+    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config)
+    rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, memory)
+    if config.prefill_graphs:
+        rt.piecewise_capture_seconds = _capture_piecewise(runner, config)
+    decode_graphs = None
+    memory["decode_graph_reserve_bytes"] = 0
+    if config.cuda_graphs:
+        decode_graphs = DecodeGraphs(runner, _graph_pool())
+        memory["decode_graph_reserve_bytes"] = _measure_decode_graphs(runner, config.decode_graph_sizes)
+    torch.cuda.empty_cache()
+    free_bytes = torch.cuda.mem_get_info(device)[0]
+    memory["free_bytes_before_pool"] = free_bytes
+    spare = free_bytes - memory["activation_peak_bytes"] - memory["decode_graph_reserve_bytes"]
+    if config.num_gpu_blocks is not None:
+        num_blocks = config.num_gpu_blocks
+        if num_blocks * kv_cache.bytes_per_block > spare:
+            raise ConfigError(
+                f"EngineConfig.num_gpu_blocks={num_blocks} needs {num_blocks * kv_cache.bytes_per_block / 2**30:.2f} "
+                f"GiB but only {max(spare, 0) / 2**30:.2f} GiB is left after weights, warm-up peak and graphs")
+    else:
+        num_blocks = kv_cache.blocks_for_memory(spare * config.kv_memory_fraction)
+    _check_blocks(num_blocks, min_blocks, config)
+    kv_cache.allocate(num_blocks)
+    memory["kv_pool_bytes"] = kv_cache.pool_bytes
+    rt.block_pool = BlockPool(num_blocks, config.block_size)
+    logger.info("KV pool: %d blocks of %d tokens (%.2f GiB); free before pool %.2f GiB, warm-up peak "
+                "%.2f GiB, decode graph reserve %.2f GiB", num_blocks, config.block_size,
+                kv_cache.pool_bytes / 2**30, free_bytes / 2**30, memory["activation_peak_bytes"] / 2**30,
+                memory["decode_graph_reserve_bytes"] / 2**30)
+    if decode_graphs is not None:
+        decode_graphs.capture(config.decode_graph_sizes, config.show_progress)
+        runner.decode_graphs = decode_graphs
+        memory["decode_graph_bytes"] = decode_graphs.graph_bytes
+    runner.dispatcher = Dispatcher(
+        decode_graphs.sizes if decode_graphs else (),
+        config.prefill_graph_sizes if config.prefill_graphs else (),
+        decode_graphs_wanted=config.cuda_graphs, piecewise_graphs_wanted=config.prefill_graphs)
+    return rt
+
+
+def _check_blocks(num_blocks: int, min_blocks: int, config: EngineConfig) -> None:
+    if num_blocks < min_blocks:
+        raise ConfigError(
+            f"the KV pool has {num_blocks} blocks but max_model_len={config.max_model_len} needs at least "
+            f"{min_blocks} (one full-length request plus the scratch block): raise EngineConfig.num_gpu_blocks "
+            "/ kv_memory_fraction, or lower max_model_len")
+
+
+def _dummy_seqs(num_tokens: int, config: EngineConfig) -> int:
+    """Sequences to split a dummy step of num_tokens into: each within max_model_len."""
+    return min(num_tokens, max(1, -(-num_tokens // config.max_model_len)))
+
+
+def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int:
+    """Run the largest steps once (compiling if needed); the activation peak in bytes (0 on CPU)."""
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        base = torch.cuda.memory_allocated(runner.device)
+    max_tokens = config.max_num_batched_tokens
+    num_seqs = min(config.max_num_seqs, max_tokens)
+    for tokens, seqs, uniform in ((max_tokens, max(_dummy_seqs(max_tokens, config), 1), False),
+                                  (num_seqs, num_seqs, True)):
+        meta = runner.load_dummy(tokens, seqs, uniform)
+        hidden = runner.run_forward(meta, RuntimeMode.NONE, tokens)
+        rows = runner.buffers.logits_indices[:seqs]
+        logits = runner.model.compute_logits(hidden[rows])
+        del hidden
+    # The sampler's largest working set: sorting and filtering a full batch of logits.
+    fake = [Request(f"warm-up-{i}", [0], SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
+            for i in range(logits.shape[0])]
+    sampler(logits, fake)
+    del logits
+    if not cuda:
+        return 0
+    torch.cuda.synchronize(runner.device)
+    return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
+
+
+def _capture_piecewise(runner: ModelRunner, config: EngineConfig) -> float:
+    """Drive one PIECEWISE dummy step per token bucket, largest first, so the backend captures now."""
+    sizes = sorted(config.prefill_graph_sizes, reverse=True)
+    start = time.perf_counter()
+    bar = None
+    if config.show_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(sizes), desc="piecewise graphs", unit="size", file=sys.stderr, leave=False)
+    free_before = torch.cuda.mem_get_info(runner.device)[0]
+    try:
+        with frozen_gc():
+            for size in sizes:
+                if bar is not None:
+                    bar.set_postfix_str(f"tokens {size}, free {free_memory_gib(runner.device):.2f} GiB")
+                meta = runner.load_dummy(size, _dummy_seqs(size, config), uniform_decode=False)
+                runner.run_forward(meta, RuntimeMode.PIECEWISE, size)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - start
+    used = max(0, free_before - torch.cuda.mem_get_info(runner.device)[0])
+    line = (f"captured piecewise graphs for {len(sizes)} token sizes ({sizes[-1]}..{sizes[0]}) in "
+            f"{seconds:.2f} s, graph memory {used / 2**20:.1f} MiB")
+    if config.show_progress:
+        print(line, file=sys.stderr)
+    logger.info(line)
+    return seconds
+
+
+def _measure_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> int:
+    """Memory to reserve for the decode graphs, measured by a throwaway capture of the largest one."""
+    probe = DecodeGraphs(runner, torch.cuda.graph_pool_handle())
+    released = probe.measure(max(sizes))
+    # Every graph also holds a little device memory outside the allocator (its instantiated
+    # executable): a fixed margin per graph keeps the real capture from running out.
+    return released + len(sizes) * GRAPH_OVERHEAD_BYTES
+
+
+def _graph_pool():
+    import compile_backend
+    return compile_backend.graph_pool()

@@ -1,0 +1,67 @@
+"""Sampler: next tokens from logits, on the logits' device, one host sync per step.
+
+Greedy rows take the argmax. Sampled rows divide by temperature, keep the top_k logits and the
+smallest top_p nucleus, and draw by the exponential race (argmax of probs / E, E ~ Exp(1)), which
+is a draw from probs. A request with a seed owns a torch.Generator on the device and draws its own
+noise row every step, so its tokens depend only on its seed and its logits, never on the batch
+around it; requests without a seed share the engine's generator.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def attach(self, request: Request) -> None:
+        """Give a seeded sampling request its own generator (once; it survives preemption)."""
+        params = request.params
+        if params.seed is not None and params.temperature > 0 and request.generator is None:
+            request.generator = torch.Generator(device=self.device)
+            request.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """logits [N, V] (row i belongs to requests[i]) -> N token ids."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
+        if all(r.params.temperature == 0 for r in requests):
+            return logits.argmax(dim=-1).tolist()
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
+        probs = self._filtered_probs(logits / temperature[:, None], requests)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        # Exp(1) can return 0: a floor keeps 0/0 (NaN, which argmax would pick) out of zero-prob tokens.
+        noise.clamp_(min=1e-30)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([r.params.temperature == 0 for r in requests], device=logits.device)
+        return torch.where(is_greedy, greedy, sampled).tolist()
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        top_ks = [r.params.top_k for r in requests]
+        top_ps = [r.params.top_p for r in requests]
+        if all(k == 0 for k in top_ks) and all(p >= 1.0 for p in top_ps):
+            return torch.softmax(logits, dim=-1)
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        p = torch.tensor(top_ps, device=logits.device, dtype=sorted_probs.dtype)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # A token stays while the mass ranked above it is < top_p: the top token always stays.
+        sorted_probs = sorted_probs.masked_fill(mass_before >= p[:, None], 0.0)
+        probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+        return probs / probs.sum(dim=-1, keepdim=True)

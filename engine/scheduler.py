@@ -1,0 +1,165 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Every request is one token list (prompt + generated) of which `num_computed_tokens` are in the KV
+cache; a step computes the next chunk of each scheduled request. A decode is simply a chunk of one
+token, so decodes and prefill chunks share one budget (`max_num_batched_tokens`) without a special
+case. Running requests go first, oldest first; waiting requests are admitted after them while the
+budget, `max_num_seqs` and the free blocks allow.
+
+When a running request cannot get the blocks for its chunk, the newest running request is preempted:
+its blocks are freed, its computed count drops to zero, and it goes to the front of the waiting
+queue. Its token list (prompt + everything generated so far) is kept, so on readmission the whole
+list is recomputed as a prefill and generation continues where it stopped: nothing is lost.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool
+from engine.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger("engine")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int        # position of the chunk's first token (= tokens already cached)
+    num_tokens: int   # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so its last logits give the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        return bool(self.chunks) and all(c.num_tokens == 1 for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        if block_pool.blocks_for(max_model_len) > block_pool.num_usable_blocks:
+            raise ValueError(
+                f"the KV pool has {block_pool.num_usable_blocks} usable blocks of {block_pool.block_size} "
+                f"tokens, fewer than one request of max_model_len={max_model_len} needs "
+                f"({block_pool.blocks_for(max_model_len)}): raise num_gpu_blocks / kv_memory_fraction or "
+                "lower max_model_len")
+        self.pool = block_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._reserve(request, num_new, out):
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+            else:  # the request preempted itself: it was the newest, nothing after it runs
+                break
+        if out.preempted:  # blocks are short: admitting more would only preempt again
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.pool.grow(request.request_id, request.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Blocks for the chunk, preempting the newest running requests as needed; False if request itself went."""
+        while not self.pool.grow(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.pool.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        logger.debug("preempted request %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    def update(self, out: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
+        """Advance each chunk; `sampled` holds one token per sampling chunk, in chunk order. Returns the finished."""
+        finished = []
+        tokens = iter(sampled)
+        for chunk in out.chunks:
+            request = chunk.request
+            samples = chunk.samples  # read before num_computed_tokens moves
+            request.num_computed_tokens += chunk.num_tokens
+            if not samples:
+                continue
+            token = next(tokens)
+            request.token_ids.append(token)
+            request.token_times.append(now)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.EOS
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.token_ids) - request.num_prompt_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.pool.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
