@@ -49,14 +49,14 @@ class PagedCache:
 
 
 def build_metadata(
-    cache: PagedCache, block_tables: list[list[int]], cached_lens: list[int], new_lens: list[int],
+    block_size: int, block_tables: list[list[int]], cached_lens: list[int], new_lens: list[int],
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Metadata for one step: sequence i has cached_lens[i] tokens in the cache and new_lens[i] new ones."""
     slots: list[int] = []
     for table, cached, new in zip(block_tables, cached_lens, new_lens):
         for pos in range(cached, cached + new):
-            slots.append(table[pos // cache.block_size] * cache.block_size + pos % cache.block_size)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
     starts = [0]
     for new in new_lens:
         starts.append(starts[-1] + new)
@@ -85,7 +85,7 @@ def paged_step(
     new_lens = [len(t) for t in new_tokens]
     for table, cached, new in zip(block_tables, cached_lens, new_lens):
         cache.grow(table, cached + new)
-    meta = build_metadata(cache, block_tables, cached_lens, new_lens, device)
+    meta = build_metadata(cache.block_size, block_tables, cached_lens, new_lens, device)
     ids = torch.tensor([tok for toks in new_tokens for tok in toks], dtype=torch.int64, device=device)
     positions = torch.tensor(
         [p for cached, new in zip(cached_lens, new_lens) for p in range(cached, cached + new)],
