@@ -1,0 +1,102 @@
+"""InferGraphsBackend: the Dynamo backend object (`torch.compile(model, backend=InferGraphsBackend(cfg))`).
+
+Per traced graph: split at the splitting ops, compile the compute pieces once for the symbolic token
+count, and return a CompiledGraph that dispatches each step by the forward context's runtime mode.
+The instance keeps its graphs, so `capture()`, `split_summary()` and `stats` cover everything it
+compiled.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx
+
+from compile_backend.compile_pieces import compile_pieces, graph_fake_inputs
+from compile_backend.compiled_graph import CompiledGraph
+from compile_backend.config import BackendConfig
+from compile_backend.pool import gc_frozen, graph_pool
+from compile_backend.split import SplitSummary, split_graph
+from compile_backend.stats import BackendStats
+from custom_ops.forward_context import RuntimeMode, forward_context
+
+logger = logging.getLogger(__name__)
+
+
+class InferGraphsBackend:
+    def __init__(self, config: BackendConfig | None = None, *, pool: Any = None):
+        """`pool`: a graph pool handle for this backend's captures; default (None) is the process-wide
+        `graph_pool()` that the engine's full graphs share. A separate pool is for measurements."""
+        if config is not None and not isinstance(config, BackendConfig):
+            raise TypeError(f"InferGraphsBackend expects a BackendConfig, got {type(config).__name__}")
+        self.config = config or BackendConfig()
+        self.stats = BackendStats()
+        self.graphs: list[CompiledGraph] = []
+        self._pool = pool
+
+    @property
+    def pool(self) -> Any:
+        if self._pool is None:
+            self._pool = graph_pool()
+        return self._pool
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        start = time.perf_counter()
+        input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_mode, fake_inputs = graph_fake_inputs(example_inputs)
+        split = split_graph(gm, self.config.splitting_ops)
+        if self.config.splitting_ops and not split.summary.num_splitting_pieces:
+            logger.warning("infer_graphs: no node of %s in the traced graph; it runs as one piece",
+                           ", ".join(self.config.splitting_ops))
+        runners = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler)
+        pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
+        graph = CompiledGraph(split, runners, fake_inputs, input_names, self.config, self.stats, pool)
+        self.graphs.append(graph)
+        summary = split.summary
+        self.stats.graphs_compiled += 1
+        self.stats.pieces += len(summary.pieces)
+        self.stats.compute_pieces += summary.num_compute_pieces
+        self.stats.splitting_pieces += summary.num_splitting_pieces
+        self.stats.compile_seconds += time.perf_counter() - start
+        logger.info("%s\ncompiled with %s in %.1f s", summary, self.config.piece_compiler,
+                    time.perf_counter() - start)
+        return graph
+
+    def split_summary(self, graph_index: int = -1) -> SplitSummary:
+        """The split of a compiled graph (default: the latest); print it for a readable table."""
+        if not self.graphs:
+            raise RuntimeError("infer_graphs: nothing compiled yet; call the compiled model once first")
+        return self.graphs[graph_index].split.summary
+
+    def captured_sizes(self) -> list[int]:
+        return self.stats.captured_sizes
+
+    def capture(self, forward_fn: Callable[[int], Any], sizes: Iterable[int] | None = None,
+                attn_metadata_fn: Callable[[int], Any] | None = None) -> dict[int, float]:
+        """Capture the piecewise graphs of every size (default: all capture sizes), largest first.
+
+        `forward_fn(n)` runs one forward of exactly n tokens (inputs padded to n, token dim marked);
+        it is called inside a PIECEWISE forward context with num_tokens=n and the attention metadata
+        `attn_metadata_fn(n)` (None: the op's no-metadata path). Sizes already captured just replay.
+        Garbage collection is frozen for the loop and paused inside each capture. On CPU, or with
+        cudagraphs=False, the forwards run without graphs (a warm-up). Returns size -> capture seconds.
+        """
+        chosen = sorted(set(self.config.capture_sizes if sizes is None else sizes), reverse=True)
+        unknown = [n for n in chosen if n not in self.config.capture_sizes]
+        if unknown:
+            raise ValueError(f"capture sizes {unknown} are not in BackendConfig.capture_sizes "
+                             f"({self.config.capture_sizes[0]}..{self.config.max_capture_size})")
+        with gc_frozen():
+            for n in chosen:
+                meta = attn_metadata_fn(n) if attn_metadata_fn is not None else None
+                with forward_context(meta, RuntimeMode.PIECEWISE, n):
+                    forward_fn(n)
+                if torch.cuda.is_available():
+                    free, total = torch.cuda.mem_get_info()
+                    logger.info("infer_graphs: captured %d tokens; %.2f GiB free of %.2f", n,
+                                free / 2**30, total / 2**30)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {n: self.stats.capture_seconds[n] for n in chosen if n in self.stats.capture_seconds}

@@ -1,0 +1,122 @@
+"""Compile the compute pieces once for the symbolic token count; make the splitting pieces thin.
+
+Compute pieces: the split module runs once under the fake mode of the Dynamo trace, so every piece
+sees fake inputs with the symbolic token dimension, and each compute piece is compiled for exactly
+those (Inductor's `compile_fx`, or the FX piece itself for "eager").
+
+Splitting pieces: an op called through the dispatcher costs ~20 us (TOOLCHAIN), once per layer per
+step, on the host path between two graph replays. A piece that only calls known ops is replaced by
+direct Python calls of their implementations (the custom op exists for tracing).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from compile_backend.split import SplitGraph, op_name
+
+
+def _direct_impls() -> dict[str, Callable[..., Any]]:
+    from custom_ops.attention import run_attention   # downward import; the op's own implementation
+    return {"infer::attention": run_attention}
+
+
+class DirectCalls:
+    """Calls a splitting piece's ops directly, in order; the piece returns nothing (ops mutate)."""
+
+    def __init__(self, calls: list[tuple[Callable[..., Any], list[Any], list[tuple[int, int]], dict[str, Any]]]):
+        self.calls = calls  # (fn, arg template, [(template slot, piece input index)], kwargs)
+
+    def __call__(self, *args: Any) -> None:
+        for fn, template, slots, kwargs in self.calls:
+            values = list(template)
+            for slot, index in slots:
+                values[slot] = args[index]
+            fn(*values, **kwargs)
+
+
+def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
+    """DirectCalls when every node is a known op with placeholder/constant args and the piece
+    returns nothing; otherwise the piece's own forward (still correct, just dispatcher-priced)."""
+    impls = _direct_impls()
+    inputs: dict[torch.fx.Node, int] = {}
+    calls = []
+    for node in piece.graph.nodes:
+        if node.op == "placeholder":
+            inputs[node] = len(inputs)
+        elif node.op == "output":
+            if node.args[0] not in (None, (), []):
+                return piece.forward
+        elif node.op == "call_function" and op_name(node.target) is not None and not node.users:
+            if any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
+                return piece.forward
+            name = op_name(node.target)
+            base = name if isinstance(node.target, torch._ops.OpOverloadPacket) else name.rsplit(".", 1)[0]
+            fn = impls.get(base)
+            if fn is None:   # unknown op: skip the packet's overload resolution at least
+                fn = node.target.default if isinstance(node.target, torch._ops.OpOverloadPacket) else node.target
+            template, slots = [], []
+            for slot, arg in enumerate(node.args):
+                if isinstance(arg, torch.fx.Node):
+                    if arg not in inputs:
+                        return piece.forward
+                    slots.append((slot, inputs[arg]))
+                    template.append(None)
+                else:
+                    template.append(arg)
+            calls.append((fn, template, slots, dict(node.kwargs)))
+        else:
+            return piece.forward
+    return DirectCalls(calls)
+
+
+def _compile_inductor(piece: torch.fx.GraphModule, fake_args: Sequence[Any]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+    # Inductor's own cudagraphs stay off: this backend captures per token count itself.
+    return compile_fx(piece, list(fake_args), config_patches={"triton.cudagraphs": False})
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Propagates fake values through the split module, compiling each compute piece on its way."""
+
+    def __init__(self, split: SplitGraph, compiler: str):
+        super().__init__(split.module)
+        self.compute = {p.name for p in split.summary.pieces if not p.is_splitting}
+        self.compiler = compiler
+        self.compiled: dict[str, Callable[..., Any]] = {}
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        piece = self.fetch_attr(target)
+        if target in self.compute:
+            if self.compiler == "inductor":
+                self.compiled[target] = _compile_inductor(piece, args)
+            else:
+                self.compiled[target] = piece.forward
+        return piece(*args, **kwargs)
+
+
+def graph_fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """(fake mode, fake inputs) for the pieces: Dynamo hands the backend real tensors and a fresh fake
+    mode over the trace's shape env; `from_tensor` finds each input's symbolic context (the marked
+    token dim) in the tracing context, so the fakes carry the same symbols as the graph."""
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise RuntimeError("infer_graphs: no fake mode for the traced graph; call the backend through "
+                           "torch.compile")
+    return fake_mode, [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
+
+def compile_pieces(split: SplitGraph, fake_mode: Any, fake_inputs: Sequence[Any],
+                   compiler: str) -> dict[str, Callable[..., Any]]:
+    """name -> callable for every piece: compiled compute pieces and direct-call splitting pieces."""
+    interpreter = _PieceCompiler(split, compiler)
+    with fake_mode:
+        interpreter.run(*fake_inputs)
+    runners = dict(interpreter.compiled)
+    for info in split.summary.pieces:
+        if info.is_splitting:
+            runners[info.name] = splitting_runner(split.piece(info))
+    return runners

@@ -1,0 +1,25 @@
+"""BackendStats: counters of one backend instance, so tests and benchmarks can assert structure."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BackendStats:
+    graphs_compiled: int = 0          # Dynamo graphs received (1 per trace; more means recompiles)
+    compile_seconds: float = 0.0      # split + piece compilation, all graphs
+    pieces: int = 0                   # all pieces of all graphs
+    compute_pieces: int = 0
+    splitting_pieces: int = 0
+    capture_seconds: dict[int, float] = field(default_factory=dict)  # token count -> seconds
+    graph_pool_bytes: int = 0         # pool growth caused by this backend's captures
+    piece_captures: int = 0
+    piece_replays: int = 0
+    replay_steps: int = 0             # PIECEWISE steps served by graphs
+    fallback_steps: int = 0           # PIECEWISE steps on CUDA with no graph for their size
+    graphless_steps: int = 0          # NONE mode, or PIECEWISE on CPU / with cudagraphs=False
+    full_steps: int = 0               # FULL mode: pieces passed through to an outer capture
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self.capture_seconds)
