@@ -53,7 +53,8 @@ class LLM:
         self.tokenizer = tokenizer
         self.model_config = model.config
         self.config = config.resolve(model.config.max_position_embeddings)
-        self.runtime = build_runtime(model, self.config)
+        with torch.inference_mode():
+            self.runtime = build_runtime(model, self.config)
         self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.max_model_len,
                                    tuple(model.config.eos_token_ids))
@@ -99,6 +100,7 @@ class LLM:
 
     # -- stepping -------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one step; an output for every request that got a token (finished ones included)."""
         out = self.scheduler.schedule()

@@ -28,11 +28,12 @@ class ScheduledChunk:
     request: Request
     start: int        # position of the chunk's first token (= tokens already cached)
     num_tokens: int   # tokens computed this step
+    samples: bool     # the chunk reaches the end of the request's tokens: its last logits give the next one
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the request's tokens, so its last logits give the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    @classmethod
+    def next_for(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, num_new, out):
-                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+                out.chunks.append(ScheduledChunk.next_for(request, num_new))
                 budget -= num_new
                 i += 1
             else:  # the request preempted itself: it was the newest, nothing after it runs
@@ -101,7 +102,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            out.chunks.append(ScheduledChunk.next_for(request, num_new))
             budget -= num_new
         return out
 
@@ -130,9 +131,8 @@ class Scheduler:
         tokens = iter(sampled)
         for chunk in out.chunks:
             request = chunk.request
-            samples = chunk.samples  # read before num_computed_tokens moves
             request.num_computed_tokens += chunk.num_tokens
-            if not samples:
+            if not chunk.samples:
                 continue
             token = next(tokens)
             request.token_ids.append(token)

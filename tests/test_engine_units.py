@@ -1,0 +1,290 @@
+"""Engine units on the CPU: block pool, scheduler (budget, chunking, preemption, finish reasons),
+dispatch table, config validation, sampler. No model: requests and token ids only."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from custom_ops import SCRATCH_BLOCK, RuntimeMode
+from engine.block_pool import BlockPool
+from engine.config import ConfigError, EngineConfig, default_decode_graph_sizes
+from engine.dispatch import BatchDescriptor, Dispatcher
+from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+
+EOS = 2
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 4, **params) -> Request:
+    return Request(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **params))
+
+
+def _scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16,
+               max_model_len: int = 64) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, budget, max_model_len, (EOS,))
+
+
+def _run_step(scheduler: Scheduler, token: int = 7):
+    """Schedule one step and feed back `token` for every sampling chunk."""
+    out = scheduler.schedule()
+    sampled = [token for c in out.chunks if c.samples]
+    finished = scheduler.update(out, sampled, now=0.0)
+    return out, finished
+
+
+# -- block pool -----------------------------------------------------------------------------------
+
+def test_block_pool_never_hands_out_the_scratch_block():
+    pool = BlockPool(5, 4)
+    assert pool.grow("a", 16)  # 4 blocks: every usable one
+    assert SCRATCH_BLOCK not in pool.block_table("a")
+    assert pool.num_free_blocks == 0
+    assert not pool.grow("b", 1)
+
+
+def test_block_pool_grows_by_whole_blocks_and_frees_everything():
+    pool = BlockPool(10, 4)
+    assert pool.grow("a", 5) and len(pool.block_table("a")) == 2
+    assert pool.grow("a", 8) and len(pool.block_table("a")) == 2  # still fits
+    assert pool.grow("a", 9) and len(pool.block_table("a")) == 3
+    table = pool.block_table("a")
+    assert pool.slot("a", 5) == table[1] * 4 + 1
+    assert pool.free("a") == 3 and pool.num_free_blocks == 9
+
+
+def test_block_pool_refuses_without_partial_allocation():
+    pool = BlockPool(4, 4)
+    assert pool.grow("a", 8)
+    assert not pool.grow("b", 8)  # needs 2, only 1 free
+    assert pool.block_table("b") == [] and pool.num_free_blocks == 1
+
+
+# -- scheduler ------------------------------------------------------------------------------------
+
+def test_prefill_is_chunked_to_the_token_budget():
+    scheduler = _scheduler(budget=8)
+    request = _request("a", 20)
+    scheduler.add(request)
+    sizes = []
+    for _ in range(3):
+        out, _ = _run_step(scheduler)
+        sizes.append([(c.start, c.num_tokens, c.samples) for c in out.chunks])
+    assert sizes == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)]]
+    assert request.output_token_ids == [7]
+
+
+def test_decodes_and_prefill_chunks_share_the_budget():
+    scheduler = _scheduler(budget=10)
+    first = _request("a", 3, max_tokens=10)
+    scheduler.add(first)
+    _run_step(scheduler)  # a: prefill of 3, samples
+    scheduler.add(_request("b", 30))
+    out, _ = _run_step(scheduler)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
+    assert out.num_tokens == 10 and not out.is_uniform_decode
+
+
+def test_uniform_decode_batch_after_prefills():
+    scheduler = _scheduler(budget=64)
+    for i in range(3):
+        scheduler.add(_request(str(i), 5 + i, max_tokens=5))
+    _run_step(scheduler)
+    out, _ = _run_step(scheduler)
+    assert out.is_uniform_decode and out.num_tokens == 3
+
+
+def test_max_num_seqs_limits_admission():
+    scheduler = _scheduler(max_num_seqs=2, budget=64)
+    for i in range(3):
+        scheduler.add(_request(str(i), 4))
+    out, _ = _run_step(scheduler)
+    assert len(out.chunks) == 2 and len(scheduler.waiting) == 1
+
+
+def test_finish_on_max_tokens():
+    scheduler = _scheduler()
+    request = _request("a", 3, max_tokens=3)
+    scheduler.add(request)
+    for _ in range(3):
+        _, finished = _run_step(scheduler)
+    assert finished == [request] and request.finish_reason is FinishReason.LENGTH
+    assert request.output_token_ids == [7, 7, 7]
+    assert scheduler.pool.num_free_blocks == scheduler.pool.num_usable_blocks
+
+
+def test_finish_on_eos_unless_ignored():
+    scheduler = _scheduler()
+    stops, ignores = _request("a", 3, max_tokens=5), _request("b", 3, max_tokens=2, ignore_eos=True)
+    scheduler.add(stops)
+    scheduler.add(ignores)
+    _, finished = _run_step(scheduler, token=EOS)
+    assert finished == [stops] and stops.finish_reason is FinishReason.EOS
+    _, finished = _run_step(scheduler, token=EOS)
+    assert finished == [ignores] and ignores.finish_reason is FinishReason.LENGTH
+    assert ignores.output_token_ids == [EOS, EOS]
+
+
+def test_finish_on_stop_token_ids():
+    scheduler = _scheduler()
+    request = _request("a", 3, max_tokens=5, stop_token_ids=(9,))
+    scheduler.add(request)
+    _run_step(scheduler, token=7)
+    _, finished = _run_step(scheduler, token=9)
+    assert finished == [request] and request.finish_reason is FinishReason.STOP
+    assert request.output_token_ids == [7, 9]
+
+
+def test_finish_at_max_model_len():
+    scheduler = _scheduler(max_model_len=8)
+    request = _request("a", 6, max_tokens=100)
+    scheduler.add(request)
+    for _ in range(2):
+        _, finished = _run_step(scheduler)
+    assert finished == [request] and request.finish_reason is FinishReason.LENGTH
+    assert request.num_tokens == 8
+
+
+def test_preemption_takes_the_newest_and_recomputes_everything_it_had():
+    # 6 usable blocks of 4 tokens: two requests of 8 prompt tokens fill 4, decoding grows them
+    # until the pool runs dry and the newer one is preempted.
+    scheduler = _scheduler(num_blocks=7, block_size=4, budget=64, max_model_len=24)
+    old, new = _request("old", 8, max_tokens=12), _request("new", 8, max_tokens=12)
+    scheduler.add(old)
+    scheduler.add(new)
+    preempted_at, resumed = None, None
+    for step in range(40):
+        out, _ = _run_step(scheduler, token=100 + step)
+        if out.preempted and preempted_at is None:
+            preempted_at = step
+            assert out.preempted == [new]
+            assert new.num_computed_tokens == 0 and new.status.value == "waiting"
+            assert scheduler.waiting[0] is new
+            tokens_at_preemption = list(new.token_ids)
+        elif preempted_at is not None and resumed is None:
+            resumed = next((c for c in out.chunks if c.request is new), None)
+        if old.is_finished and new.is_finished:
+            break
+    # On readmission the whole token list (prompt + generated) is recomputed in one chunk, which samples.
+    assert resumed is not None and (resumed.start, resumed.num_tokens) == (0, len(tokens_at_preemption))
+    assert resumed.samples
+    assert preempted_at is not None
+    assert old.is_finished and new.is_finished
+    assert new.token_ids[:len(tokens_at_preemption)] == tokens_at_preemption  # nothing lost
+    assert len(new.output_token_ids) == 12 and len(old.output_token_ids) == 12
+    assert new.num_preemptions >= 1 and scheduler.num_preemptions >= 1
+    assert scheduler.pool.num_free_blocks == scheduler.pool.num_usable_blocks
+
+
+def test_scheduler_rejects_a_pool_smaller_than_one_request():
+    with pytest.raises(ValueError, match="max_model_len"):
+        Scheduler(BlockPool(4, 4), 4, 16, 64)
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+
+def test_dispatch_pads_decode_to_the_bucket_and_prefill_to_the_piece_size():
+    dispatcher = Dispatcher((1, 2, 4, 8), (16, 64), decode_graphs_wanted=True, piecewise_graphs_wanted=True)
+    full = dispatcher.dispatch(BatchDescriptor(3, True))
+    assert full.mode is RuntimeMode.FULL and full.descriptor == BatchDescriptor(4, True)
+    piece = dispatcher.dispatch(BatchDescriptor(17, False))
+    assert piece.mode is RuntimeMode.PIECEWISE and piece.descriptor.num_tokens == 64
+    none = dispatcher.dispatch(BatchDescriptor(65, False))
+    assert none.mode is RuntimeMode.NONE and none.descriptor.num_tokens == 65
+
+
+def test_dispatch_counts_fallbacks_and_logs_each_reason_once(caplog):
+    dispatcher = Dispatcher((1, 2), (), decode_graphs_wanted=True)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        for _ in range(3):
+            assert dispatcher.dispatch(BatchDescriptor(5, True)).mode is RuntimeMode.NONE
+        assert dispatcher.dispatch(BatchDescriptor(9, False)).mode is RuntimeMode.NONE  # not a fallback
+    assert dispatcher.fallbacks == 3
+    assert len([r for r in caplog.records if "no CUDA graph" in r.message]) == 1
+
+
+def test_dispatch_without_graphs_runs_everything_unpadded():
+    dispatcher = Dispatcher()
+    for batch in (BatchDescriptor(1, True), BatchDescriptor(100, False)):
+        result = dispatcher.dispatch(batch)
+        assert result.mode is RuntimeMode.NONE and result.descriptor == batch
+    assert dispatcher.fallbacks == 0
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 1.5), ("dtype", "float64"),
+    ("device", "tpu"), ("kv_memory_fraction", 1.5), ("num_gpu_blocks", 1), ("piece_compiler", "tvm"),
+    ("decode_graph_sizes", (0, 4)), ("decode_graph_sizes", (64,)), ("prefill_graph_sizes", (4096,)),
+])
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"EngineConfig.{field}"):
+        EngineConfig(**{field: value})
+
+
+def test_config_on_cpu_ignores_graph_options_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        config = EngineConfig(device="cpu", cuda_graphs=True, prefill_graphs=True).resolve(2048)
+    assert not config.cuda_graphs and not config.prefill_graphs and config.dtype == "float32"
+    assert len(caplog.records) == 1 and "ignored" in caplog.records[0].message
+
+
+def test_config_default_decode_sizes_end_at_max_num_seqs():
+    assert default_decode_graph_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert default_decode_graph_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        EngineConfig(device="cpu", max_model_len=9000).resolve(8192)
+
+
+# -- sampling params and sampler ------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -1), ("top_p", 0.0),
+    ("top_p", 1.5), ("seed", -3), ("stop_token_ids", (5, 1000)),
+])
+def test_sampling_params_errors_name_request_and_field(field, value):
+    with pytest.raises(InvalidRequestError, match=rf"request 'r7': SamplingParams.{field}"):
+        SamplingParams(**{field: value}).check("r7", vocab_size=100)
+
+
+def _sampling_request(rid: str, **params) -> Request:
+    return Request(rid, [1], SamplingParams(**params))
+
+
+def test_sampler_greedy_is_argmax():
+    logits = torch.randn(3, 50)
+    requests = [_sampling_request(str(i)) for i in range(3)]
+    assert Sampler(torch.device("cpu"), 0)(logits, requests) == logits.argmax(-1).tolist()
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    sampler = Sampler(torch.device("cpu"), 0)
+    logits = torch.randn(1, 1000)
+
+    def draw(batch_extra: int) -> list[int]:
+        request = _sampling_request("s", temperature=1.0, seed=1234)
+        sampler.attach(request)
+        others = [_sampling_request(f"o{i}", temperature=1.0) for i in range(batch_extra)]
+        for o in others:
+            sampler.attach(o)
+        tokens = []
+        for _ in range(5):
+            batch = torch.cat([logits, torch.randn(batch_extra, 1000)]) if batch_extra else logits
+            tokens.append(sampler(batch, [request] + others)[0])
+        return tokens
+
+    first = draw(0)
+    assert draw(3) == first and draw(0) == first
+    assert len(set(first)) > 1  # it does sample
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_tokens():
+    sampler = Sampler(torch.device("cpu"), 0)
+    logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, -2.0]]).repeat(200, 1)
+    top_k = [_sampling_request(str(i), temperature=2.0, top_k=2) for i in range(200)]
+    assert set(sampler(logits, top_k)) == {0, 1}
+    top_p = [_sampling_request(str(i), temperature=1.0, top_p=0.5) for i in range(200)]
+    assert set(sampler(logits, top_p)) == {0}  # the top token alone holds > 50% of the mass
