@@ -100,6 +100,16 @@ class SplitGraph:
         return getattr(self.module, info.name)
 
 
+def _is_shown(node: torch.fx.Node) -> bool:
+    """Tensor work only: shape arithmetic and Dynamo's runtime shape asserts are noise in a summary."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_size.int):
+        return False
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return not isinstance(value, (torch.SymInt, torch.SymBool, int, bool))
+
+
 def _is_no_kernel(node: torch.fx.Node) -> bool:
     value = node.meta.get("example_value")
     if isinstance(value, (torch.SymInt, int, torch.Size)) and not isinstance(value, bool):
@@ -214,7 +224,7 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: tuple[str, ...]) -> Spl
             continue
         sub = getattr(split, node.target)
         index = int(str(node.target).rsplit("_", 1)[1])
-        ops = tuple(_display_name(n) for n in sub.graph.nodes if n.op in ("call_function", "call_method"))
+        ops = tuple(_display_name(n) for n in sub.graph.nodes if _is_shown(n))
         outputs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
         num_outputs = len(outputs) if isinstance(outputs, (tuple, list)) else int(outputs is not None)
         num_inputs = sum(n.op == "placeholder" for n in sub.graph.nodes)
