@@ -34,8 +34,8 @@ def default_decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def default_prefill_graph_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Token buckets for piecewise graphs: 4..32 by 4, 48..256 by 16, then 288.. by 32, up to the budget."""
-    sizes = list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 4097, 32))
+    """Token buckets for piecewise graphs: 1, 2, 4..32 by 4, 48..256 by 16, then 288.. by 32, up to the budget."""
+    sizes = [1, 2] + list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 4097, 32))
     sizes = [s for s in sizes if s <= max_num_batched_tokens]
     if not sizes or sizes[-1] != max_num_batched_tokens:
         sizes.append(max_num_batched_tokens)

@@ -15,6 +15,7 @@ import gc
 import logging
 import sys
 import time
+from collections import Counter
 from typing import Iterator
 
 import torch
@@ -51,6 +52,8 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.replays = 0
+        self.replays_by_size: Counter[int] = Counter()
+        self.stream = torch.cuda.Stream(runner.device)  # side stream: capture is illegal on the default one
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -62,15 +65,19 @@ class DecodeGraphs:
         meta = runner.load_dummy(batch_size, batch_size, uniform_decode=True)
         # Warm-up outside capture: lazy initialisation (kernel autotuning, cuBLAS workspaces,
         # Dynamo guards) must not happen inside the graph.
-        hidden = runner.run_forward(meta, RuntimeMode.FULL, batch_size)
-        logits = runner.model.compute_logits(hidden)
-        if self.logits is None:
-            self.logits = torch.empty((runner.buffers.max_seqs, logits.shape[-1]), dtype=logits.dtype,
-                                      device=logits.device)
-        del hidden, logits
-        torch.cuda.synchronize(runner.device)
+        # The warm-up runs on the capture stream, so per-stream library state (cuBLAS workspaces)
+        # exists before the capture instead of being allocated inside it.
+        self.stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(self.stream):
+            hidden = runner.run_forward(meta, RuntimeMode.FULL, batch_size)
+            logits = runner.model.compute_logits(hidden)
+            if self.logits is None:
+                self.logits = torch.empty((runner.buffers.max_seqs, logits.shape[-1]), dtype=logits.dtype,
+                                          device=logits.device)
+            del hidden, logits
+        self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             hidden = runner.run_forward(meta, RuntimeMode.FULL, batch_size)
             self.logits[:batch_size].copy_(runner.model.compute_logits(hidden))
         return graph
@@ -123,8 +130,13 @@ class DecodeGraphs:
             print(line, file=sys.stderr)
         logger.info(line)
 
+    def release(self) -> None:
+        self.graphs.clear()
+        self.logits = None
+
     def replay(self, batch_size: int, num_real: int) -> torch.Tensor:
         """Replay the bucket's graph (the step's values are already in the static buffers)."""
         self.graphs[batch_size].replay()
         self.replays += 1
+        self.replays_by_size[batch_size] += 1
         return self.logits[:num_real]

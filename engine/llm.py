@@ -156,6 +156,22 @@ class LLM:
             num_preemptions=request.num_preemptions,
         )
 
+    def close(self) -> None:
+        """Free the KV pool and the decode graphs now (the layer registry would otherwise keep the pool)."""
+        runner = self.runtime.runner
+        if runner.decode_graphs is not None:
+            runner.decode_graphs.release()
+            runner.decode_graphs = None
+        self.runtime.kv_cache.release()
+        if self.runtime.kv_cache.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -171,6 +187,7 @@ class LLM:
             "kv_blocks": self.runtime.block_pool.num_blocks,
             "decode_graphs": len(graphs.sizes) if graphs else 0,
             "decode_graph_replays": graphs.replays if graphs else 0,
+            "decode_graph_replays_by_size": dict(graphs.replays_by_size) if graphs else {},
             "decode_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
             "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
             "piecewise_capture_seconds": self.runtime.piecewise_capture_seconds,

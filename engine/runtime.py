@@ -23,7 +23,7 @@ import torch
 from custom_ops import RuntimeMode
 from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig
-from engine.decode_graphs import DecodeGraphs, free_memory_gib, frozen_gc
+from engine.decode_graphs import DecodeGraphs, free_memory_gib
 from engine.dispatch import Dispatcher
 from engine.kv_cache import CPU_KV_BYTES, KVCache
 from engine.model_runner import ModelRunner
@@ -74,7 +74,7 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
     memory["activation_peak_bytes"] = _warm_up(runner, sampler, config)
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, memory)
     if config.prefill_graphs:
-        rt.piecewise_capture_seconds = _capture_piecewise(runner, config)
+        rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
     decode_graphs = None
     memory["decode_graph_reserve_bytes"] = 0
     if config.cuda_graphs:
@@ -151,8 +151,8 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
 
 
-def _capture_piecewise(runner: ModelRunner, config: EngineConfig) -> float:
-    """Drive one PIECEWISE dummy step per token bucket, largest first, so the backend captures now."""
+def _capture_piecewise(runner: ModelRunner, backend, config: EngineConfig) -> float:
+    """Let the backend capture its piecewise graphs now, largest size first, on scratch-only dummy steps."""
     sizes = sorted(config.prefill_graph_sizes, reverse=True)
     start = time.perf_counter()
     bar = None
@@ -160,15 +160,18 @@ def _capture_piecewise(runner: ModelRunner, config: EngineConfig) -> float:
         from tqdm import tqdm
         bar = tqdm(total=len(sizes), desc="piecewise graphs", unit="size", file=sys.stderr, leave=False)
     free_before = torch.cuda.mem_get_info(runner.device)[0]
+
+    def forward(num_tokens: int) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"tokens {num_tokens}, free {free_memory_gib(runner.device):.2f} GiB")
+        ids, positions = runner.buffers.input_ids[:num_tokens], runner.buffers.positions[:num_tokens]
+        runner.mark_dynamic(ids, positions)
+        runner.forward(ids, positions)
+        if bar is not None:
+            bar.update(1)
+
     try:
-        with frozen_gc():
-            for size in sizes:
-                if bar is not None:
-                    bar.set_postfix_str(f"tokens {size}, free {free_memory_gib(runner.device):.2f} GiB")
-                meta = runner.load_dummy(size, _dummy_seqs(size, config), uniform_decode=False)
-                runner.run_forward(meta, RuntimeMode.PIECEWISE, size)
-                if bar is not None:
-                    bar.update(1)
+        backend.capture(forward, sizes, lambda n: runner.load_dummy(n, _dummy_seqs(n, config), False))
     finally:
         if bar is not None:
             bar.close()

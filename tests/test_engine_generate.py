@@ -106,6 +106,17 @@ def test_preempted_requests_are_recomputed_and_still_match(saved_models):
         assert out.token_ids[:len(want)] == want and len(out.token_ids) == MAX_TOKENS
 
 
+def test_compiled_model_generates_the_same_with_one_trace(saved_models):
+    path, expected = saved_models["gemma3"]
+    torch._dynamo.reset()
+    llm = LLM(str(path), **SMALL, compile=True, piece_compiler="eager")
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == expected
+    backend = llm.stats()["backend"]
+    assert backend["graphs_compiled"] == 1 and backend["graphless_steps"] > 0  # decode and prefill alike
+    llm.close()
+
+
 @pytest.fixture(scope="module")
 def llama_llm(saved_models) -> LLM:
     return LLM(str(saved_models["llama"][0]), **SMALL)

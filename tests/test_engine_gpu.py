@@ -1,0 +1,147 @@
+"""Engine on CUDA: graphs change nothing but speed.
+
+Greedy output over a workload where requests arrive and finish at different steps (so the decode
+batch crosses buckets and prefill chunks mix with decodes) is identical with graphs off, decode
+graphs on, and decode + prefill graphs on, for Llama, Qwen3 and Gemma 3; a batch larger than the
+largest decode bucket falls back (counted) and stays correct; 2,000 steps keep memory steady; a
+Gemma 3 context longer than its sliding window matches transformers.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from tests.test_engine_generate import ARCHS, COMMON, _build_hf
+
+pytestmark = pytest.mark.gpu
+
+BASE = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256, max_num_seqs=8,
+            max_num_batched_tokens=64, num_gpu_blocks=256, show_progress=False)
+MODES = {
+    "graphs_off": dict(cuda_graphs=False, prefill_graphs=False),
+    "decode_graphs": dict(cuda_graphs=True, prefill_graphs=False),
+    "decode_and_prefill_graphs": dict(cuda_graphs=True, prefill_graphs=True),
+}
+# (arrival step, prompt, max_tokens): staggered arrivals, different lengths, different finishes.
+WORKLOAD = [(3 * i, [1] + [(7 * i + 5 * j) % 90 + 3 for j in range(2 + (11 * i) % 40)], 3 + (13 * i) % 29)
+            for i in range(14)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    dirs = {}
+    for arch in ARCHS:
+        path = tmp_path_factory.mktemp(f"gpu_{arch}")
+        _build_hf(arch).save_pretrained(path)
+        dirs[arch] = path
+    return dirs
+
+
+def _engine(path, **fields) -> LLM:
+    torch._dynamo.reset()  # every LLM compiles its own model with its own backend instance
+    return LLM(str(path), **{**BASE, **fields})
+
+
+def _run_workload(llm: LLM, workload=WORKLOAD) -> dict[str, list[int]]:
+    pending = sorted(enumerate(workload), key=lambda item: item[1][0])
+    results: dict[str, list[int]] = {}
+    step = 0
+    while pending or llm.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            index, (_, prompt, max_tokens) = pending.pop(0)
+            llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=str(index))
+        for out in llm.step():
+            if out.finished:
+                results[out.request_id] = out.token_ids
+        step += 1
+    return results
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_output_is_identical_with_graphs_off_decode_graphs_and_prefill_graphs(model_dirs, arch):
+    results, stats = {}, {}
+    for mode, fields in MODES.items():
+        with _engine(model_dirs[arch], **fields) as llm:
+            results[mode] = _run_workload(llm)
+            stats[mode] = llm.stats()
+    assert len(results["graphs_off"]) == len(WORKLOAD)
+    for index, (_, _, max_tokens) in enumerate(WORKLOAD):
+        assert len(results["graphs_off"][str(index)]) == max_tokens
+    assert results["decode_graphs"] == results["graphs_off"]
+    assert results["decode_and_prefill_graphs"] == results["graphs_off"]
+
+    assert "full" not in stats["graphs_off"]["modes"] and stats["graphs_off"]["decode_graphs"] == 0
+    for mode in ("decode_graphs", "decode_and_prefill_graphs"):
+        s = stats[mode]
+        assert s["modes"]["full"] > 0 and s["fallbacks"] == 0
+        assert len(s["decode_graph_replays_by_size"]) >= 3, s["decode_graph_replays_by_size"]  # crossed buckets
+    s = stats["decode_and_prefill_graphs"]
+    assert s["modes"]["piecewise"] > 0 and "none" not in s["modes"]
+    assert s["backend"]["replay_steps"] > 0 and s["backend"]["fallback_steps"] == 0
+    assert s["backend"]["graphs_compiled"] == 1  # one trace for every token count
+
+
+def test_batch_larger_than_the_largest_decode_graph_falls_back_and_stays_correct(model_dirs):
+    prompts = [[1] + [(5 * i + j) % 90 + 3 for j in range(6 + i)] for i in range(12)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with _engine(model_dirs["llama"], max_num_seqs=12, cuda_graphs=False) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with _engine(model_dirs["llama"], max_num_seqs=12, decode_graph_sizes=(1, 2, 4, 8)) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.stats()
+    assert got == expected
+    assert stats["fallbacks"] > 0 and any("decode batch of 12" in r for r in stats["fallback_reasons"])
+    assert stats["modes"]["full"] > 0  # the tail of the run (fewer than 8 left) still replays
+
+
+def test_two_thousand_steps_keep_gpu_memory_steady(model_dirs):
+    # Auto-sized pool (a small fraction, to leave the GPU to others); requests keep arriving.
+    with _engine(model_dirs["qwen3"], num_gpu_blocks=None, kv_memory_fraction=0.05, prefill_graphs=True) as llm:
+        assert llm.stats()["kv_blocks"] > 256
+        allocated, reserved = [], []
+        next_id = 0
+        for step in range(2000):
+            while len(llm.scheduler.running) + len(llm.scheduler.waiting) < 10:
+                prompt = [1] + [(next_id * 3 + j) % 90 + 3 for j in range(3 + next_id % 50)]
+                llm.add_request(prompt, SamplingParams(max_tokens=5 + next_id % 60, ignore_eos=True,
+                                                       temperature=0.8 if next_id % 3 else 0.0,
+                                                       top_p=0.9, seed=next_id))
+                next_id += 1
+            llm.step()
+            if step >= 500 and step % 100 == 0:
+                torch.cuda.synchronize()
+                allocated.append(torch.cuda.memory_allocated())
+                reserved.append(torch.cuda.memory_reserved())
+        assert llm.num_steps == 2000 and next_id > 100
+        assert max(allocated) - min(allocated) < 2**20, allocated
+        assert max(reserved) == min(reserved), reserved
+
+
+def test_gemma_context_longer_than_the_sliding_window_matches_transformers(tmp_path):
+    config_cls, kwargs = ARCHS["gemma3"]
+    config = config_cls(**{**COMMON, "max_position_embeddings": 512},
+                        **{**kwargs, "sliding_window": 16, "sliding_window_pattern": 2})
+    config._attn_implementation = "eager"
+    torch.manual_seed(11)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+            elif "embed_tokens" in name:
+                param.normal_(0.0, 0.03)
+    hf.save_pretrained(tmp_path)
+    prompts = [[1] + [(3 * j) % 90 + 3 for j in range(70)], [1] + [(7 * j) % 90 + 3 for j in range(40)]]
+    hf = hf.cuda()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
+            expected.append(ids[0, len(prompt):].tolist())
+    with _engine(tmp_path, prefill_graphs=True) as llm:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=40))
+    assert [o.token_ids for o in outputs] == expected
+    assert max(len(p) + len(o.token_ids) for p, o in zip(prompts, outputs)) > 100  # window is 16
