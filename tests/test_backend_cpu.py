@@ -1,0 +1,195 @@
+"""The backend on the CPU: numerics against eager over many token counts from one trace, runtime
+modes, the attention op writing the previous piece's buffer, and `backend="infer_graphs"` by name."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import models
+from compile_backend import BackendConfig, InferGraphsBackend, piecewise_context
+from custom_ops import RuntimeMode, forward_context, run_attention
+from tests.test_backend_helpers import ARCHS, TinyLM, hf_config, random_inputs, run_marked
+
+TOKEN_COUNTS = [1, 2, *random.Random(0).sample(range(3, 600), 20)]  # 22 counts, 1 first
+
+
+def compare_over_token_counts(model, config, vocab, exact):
+    torch._dynamo.reset()
+    counters.clear()
+    backend = InferGraphsBackend(config)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        for n in TOKEN_COUNTS:
+            ids, positions = random_inputs(n, vocab)
+            got = run_marked(compiled, ids, positions)
+            expected = model(ids, positions)
+            if exact:
+                assert torch.equal(got, expected), f"{n} tokens: not bitwise equal"
+            else:
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{n} tokens")
+    return backend
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eager_pieces_equal_eager_bitwise_over_many_token_counts_with_one_compile(arch):
+    model = models.from_config(hf_config(arch), dtype=torch.float32)
+    backend = compare_over_token_counts(model, BackendConfig(piece_compiler="eager"), 96, exact=True)
+    assert backend.stats.graphs_compiled == 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert backend.stats.graphless_steps == len(TOKEN_COUNTS)
+
+
+def test_inductor_pieces_match_eager_within_1e5_over_many_token_counts_with_one_compile():
+    model = models.from_config(hf_config("llama", num_hidden_layers=2), dtype=torch.float32)
+    backend = compare_over_token_counts(model, BackendConfig(), 96, exact=False)
+    assert backend.stats.graphs_compiled == 1 and counters["stats"]["unique_graphs"] == 1
+    assert backend.split_summary().num_compute_pieces == 3
+
+
+_out_ptrs: list[int] = []
+
+
+@torch.library.custom_op("infer_test::attention_spy", mutates_args=("out",))
+def attention_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    _out_ptrs.append(out.data_ptr())
+    run_attention(q, k, v, out, layer_name)
+
+
+@attention_spy.register_fake
+def _spy_fake(q, k, v, out, layer_name) -> None:
+    return None
+
+
+class SpyLM(TinyLM):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for i, name in enumerate(self.names):
+            qkv = self.qkv[i](self.norms[i](x)) * self.scale[positions]
+            q, k, v = qkv.split(self.sizes, dim=-1)
+            q = q.view(-1, self.heads, self.head_dim)
+            k = k.view(-1, self.kv_heads, self.head_dim)
+            v = v.view(-1, self.kv_heads, self.head_dim)
+            out = torch.empty_like(q)
+            torch.ops.infer_test.attention_spy(q, k, v, out, name)
+            x = x + self.o[i](out.view(q.shape[0], -1))
+        return self.norms[-1](x)
+
+
+def test_attention_writes_in_place_into_the_buffer_the_inductor_piece_allocated():
+    """The op gets the very `out` the previous (Inductor) piece returned, and the next piece reads it:
+    no functionalization copy anywhere (a written copy nobody reads would give garbage here)."""
+    torch._dynamo.reset()
+    model = SpyLM(layers=1)
+    backend = InferGraphsBackend(BackendConfig(splitting_ops=("infer_test::attention_spy",)))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids, positions = random_inputs(9, 100)
+    with torch.no_grad():
+        run_marked(compiled, ids, positions)  # compile
+        graph = backend.graphs[0]
+        first, last = graph.pieces
+        produced, consumed = [], []
+        inner_first, inner_last = first.fn, last.fn
+
+        def record_first(*args):
+            outs = inner_first(*args)
+            produced.extend(t.data_ptr() for t in outs if isinstance(t, torch.Tensor))
+            return outs
+
+        def record_last(*args):
+            consumed.extend(a.data_ptr() for a in args if isinstance(a, torch.Tensor))
+            return inner_last(*args)
+
+        first.fn, last.fn = record_first, record_last
+        _out_ptrs.clear()
+        got = run_marked(compiled, ids, positions)
+        expected = model(ids, positions)
+    assert len(_out_ptrs) == 2  # the compiled step, then eager
+    assert _out_ptrs[0] in produced and _out_ptrs[0] in consumed
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_whole_graph_without_splitting_keeps_attention_semantics():
+    """splitting_ops=(): the op sits inside one Inductor graph (auto-functionalized); still exact semantics."""
+    model = TinyLM(layers=1)
+    torch._dynamo.reset()
+    backend = InferGraphsBackend(BackendConfig(splitting_ops=()))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        for n in (1, 6, 13):
+            ids, positions = random_inputs(n, 100)
+            torch.testing.assert_close(run_marked(compiled, ids, positions), model(ids, positions),
+                                       rtol=1e-5, atol=1e-5)
+    assert backend.stats.graphs_compiled == 1
+
+
+def test_every_runtime_mode_runs_on_cpu_and_is_counted():
+    torch._dynamo.reset()
+    model = TinyLM()
+    backend = InferGraphsBackend(BackendConfig(piece_compiler="eager", capture_sizes=(4, 8)))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids, positions = random_inputs(8, 100)
+    with torch.no_grad():
+        expected = model(ids, positions)
+        outputs = [run_marked(compiled, ids, positions)]
+        for mode in (RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL):
+            with forward_context(None, mode, 8):
+                outputs.append(run_marked(compiled, ids, positions))
+        # A PIECEWISE step at a size with no graph: on the CPU there are no graphs at all, so it is not
+        # a fallback (nothing was expected to replay), just a graphless step.
+        ids5, positions5 = random_inputs(5, 100)
+        with piecewise_context(5):
+            run_marked(compiled, ids5, positions5)
+    for out in outputs:
+        assert torch.equal(out, expected)
+    stats = backend.stats
+    assert (stats.graphless_steps, stats.full_steps, stats.fallback_steps, stats.replay_steps) == (4, 1, 0, 0)
+    assert stats.captured_sizes == [] and stats.graph_pool_bytes == 0
+
+
+def test_capture_on_cpu_runs_each_size_as_a_warm_up_largest_first():
+    torch._dynamo.reset()
+    model = TinyLM()
+    backend = InferGraphsBackend(BackendConfig(piece_compiler="eager", capture_sizes=(1, 4, 16)))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    seen = []
+
+    def forward(n: int) -> None:
+        seen.append(n)
+        with torch.no_grad():
+            run_marked(compiled, *random_inputs(n, 100))
+
+    assert backend.capture(forward) == {}
+    assert seen == [16, 4, 1] and backend.stats.graphs_compiled == 1
+    with pytest.raises(ValueError, match="capture_sizes"):
+        backend.capture(forward, sizes=[3])
+
+
+def test_backend_by_name_works_in_a_fresh_process():
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        import transformers
+        import models  # the model package registers the attention op; nothing imports compile_backend
+        from torch._dynamo.decorators import mark_unbacked
+        assert "compile_backend" not in sys.modules
+        model = models.from_config(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8), dtype=torch.float32)
+        compiled = torch.compile(model, backend="infer_graphs", fullgraph=True)
+        with torch.no_grad():
+            for n in (1, 5, 12):
+                ids, positions = torch.randint(0, 64, (n,)), torch.arange(n)
+                mark_unbacked(ids, 0)
+                mark_unbacked(positions, 0)
+                torch.testing.assert_close(compiled(ids, positions), model(ids, positions), rtol=1e-5, atol=1e-5)
+        assert "compile_backend" in sys.modules
+        print("BY-NAME-OK")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert "BY-NAME-OK" in result.stdout, result.stderr[-3000:]
