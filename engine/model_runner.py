@@ -39,10 +39,15 @@ class StaticBuffers:
         self.seq_lens, self._seq_lens = pair((max_seqs,), torch.int32)
         self.block_tables, self._block_tables = pair((max_seqs, max_blocks_per_seq), torch.int32)
         self.logits_indices, self._logits_indices = pair((max_seqs,), torch.int64)
+        # Marks when the last step's host -> device copies have run, so the next step does not
+        # overwrite pinned staging memory that an asynchronous copy is still reading.
+        self._copied = torch.cuda.Event() if pin else None
 
     def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
              seq_lens: list[int], tables: list[list[int]], logits_indices: list[int]) -> None:
         """Copy one step's values in (host lists -> pinned staging -> device, asynchronously)."""
+        if self._copied is not None:
+            self._copied.synchronize()
         width = self.max_blocks_per_seq
         flat_tables = [b for row in tables for b in (row + [SCRATCH_BLOCK] * (width - len(row)))]
         for device_buf, host_buf, values in (
@@ -57,6 +62,8 @@ class StaticBuffers:
             if n:
                 host_buf[:n] = torch.tensor(values, dtype=host_buf.dtype)
                 device_buf[:n].copy_(host_buf[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def metadata(self, num_tokens: int, num_seqs: int, num_actual_tokens: int, max_query_len: int,
                  max_seq_len: int, uniform_decode: bool) -> AttentionMetadata:
