@@ -58,7 +58,7 @@ class Gemma3TextModel(nn.Module):
         h = self.embed_tokens(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)
         # Both tables are gathered once per step; the layer type is static, so the choice below is
         # resolved at trace time and leaves no branch in the graph.
-        global_cs, local_cs = self.rotary_global(positions), self.rotary_local(positions)
+        global_cs, local_cs = self.rotary_global(positions, h.dtype), self.rotary_local(positions, h.dtype)
         for layer in self.layers:
             cos, sin = local_cs if layer.is_sliding else global_cs
             h = layer(h, cos, sin)

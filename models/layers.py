@@ -62,8 +62,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables [max_positions, head_dim // 2] computed once; a step only gathers rows by position.
 
-    The tables stay float32 (a buffer, not a parameter: not in the state dict) and are cast to the
-    activation dtype on use, which is where transformers rounds them too.
+    The tables stay float32 (a buffer, not a parameter: not in the state dict); the gathered rows are
+    rounded to the activation dtype once per step, the same rounding transformers applies per layer.
     """
 
     def __init__(self, params: RopeParams, head_dim: int, max_positions: int) -> None:
@@ -72,14 +72,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim // 2] for q/k of shape [T, heads, head_dim]."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] by position: the half-split ("rotate_half") layout of HF checkpoints."""
-    cos = cos.to(x.dtype).unsqueeze(1)
-    sin = sin.to(x.dtype).unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

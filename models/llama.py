@@ -32,8 +32,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary(positions)  # gathered once per step, shared by every layer
         h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)  # gathered once per step, shared by every layer
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.norm(h)
