@@ -69,3 +69,21 @@ def test_one_trace_serves_every_token_count(arch):
             torch._dynamo.mark_dynamic(positions, 0)
             torch.testing.assert_close(compiled(ids, positions), model(ids, positions))
     assert len(backend.graphs) == 1
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_unbacked_token_count_covers_decode_of_one_token(arch):
+    """Dynamo specializes a size of 1; with the token dimension unbacked, one graph serves decode
+    (T = 1) and prefill alike, so the engine's single trace covers every batch."""
+    torch._dynamo.reset()
+    model = models.from_config(CONFIGS[arch], dtype=torch.float32)
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        for num_tokens in (1, 6):
+            ids = torch.randint(0, 96, (num_tokens,))
+            positions = torch.arange(num_tokens)
+            torch._dynamo.decorators.mark_unbacked(ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
+            torch.testing.assert_close(compiled(ids, positions), model(ids, positions))
+    assert len(backend.graphs) == 1
