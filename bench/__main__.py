@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import logging
 import os
 import sys
 
@@ -23,9 +24,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama-3.2-3b",
                         help="llama-3.2-3b, qwen3-4b, gemma-3-1b (real configs, random weights) or a model dir")
     parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>)")
+    parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128)")
+    parser.add_argument("--contexts", help="decode: context lengths (default 512,4096)")
+    parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048)")
+    parser.add_argument("--peers", choices=("all", "eager", "none"), help="decode/prefill: which peers to run")
+    parser.add_argument("--requests", type=int, help="serving: number of requests")
+    parser.add_argument("--rate", type=float, help="serving: arrival rate, requests/s")
+    parser.add_argument("--time-budget", type=float, dest="time_budget_s",
+                        help="decode: seconds after which compiled peers are skipped (noted in the report)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suite = importlib.import_module(f"bench.{args.suite}")
-    report = suite.run(args.model)
+    options = {k: v for k, v in vars(args).items() if k not in ("suite", "model", "out") and v is not None}
+    report = suite.run(args.model, **options)
     paths = report.write(args.out or default_out_dir())
     print(report.markdown())
     print("wrote", *paths, file=sys.stderr)

@@ -42,7 +42,18 @@ GEMMA_3_1B = {
     "bos_token_id": 2, "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
 }
 
-BENCH_MODELS = {"llama-3.2-3b": LLAMA_3_2_3B, "qwen3-4b": QWEN3_4B, "gemma-3-1b": GEMMA_3_1B}
+# A tiny Llama for CPU runs (tests, notebooks in CI): the code paths of the real ones, seconds to run.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 256, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+BENCH_MODELS = {"llama-3.2-3b": LLAMA_3_2_3B, "qwen3-4b": QWEN3_4B, "gemma-3-1b": GEMMA_3_1B,
+                "tiny-llama": TINY_LLAMA}
 
 
 def load_config(name_or_dir: str) -> dict:

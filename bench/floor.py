@@ -4,7 +4,7 @@ from __future__ import annotations
 from bench.measure import Ceilings, Report, measure_ceilings
 
 
-def run(model: str, ceilings: Ceilings | None = None) -> Report:
+def run(model: str, ceilings: Ceilings | None = None, **_: object) -> Report:
     ceilings = ceilings or measure_ceilings()
     report = Report("floor", model, ceilings.device_name, ["ceiling", "measured", "unit"])
     report.add(ceiling="device copy bandwidth (read + write)", measured=ceilings.copy_bytes_per_s / 1e12, unit="TB/s")

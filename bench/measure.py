@@ -78,12 +78,16 @@ class Report:
     columns: list[str]
     rows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)        # ceilings, grid, versions: written to the JSON
+    plots: list = field(default_factory=list)       # (name, fn(report) -> matplotlib Figure)
 
     def add(self, **row) -> None:
         self.rows.append(row)
 
     def markdown(self) -> str:
         def fmt(value):
+            if value is None:
+                return "-"
             return f"{value:.3f}" if isinstance(value, float) else str(value)
         lines = [f"# {self.suite} — {self.model} on {self.device}", ""]
         lines += [f"- {note}" for note in self.notes]
@@ -95,12 +99,44 @@ class Report:
             lines.append("| " + " | ".join(fmt(row.get(c, "")) for c in self.columns) + " |")
         return "\n".join(lines) + "\n"
 
-    def write(self, out_dir: str) -> tuple[str, str]:
+    def write(self, out_dir: str) -> tuple[str, ...]:
         os.makedirs(out_dir, exist_ok=True)
         stem = os.path.join(out_dir, f"{self.suite}-{self.model}")
         with open(stem + ".json", "w") as f:
             json.dump({"suite": self.suite, "model": self.model, "device": self.device,
-                       "date": time.strftime("%Y-%m-%d"), "notes": self.notes, "rows": self.rows}, f, indent=1)
+                       "date": time.strftime("%Y-%m-%d"), "notes": self.notes, "meta": self.meta,
+                       "columns": self.columns, "rows": self.rows}, f, indent=1)
+        paths = [stem + ".json", stem + ".md"]
+        images = []
+        for name, make in self.plots:
+            try:
+                fig = make(self)
+            except ImportError as exc:  # matplotlib missing: tables are the result, plots a convenience
+                self.notes.append(f"plot {name} skipped: {exc}")
+                continue
+            path = f"{stem}-{name}.png"
+            fig.savefig(path, dpi=110, bbox_inches="tight")
+            import matplotlib.pyplot as plt
+            plt.close(fig)
+            images.append(os.path.basename(path))
+            paths.append(path)
         with open(stem + ".md", "w") as f:
             f.write(self.markdown())
-        return stem + ".json", stem + ".md"
+            for image in images:
+                f.write(f"\n![{image}]({image})\n")
+        return tuple(paths)
+
+    @classmethod
+    def load(cls, path: str) -> "Report":
+        """A report back from its JSON (for summaries and notebooks)."""
+        with open(path) as f:
+            data = json.load(f)
+        columns = data.get("columns") or (list(data["rows"][0]) if data["rows"] else [])
+        return cls(data["suite"], data["model"], data["device"], columns, data["rows"], data.get("notes", []),
+                   data.get("meta", {}))
+
+
+def ratio(measured_ms: float | None, floor_ms: float | None) -> float | None:
+    if measured_ms is None or not floor_ms:
+        return None
+    return measured_ms / floor_ms

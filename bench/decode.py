@@ -1,0 +1,209 @@
+"""Suite `decode`: per-step latency of one decode step (forward + logits) by batch and context.
+
+Ours, through the engine's own runner (its static buffers and its full-decode graphs):
+  eager        the model as an nn.Module, attention op through the dispatcher;
+  compiled     torch.compile with the infer_graphs backend, RuntimeMode.NONE (pieces, no graphs);
+  full_graph   the engine's native decode graph for the batch (engine.decode_graphs), replayed.
+Peers, same process, same GPU:
+  ours_reduce_overhead  torch.compile(mode="reduce-overhead") on our model (Inductor + cudagraph trees);
+  hf_eager              transformers, DynamicCache filled to the context;
+  hf_static_compiled    transformers, StaticCache + torch.compile(mode="reduce-overhead").
+Floor = (weight bytes + batch * K/V bytes attended) / copy bandwidth.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from bench.common import Deadline, build_model, free_device_memory, parse_ints, rel_err
+from bench.configs import load_config
+from bench.floors import decode_floor_ms, model_cost
+from bench.measure import Report, measure_ceilings, median_ms, ratio
+from bench.paged import BLOCK_SIZE, blocks_per_seq, step_metadata
+
+BATCHES = (1, 8, 32, 64, 128)
+CONTEXTS = (512, 4096)
+PEER_POINTS = ((1, 512), (32, 512), (1, 4096), (32, 4096))   # eager peers (cheap)
+COMPILED_PEER_POINTS = ((1, 512), (32, 512))                  # each costs a full-model compile
+KV_MEMORY_FRACTION = 0.8  # of the memory free after the weights, for the pool of the largest point
+
+logger = logging.getLogger("bench")
+
+COLUMNS = ["variant", "batch", "context", "median_ms", "floor_ms", "x_floor", "tokens_per_s"]
+
+
+def _points_that_fit(points, kv_bytes_per_token: int, free_bytes: int) -> tuple[list, list]:
+    fit, skipped = [], []
+    for b, c in points:
+        need = b * blocks_per_seq(c + 1) * BLOCK_SIZE * kv_bytes_per_token
+        (fit if need <= KV_MEMORY_FRACTION * free_bytes else skipped).append((b, c))
+    return fit, skipped
+
+
+def run(model: str, batches=None, contexts=None, peers: str | None = None, iters: int = 30,
+        time_budget_s: float | None = None) -> Report:
+    """peers: "all" (default), "eager" (transformers eager only) or "none"."""
+    from custom_ops import RuntimeMode, forward_context
+    from engine import LLM
+
+    batches = parse_ints(batches, BATCHES)
+    contexts = parse_ints(contexts, CONTEXTS)
+    peers = peers or "all"
+    deadline = Deadline(time_budget_s)
+    on_cuda = torch.cuda.is_available()
+    ceilings = measure_ceilings() if on_cuda else None
+    net = build_model(model)
+    cost = model_cost(net)
+    report = Report("decode", model, ceilings.device_name if ceilings else "cpu", COLUMNS)
+    report.meta.update(weight_bytes=cost.weight_bytes, kv_bytes_per_token=cost.kv_bytes_per_token(),
+                       copy_bytes_per_s=ceilings.copy_bytes_per_s if ceilings else None,
+                       torch=torch.__version__, batches=batches, contexts=contexts)
+    bw = ceilings.copy_bytes_per_s if ceilings else None
+
+    def add(variant: str, b: int, c: int, ms: float) -> None:
+        floor = decode_floor_ms(cost, b, c + 1, bw) if bw else None
+        report.add(variant=variant, batch=b, context=c, median_ms=ms, floor_ms=floor, x_floor=ratio(ms, floor),
+                   tokens_per_s=b / ms * 1e3)
+
+    grid = [(b, c) for c in contexts for b in batches]
+    free = torch.cuda.mem_get_info()[0] if on_cuda else 8 << 30
+    grid, skipped = _points_that_fit(grid, cost.kv_bytes_per_token(), free)
+    if skipped:
+        report.notes.append(f"skipped (K/V pool would exceed {KV_MEMORY_FRACTION:.0%} of free memory): "
+                            + ", ".join(f"bs{b} ctx{c}" for b, c in skipped))
+    max_batch = max(b for b, _ in grid)
+    max_context = max(c for _, c in grid)
+    num_blocks = 1 + max(b * blocks_per_seq(c + 1) for b, c in grid)
+    llm = LLM(net, max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE, num_gpu_blocks=num_blocks,
+              decode_graph_sizes=tuple(sorted({b for b, _ in grid})), show_progress=False,
+              max_num_batched_tokens=max(256, max_batch))
+    runner = llm.runtime.runner
+    with torch.inference_mode():  # the engine made the pool in inference mode
+        for t in llm.runtime.kv_cache.tensors:
+            t.normal_()  # random K/V: never time on zeros
+    report.notes.append(
+        f"engine decode graphs for batches {sorted({b for b, _ in grid})}, captured with max_seq_len = "
+        f"max_model_len = {max_context + BLOCK_SIZE} (as the engine serves); K/V pool {num_blocks} blocks, "
+        "each sequence its own blocks, random contents")
+
+    def load(b: int, c: int):
+        """The step's values into the runner's static buffers; metadata viewing them."""
+        meta = step_metadata(b, c, 1, "cpu")
+        ids = torch.randint(0, net.config.vocab_size, (b,)).tolist()
+        tables = meta.block_tables.tolist()
+        runner.buffers.load(ids, [c] * b, meta.slot_mapping.tolist(), meta.query_start_loc.tolist(),
+                            meta.seq_lens.tolist(), tables, list(range(b)))
+        return runner.buffers.metadata(b, b, b, 1, c + 1, True)
+
+    ours_points = []
+    with torch.inference_mode():
+        for b, c in grid:
+            meta = load(b, c)
+            ids, pos = runner.buffers.input_ids[:b], runner.buffers.positions[:b]
+
+            def eager():
+                with forward_context(meta, RuntimeMode.NONE, b):
+                    return net.compute_logits(net(ids, pos))
+
+            def compiled():
+                return net.compute_logits(runner.run_forward(meta, RuntimeMode.NONE, b))
+
+            add("eager", b, c, median_ms(eager, iters=iters))
+            add("compiled", b, c, median_ms(compiled, iters=iters))
+            if runner.decode_graphs is not None:
+                def full():
+                    return runner.decode_graphs.replay(b, b)
+                reference = compiled().float()
+                error = rel_err(full(), reference)
+                add("full_graph", b, c, median_ms(full, iters=iters))
+                report.rows[-1]["full_vs_compiled_rel_err"] = error
+            ours_points.append((b, c))
+
+        # torch.compile "reduce-overhead" on our model: a fresh Dynamo cache, one compile per batch
+        if peers == "all" and on_cuda:
+            torch._dynamo.reset()
+            step = torch.compile(lambda i, p: net.compute_logits(net(i, p)), mode="reduce-overhead")
+            for b, c in COMPILED_PEER_POINTS:
+                if (b, c) not in ours_points:
+                    continue
+                if not deadline.allows(120):
+                    report.notes.append(f"ours_reduce_overhead bs{b} ctx{c} skipped: time budget")
+                    continue
+                meta = load(b, c)
+                ids, pos = runner.buffers.input_ids[:b], runner.buffers.positions[:b]
+
+                def reduce_overhead():
+                    with forward_context(meta, RuntimeMode.NONE, b):
+                        return step(ids, pos)
+                add("ours_reduce_overhead", b, c, median_ms(reduce_overhead, warmup=5, iters=iters))
+    report.meta["engine_stats"] = {k: v for k, v in llm.stats().items() if k != "backend"}
+    llm.runtime.kv_cache.release()
+    del llm, runner, net
+    torch._dynamo.reset()
+    free_device_memory()
+
+    if peers in ("all", "eager"):
+        _run_hf_peers(report, model, add, peers, deadline, iters, contexts, batches)
+    report.plots.append(("latency", plot_decode))
+    return report
+
+
+def _run_hf_peers(report: Report, model: str, add, peers: str, deadline: Deadline, iters: int,
+                  contexts, batches) -> None:
+    from bench import hf_peers
+    hf = hf_peers.hf_model(load_config(model), device="cuda" if torch.cuda.is_available() else "cpu",
+                           dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    points = [(b, c) for b, c in PEER_POINTS if c in contexts and b in batches]
+    with torch.no_grad():
+        for b, c in points:
+            step = hf_peers.decode_eager_step(hf, b, c)
+            add("hf_eager", b, c, median_ms(step, iters=iters))
+            del step
+            free_device_memory()
+        if peers == "all" and torch.cuda.is_available():
+            for b, c in COMPILED_PEER_POINTS:
+                if c not in contexts or b not in batches:
+                    continue
+                if not deadline.allows(150):
+                    report.notes.append(f"hf_static_compiled bs{b} ctx{c} skipped: time budget")
+                    continue
+                torch._dynamo.reset()
+                try:
+                    step = hf_peers.decode_static_compiled_step(hf, b, c)
+                    add("hf_static_compiled", b, c, median_ms(step, warmup=5, iters=iters))
+                except Exception as exc:  # a peer failing must not lose our rows
+                    report.notes.append(f"hf_static_compiled bs{b} ctx{c} failed: {type(exc).__name__}: "
+                                        f"{str(exc).splitlines()[0][:200]}")
+                    logger.exception("hf_static_compiled failed")
+                free_device_memory()
+    report.notes.append("peers run at " + ", ".join(f"bs{b} ctx{c}" for b, c in points)
+                        + " (eager) and " + ", ".join(f"bs{b} ctx{c}" for b, c in COMPILED_PEER_POINTS)
+                        + " (compiled, each point one compile) to keep the run short")
+    del hf
+    torch._dynamo.reset()
+    free_device_memory()
+
+
+def plot_decode(report: Report):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    contexts = sorted({r["context"] for r in report.rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
+    for ax, c in zip(axes[0], contexts):
+        rows = [r for r in report.rows if r["context"] == c]
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            pts = sorted((r["batch"], r["median_ms"]) for r in rows if r["variant"] == variant)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+        floor = sorted({(r["batch"], r["floor_ms"]) for r in rows if r.get("floor_ms")})
+        if floor:
+            ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"{report.model}, context {c}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,103 @@
+"""The transformers peers: the same architecture from the same config, random weights, on the same GPU.
+
+- eager decode with its DynamicCache filled to the context (what `generate` does by default);
+- static cache + torch.compile(mode="reduce-overhead") (transformers' documented fast path);
+- eager prefill (one forward over the prompt, logits of the last token only).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def hf_config(config: dict):
+    import transformers
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    return transformers.AutoConfig.for_model(config["model_type"], **fields)
+
+
+def hf_model(config: dict, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+             attn_implementation: str = "sdpa"):
+    """A random-init transformers causal LM for `config` (a config.json dict)."""
+    import transformers
+    cfg = hf_config(config)
+    cfg._attn_implementation = attn_implementation
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # transformers' init puts norms at constants (Gemma: zeros); random values cost the same
+            # and never feed a kernel all-zero data
+            if "norm" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _kv_shape(model, batch_size: int, context_len: int) -> tuple[int, int, int, int]:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return batch_size, cfg.num_key_value_heads, context_len, head_dim
+
+
+def filled_dynamic_cache(model, batch_size: int, context_len: int):
+    """A DynamicCache holding `context_len` random tokens per sequence in every layer."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    shape = _kv_shape(model, batch_size, context_len)
+    p = next(model.parameters())
+    for layer in range(model.config.num_hidden_layers):
+        k = torch.randn(shape, dtype=p.dtype, device=p.device)
+        cache.update(k, torch.randn_like(k), layer)
+    return cache
+
+
+def decode_eager_step(model, batch_size: int, context_len: int) -> Callable[[], object]:
+    """One decode step of transformers eager at `context_len` cached tokens. The cache grows by one
+    token per call (as in generation); over a timing run that is well under 1% of the context."""
+    cache = filled_dynamic_cache(model, batch_size, context_len)
+    p = next(model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, 1), device=p.device)
+
+    def step():
+        n = cache.get_seq_length()
+        pos = torch.full((batch_size, 1), n, device=p.device, dtype=torch.long)
+        return model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
+
+    return step
+
+
+def decode_static_compiled_step(model, batch_size: int, context_len: int) -> Callable[[], object]:
+    """One decode step with a StaticCache of context_len + 16 slots, the forward compiled with
+    mode="reduce-overhead" (CUDA graphs through Inductor). Each call decodes at position context_len."""
+    from transformers import StaticCache
+    p = next(model.parameters())
+    cache = StaticCache(config=model.config, max_cache_len=context_len + 16)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, 1), device=p.device)
+    pos = torch.full((batch_size, 1), context_len, device=p.device, dtype=torch.long)
+    cache_position = torch.tensor([context_len], device=p.device)
+    # one eager step initialises the cache's tensors (lazily sized by batch); then fill them
+    model(input_ids=ids, position_ids=pos, cache_position=cache_position, past_key_values=cache, use_cache=True)
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                t.normal_()
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def step():
+        return forward(input_ids=ids, position_ids=pos, cache_position=cache_position,
+                       past_key_values=cache, use_cache=True).logits
+
+    return step
+
+
+def prefill_eager_step(model, num_tokens: int) -> Callable[[], object]:
+    p = next(model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (1, num_tokens), device=p.device)
+
+    def step():
+        return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+    return step
