@@ -50,23 +50,28 @@ def dense_causal_attention(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer,
     kv_cache: torch.Tensor, meta: AttentionMetadata,
-    *, num_splits: int | None = None, config: dict | None = None,
+    *, num_splits: int | None = None, config: dict | None = None, fuse_decode_store: bool = True,
 ) -> None:
     """Store the step's K/V, then attend every sequence over its cached prefix plus its new tokens.
 
-    ``num_splits`` / ``config`` override the decode split count and tile shapes (tests, benchmarks).
+    Decode fuses the store into the attention launch (one kernel fewer on the critical path:
+    ``fuse_decode_store=False`` runs the separate store kernel first). ``num_splits`` / ``config``
+    override the decode split count and tile shapes (tests, benchmarks).
     """
-    q = _contiguous_last(q)
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     _check_qkv(q, k, v, out, layer)
     n = meta.num_actual_tokens
-    store_kv(k, v, kv_cache, meta.slot_mapping, n)
+    fused = meta.is_uniform_decode and fuse_decode_store
+    if not fused:
+        store_kv(k, v, kv_cache, meta.slot_mapping, n)
     common = dict(
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
         scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
         config=config)
     if meta.is_uniform_decode:
         launch_decode(q, kv_cache, out, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                      max_seq_len=meta.max_seq_len, num_splits=num_splits, **common)
+                      max_seq_len=meta.max_seq_len, num_splits=num_splits,
+                      new_kv=(k, v, meta.slot_mapping, n) if fused else None, **common)
     else:
         launch_prefill(q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs,
                        max_query_len=meta.max_query_len, block_tables=meta.block_tables,

@@ -138,15 +138,21 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
 
-def prefill_config(head_dim: int) -> dict:
-    """Tile shapes per head dim (tuned on an H100; see bench/NOTES_attention.md)."""
+def prefill_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tile shapes per head dim (swept on an H100; see bench/NOTES_attention.md)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:  # twice the shared memory per tile: smaller tiles, same code
+        if head_dim <= 64:
+            return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        if head_dim <= 128:
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -164,7 +170,7 @@ def launch_prefill(
 ) -> None:
     """Launch the prefill kernel. Paged: ``k_src/v_src`` are ``cache[0]/cache[1]`` ``[NB, BS, Hkv, D]``;
     dense: ``[T, Hkv, D]`` with ``dense_len = T`` and ``num_seqs = 1``."""
-    cfg = dict(prefill_config(head_dim))
+    cfg = dict(prefill_config(head_dim, q.dtype))
     cfg.update(config or {})
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     if max_query_len <= 0 or num_seqs <= 0:

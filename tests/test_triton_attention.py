@@ -15,6 +15,9 @@ import torch
 from custom_ops import AttentionLayer, AttentionMetadata, reference
 from custom_ops.metadata import SCRATCH_BLOCK
 
+# The small-shape tests run in the interpreter on CPU and as compiled kernels where there is CUDA.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def make_layer(num_heads, num_kv_heads, head_dim, window=None, softcap=None) -> AttentionLayer:
     return AttentionLayer(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window, softcap)
@@ -91,13 +94,13 @@ def check_close(out, ref, n, dtype):
     assert (out[n:] == 0).all()
 
 
-# ----------------------------------------------------------------------------------------- CPU
+# ------------------------------------------------------------------ small shapes (CPU interpreter / GPU)
 
 
 def test_store_kv_writes_real_rows_by_slot_and_skips_padding():
     from custom_ops.triton_kv_store import store_kv
     layer = make_layer(4, 2, 16)
-    q, k, v, cache, meta = make_batch([3, 0], [4, 2], layer, block_size=4, dtype=torch.float32, device="cpu",
+    q, k, v, cache, meta = make_batch([3, 0], [4, 2], layer, block_size=4, dtype=torch.float32, device=DEVICE,
                                       pad_tokens=2)
     expected = cache.clone()
     reference.store_kv(k[: meta.num_actual_tokens], v[: meta.num_actual_tokens], expected, meta.slot_mapping)
@@ -111,7 +114,7 @@ def test_dense_causal_matches_reference(dtype, window, softcap):
     from custom_ops.triton_attention import dense_causal_attention
     layer = make_layer(4, 2, 16, window, softcap)
     t = 37  # three 16-row query tiles, off the tile boundary
-    q, k, v = (torch.randn(t, h, 16, dtype=dtype) for h in (4, 2, 2))
+    q, k, v = (torch.randn(t, h, 16, dtype=dtype, device=DEVICE) for h in (4, 2, 2))
     out = torch.full_like(q, float("nan"))
     dense_causal_attention(q, k, v, out, layer)
     ref = reference.causal_attention(q.double(), k.double(), v.double(), layer)
@@ -122,7 +125,7 @@ def test_dense_causal_reads_strided_qkv_views():
     """Models split one fused qkv projection: q, k, v are strided views of it."""
     from custom_ops.triton_attention import dense_causal_attention
     layer = make_layer(4, 1, 16)
-    qkv = torch.randn(20, 6, 16)
+    qkv = torch.randn(20, 6, 16, device=DEVICE)
     q, k, v = qkv[:, :4], qkv[:, 4:5], qkv[:, 5:6]
     out = torch.full_like(q, float("nan"))
     dense_causal_attention(q, k, v, out, layer)
@@ -135,22 +138,23 @@ def test_paged_extend_matches_reference(dtype, window, softcap):
     """Three sequences: a fresh prefill, a decode-like single token, a chunk after a cached prefix."""
     layer = make_layer(4, 1, 16, window, softcap)  # GQA 4
     q, k, v, cache, meta = make_batch([0, 5, 19], [7, 1, 12], layer, block_size=8, dtype=dtype,
-                                      device="cpu", pad_tokens=3)
+                                      device=DEVICE, pad_tokens=3)
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
     out = run_paged(q, k, v, cache, meta, layer)
     assert torch.equal(cache, ref_cache)
     check_close(out, ref, meta.num_actual_tokens, dtype)
 
 
+@pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 4.0), (1, None)])
-def test_decode_matches_reference(num_splits, window, softcap):
+def test_decode_matches_reference(num_splits, window, softcap, fuse_store):
     layer = make_layer(8, 2, 16, window, softcap)  # GQA 4
     q, k, v, cache, meta = make_batch([0, 15, 44], [1, 1, 1], layer, block_size=8, dtype=torch.float32,
-                                      device="cpu")
+                                      device=DEVICE)
     assert meta.is_uniform_decode
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-    out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits)
+    out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits, fuse_decode_store=fuse_store)
     assert torch.equal(cache, ref_cache)
     check_close(out, ref, meta.num_actual_tokens, torch.float32)
 
@@ -158,12 +162,12 @@ def test_decode_matches_reference(num_splits, window, softcap):
 def test_decode_padding_rows_are_zero_and_never_stored():
     """A padded decode batch: the last row is padding, its slot is in the scratch block."""
     layer = make_layer(4, 4, 16)  # no GQA
-    q, k, v, cache, meta = make_batch([9, 3], [1, 1], layer, block_size=4, dtype=torch.float16, device="cpu",
+    q, k, v, cache, meta = make_batch([9, 3], [1, 1], layer, block_size=4, dtype=torch.float16, device=DEVICE,
                                       pad_tokens=1)
     # the padding row is a third "sequence" of length 1 reading only the scratch block
-    meta.seq_lens = torch.tensor([10, 4, 1], dtype=torch.int32)
+    meta.seq_lens = torch.tensor([10, 4, 1], dtype=torch.int32, device=DEVICE)
     meta.block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
-    meta.query_start_loc = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    meta.query_start_loc = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEVICE)
     before = cache.clone()
     out = run_paged(q, k, v, cache, meta, layer, num_splits=2)
     assert torch.equal(cache[:, SCRATCH_BLOCK], before[:, SCRATCH_BLOCK])
