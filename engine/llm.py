@@ -39,6 +39,11 @@ class LLM:
         import models
 
         name = model if isinstance(model, str) else f"<{type(model).__name__} instance>"
+        if not isinstance(model, str):
+            # A built model fixes the dtype and device the KV cache and buffers must match.
+            weight = next(model.parameters())
+            config_fields.setdefault("dtype", str(weight.dtype).removeprefix("torch."))
+            config_fields.setdefault("device", str(weight.device))
         config = EngineConfig.from_kwargs(name, **config_fields)
         device, dtype = config.device_and_dtype()
         if isinstance(model, str):

@@ -17,7 +17,7 @@ from tests.test_engine_generate import ARCHS, COMMON, _build_hf
 
 pytestmark = pytest.mark.gpu
 
-BASE = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256, max_num_seqs=8,
+BASE = dict(device="cuda", dtype="float32", block_size=16, max_model_len=128, max_num_seqs=8,
             max_num_batched_tokens=64, num_gpu_blocks=256, show_progress=False)
 MODES = {
     "graphs_off": dict(cuda_graphs=False, prefill_graphs=False),
@@ -122,7 +122,8 @@ def test_two_thousand_steps_keep_gpu_memory_steady(model_dirs):
 
 def test_gemma_context_longer_than_the_sliding_window_matches_transformers(tmp_path):
     config_cls, kwargs = ARCHS["gemma3"]
-    config = config_cls(**{**COMMON, "max_position_embeddings": 512},
+    # no EOS (neither side stops early): every context grows past 100 tokens against a window of 16
+    config = config_cls(**{**COMMON, "max_position_embeddings": 512, "eos_token_id": None},
                         **{**kwargs, "sliding_window": 16, "sliding_window_pattern": 2})
     config._attn_implementation = "eager"
     torch.manual_seed(11)
@@ -142,7 +143,7 @@ def test_gemma_context_longer_than_the_sliding_window_matches_transformers(tmp_p
             ids = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False,
                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
             expected.append(ids[0, len(prompt):].tolist())
-    with _engine(tmp_path, prefill_graphs=True) as llm:
+    with _engine(tmp_path, prefill_graphs=True, max_model_len=256) as llm:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=40))
     assert [o.token_ids for o in outputs] == expected
     assert max(len(p) + len(o.token_ids) for p, o in zip(prompts, outputs)) > 100  # window is 16
