@@ -64,7 +64,8 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     max_num_seqs = 32 if on_cuda else 4
     net = build_model(model)
     specs = make_workload(num_requests, rate, prompt_len, output_len, net.config.vocab_size, seed=0)
-    blocks = 1 + max_num_seqs * -(-(prompt_len[1] + output_len[1]) // 16) * 2
+    max_model_len = prompt_len[1] + output_len[1] + 16
+    blocks = 1 + max_num_seqs * -(-max_model_len // 16)
     report = Report("serving", model, torch.cuda.get_device_name() if on_cuda else "cpu", COLUMNS)
     report.notes.append(
         f"{num_requests} requests, Poisson arrivals at {rate:g}/s (seed 0), prompt {prompt_len[0]}-{prompt_len[1]} "
@@ -73,7 +74,7 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     chosen = list(configs or CONFIGS)
     for name in chosen:
         llm = LLM(net, max_num_seqs=max_num_seqs, num_gpu_blocks=blocks, show_progress=False,
-                  max_model_len=2048, **CONFIGS[name])
+                  max_model_len=max_model_len, **CONFIGS[name])
         # warm-up: a couple of requests so first-step work stays out of the measured run
         llm.generate([list(specs[0].prompt_ids), list(specs[1].prompt_ids)], SamplingParams(max_tokens=4))
         stats_before = dict(llm.runtime.runner.dispatcher.mode_counts)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU runs of the committed results, one plan per device call (run from the repo root).
+#   bash bench/gpu_run.sh smoke|full|rest  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+# Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}
+R=$OUT/res
+mkdir -p "$R"
+LOG=$OUT/log.txt
+suite() {  # suite SECONDS ARGS...
+  local limit=$1; shift
+  local start=$(date +%s)
+  echo "=== $* (limit ${limit}s) $(date -u +%T)" | tee -a "$LOG"
+  timeout "$limit" python3 -m bench "$@" --out "$R" >>"$LOG" 2>&1
+  echo "=== rc=$? in $(( $(date +%s) - start ))s" | tee -a "$LOG"
+}
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+python3 -c "import matplotlib; print('matplotlib', matplotlib.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
+case "${1:-smoke}" in
+  smoke)
+    suite 60 floor --model gemma-3-1b
+    suite 170 decode --model gemma-3-1b --batches 1,8 --contexts 512 --peers all
+    suite 100 prefill --model gemma-3-1b --tokens 64,256
+    suite 100 serving --model gemma-3-1b --requests 16
+    suite 150 capture --model gemma-3-1b
+    ;;
+  full)
+    suite 40 floor --model llama-3.2-3b
+    suite 260 decode --model llama-3.2-3b --time-budget 200
+    suite 120 prefill --model llama-3.2-3b
+    suite 60 decode --model qwen3-4b --batches 1,64 --contexts 512 --peers eager
+    suite 50 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers eager
+    ;;
+  rest)
+    suite 200 capture --model llama-3.2-3b
+    suite 150 serving --model llama-3.2-3b
+    bash bench/notebooks/run_gpu.sh 150 >>"$LOG" 2>&1
+    ;;
+esac
+tar czf "$OUT/res.tgz" -C "$OUT" res
+ls -la "$R" | tail -40
+grep -h "^| \(full_graph\|piecewise\|hf_\|ours_\)" "$R"/*.md 2>/dev/null | head -60
