@@ -124,6 +124,8 @@ def _rope_params(spec: Mapping[str, Any] | None, theta: float | None, default_th
     spec = dict(spec or {})
     rope_type = spec.get("rope_type", spec.get("type", "default"))
     theta = spec.get("rope_theta", theta if theta is not None else default_theta)
+    if float(spec.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported (rope over all of head_dim)")
     if rope_type == "default":
         return RopeParams(theta=float(theta))
     if rope_type == "linear":
@@ -186,6 +188,11 @@ def _parse(raw: dict[str, Any], dtype: torch.dtype | str | None) -> ModelConfig:
     rope, rope_local = _parse_rope(raw, is_gemma)
     layer_types = _layer_types(raw, num_layers, is_gemma)
     sliding_window = raw.get("sliding_window") if SLIDING in layer_types else None
+    if SLIDING in layer_types and not sliding_window:
+        raise UnsupportedConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+    if raw.get("use_bidirectional_attention"):
+        # EmbeddingGemma-style encoders: not a causal LM, and the op only does causal attention.
+        raise UnsupportedConfigError("use_bidirectional_attention=True is not supported (causal LMs only)")
     act_key = "hidden_activation" if is_gemma and raw.get("hidden_activation") else "hidden_act"
     hidden_act = raw.get(act_key) or ("gelu_pytorch_tanh" if is_gemma else "silu")
     if hidden_act not in ("silu", "gelu_pytorch_tanh"):

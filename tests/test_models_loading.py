@@ -151,6 +151,12 @@ def test_unsupported_rope_type_is_refused():
         models.from_config(config)
 
 
+def test_bidirectional_gemma_is_refused():
+    config = transformers.Gemma3TextConfig(**TINY, head_dim=8, use_bidirectional_attention=True)
+    with pytest.raises(models.UnsupportedConfigError, match="use_bidirectional_attention"):
+        models.from_config(config)
+
+
 # ----------------------------------------------------------------------------- formats
 
 def test_sharded_checkpoint_loads_like_single_file(llama_dir, tmp_path):
