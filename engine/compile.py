@@ -13,15 +13,19 @@ import torch
 from engine.config import EngineConfig
 
 
-def compile_model(model: torch.nn.Module, config: EngineConfig) -> tuple[Callable[..., torch.Tensor],
-                                                                          Callable[..., None], Any]:
-    """(compiled forward, token-dim marker to call before each forward, the backend for its stats)."""
+def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None,
+                  ) -> tuple[Callable[..., torch.Tensor], Callable[..., None], Any]:
+    """(compiled forward, token-dim marker to call before each forward, the backend for its stats).
+
+    `pool`: the graph pool handle the backend captures into (the engine's, shared with its decode
+    graphs); None means compile_backend.graph_pool().
+    """
     from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
 
     backend = InferGraphsBackend(BackendConfig(
         piece_compiler=config.piece_compiler,
         capture_sizes=tuple(config.prefill_graph_sizes),
         cudagraphs=bool(config.prefill_graphs),
-    ))
+    ), pool=pool)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     return compiled, mark_token_dim, backend

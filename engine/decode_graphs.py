@@ -3,7 +3,7 @@
 Each graph reads the runner's static buffers (sliced to its batch size) and writes its logits into
 one static `[max batch, V]` buffer allocated outside the graph pool, so the pool only holds a
 graph's intermediates and every smaller graph reuses the memory of the largest: capture goes
-largest-first into the one shared pool (`compile_backend.graph_pool()`), with garbage collection
+largest-first into the engine's graph pool (shared with its piecewise graphs), with garbage collection
 frozen and disabled (a collection during capture could free a tensor the graph records). The model
 runs under a FULL forward context, so the backend's pieces pass straight through and this capture
 records everything, attention kernels included.

@@ -10,6 +10,12 @@ On CUDA:
 5. the KV pool takes kv_memory_fraction of what is left (or num_gpu_blocks, checked to fit);
 6. the decode graphs are captured against the final pool, largest first, into the shared pool.
 On CPU: compile (optional), a pool of num_gpu_blocks (or kv_cache.CPU_KV_BYTES worth), no graphs.
+
+Graph memory: the engine's piecewise graphs (through InferGraphsBackend(pool=...)) and its decode
+graphs share ONE pool, owned by the engine rather than the process-wide compile_backend.graph_pool():
+PyTorch cannot capture into a pool handle again once every graph captured into it has been
+destroyed (a closed engine, torch._dynamo.reset(); the allocator asserts `use_count > 0`, measured
+on torch 2.11), so each engine takes a fresh handle that nothing else can have emptied.
 """
 from __future__ import annotations
 
@@ -48,9 +54,10 @@ class Runtime:
 def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
     device = torch.device(config.device)
     forward, mark_dynamic, backend = model, None, None
+    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
     if config.compile:
         from engine.compile import compile_model
-        forward, mark_dynamic, backend = compile_model(model, config)
+        forward, mark_dynamic, backend = compile_model(model, config, pool)
     max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
     runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
                          config.max_num_seqs, device, mark_dynamic)
@@ -78,7 +85,7 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
     decode_graphs = None
     memory["decode_graph_reserve_bytes"] = 0
     if config.cuda_graphs:
-        decode_graphs = DecodeGraphs(runner, _graph_pool())
+        decode_graphs = DecodeGraphs(runner, pool)
         memory["decode_graph_reserve_bytes"] = _measure_decode_graphs(runner, config.decode_graph_sizes)
     torch.cuda.empty_cache()
     free_bytes = torch.cuda.mem_get_info(device)[0]
@@ -193,8 +200,3 @@ def _measure_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> int:
     # Every graph also holds a little device memory outside the allocator (its instantiated
     # executable): a fixed margin per graph keeps the real capture from running out.
     return released + len(sizes) * GRAPH_OVERHEAD_BYTES
-
-
-def _graph_pool():
-    import compile_backend
-    return compile_backend.graph_pool()
