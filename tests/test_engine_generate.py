@@ -14,7 +14,9 @@ import pytest
 import torch
 import transformers
 
+from custom_ops import RuntimeMode
 from engine import LLM, InvalidRequestError, SamplingParams
+from engine.dispatch import Dispatcher
 from engine.__main__ import main as cli_main
 
 COMMON = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0,
@@ -115,6 +117,40 @@ def test_compiled_model_generates_the_same_with_one_trace(saved_models):
     backend = llm.stats()["backend"]
     assert backend["graphs_compiled"] == 1 and backend["graphless_steps"] > 0  # decode and prefill alike
     llm.close()
+
+
+class _EagerDecodeGraphs:
+    """Stands in for engine.decode_graphs.DecodeGraphs on the CPU: runs, eagerly, exactly what a
+    captured decode graph runs (the FULL forward over the bucket's static buffer slices), so the
+    padded FULL metadata (padding rows on the scratch block) is checked without CUDA."""
+
+    def __init__(self, runner, sizes):
+        self.runner, self.sizes = runner, tuple(sizes)
+        self.replays, self.replays_by_size, self.capture_seconds, self.graph_bytes = 0, {}, 0.0, 0
+
+    def replay(self, batch_size, num_real):
+        runner = self.runner
+        meta = runner.buffers.metadata(batch_size, batch_size, batch_size, 1, runner.max_model_len, True)
+        logits = runner.model.compute_logits(runner.run_forward(meta, RuntimeMode.FULL, batch_size))
+        self.replays += 1
+        self.replays_by_size[batch_size] = self.replays_by_size.get(batch_size, 0) + 1
+        return logits[:num_real]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_padded_full_and_piecewise_steps_give_the_same_tokens(saved_models, arch):
+    """The FULL / PIECEWISE paths with padding (decode rows up to the bucket, tokens up to the piece
+    size) on the CPU reference attention: the padding must not change any real token."""
+    path, expected = saved_models[arch]
+    llm = LLM(str(path), **SMALL)
+    runner = llm.runtime.runner
+    runner.decode_graphs = _EagerDecodeGraphs(runner, (2, 4))
+    runner.dispatcher = Dispatcher((2, 4), (3, 8), decode_graphs_wanted=True, piecewise_graphs_wanted=True)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert stats["modes"]["full"] > 0 and stats["modes"]["piecewise"] > 0
+    assert set(stats["decode_graph_replays_by_size"]) == {2, 4}  # 1 -> 2 and 3 -> 4 are padded
 
 
 @pytest.fixture(scope="module")
