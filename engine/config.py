@@ -129,8 +129,9 @@ class EngineConfig:
         changes["compile"] = on_cuda if self.compile is None else self.compile
         cuda_graphs, prefill_graphs = self.cuda_graphs, self.prefill_graphs
         if not on_cuda and (cuda_graphs or prefill_graphs):
-            logger.warning("EngineConfig: device %r has no CUDA graphs; cuda_graphs=%s and prefill_graphs=%s "
-                           "are ignored", device, cuda_graphs, prefill_graphs)
+            asked = [name for name, on in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs)) if on]
+            logger.warning("EngineConfig: device %r has no CUDA graphs; %s ignored (the model runs "
+                           "without graphs)", device, " and ".join(f"{n}=True" for n in asked))
             cuda_graphs, prefill_graphs = False, False
         changes["cuda_graphs"] = on_cuda if cuda_graphs is None else cuda_graphs
         changes["prefill_graphs"] = prefill_graphs

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from custom_ops import RuntimeMode, forward_context
+from custom_ops import RuntimeMode
 
 logger = logging.getLogger("engine")
 
