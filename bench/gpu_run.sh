@@ -5,7 +5,7 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
-R=$OUT/res
+R=/tmp/bench_res/res
 mkdir -p "$R"
 LOG=$OUT/log.txt
 suite() {  # suite SECONDS ARGS...
@@ -27,18 +27,19 @@ case "${1:-smoke}" in
     suite 150 capture --model gemma-3-1b
     ;;
   full)
-    suite 40 floor --model llama-3.2-3b
-    suite 260 decode --model llama-3.2-3b --time-budget 200
-    suite 120 prefill --model llama-3.2-3b
-    suite 60 decode --model qwen3-4b --batches 1,64 --contexts 512 --peers eager
-    suite 50 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers eager
+    suite 30 floor --model llama-3.2-3b
+    suite 270 decode --model llama-3.2-3b --time-budget 250
+    suite 130 prefill --model llama-3.2-3b
+    suite 75 decode --model qwen3-4b --batches 1,64 --contexts 512 --peers none
+    suite 60 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers none
     ;;
   rest)
     suite 200 capture --model llama-3.2-3b
-    suite 150 serving --model llama-3.2-3b
-    bash bench/notebooks/run_gpu.sh 150 >>"$LOG" 2>&1
+    suite 190 serving --model llama-3.2-3b
+    bash bench/notebooks/run_gpu.sh 120 >>"$LOG" 2>&1
+    tar czf "$OUT/nb.tgz" -C "$OUT" nb
     ;;
 esac
-tar czf "$OUT/res.tgz" -C "$OUT" res
+tar czf "$OUT/res.tgz" -C /tmp/bench_res res
 ls -la "$R" | tail -40
 grep -h "^| \(full_graph\|piecewise\|hf_\|ours_\)" "$R"/*.md 2>/dev/null | head -60

@@ -93,6 +93,34 @@ def decode_static_compiled_step(model, batch_size: int, context_len: int) -> Cal
     return step
 
 
+def decode_static_generate_ms(model, batch_size: int, context_len: int, short: int = 8, long: int = 40,
+                              repeats: int = 3) -> float:
+    """Per-step decode ms of transformers' own fast path: `generate(cache_implementation="static")`,
+    which compiles the decoding step with torch.compile(mode="reduce-overhead") itself.
+
+    Per step = (time of `long` new tokens - time of `short`) / (long - short): the prefill and the
+    set-up cancel. The first call compiles (not timed)."""
+    import statistics
+    import time
+    p = next(model.parameters())
+    ids = torch.randint(3, model.config.vocab_size, (batch_size, context_len), device=p.device)
+    mask = torch.ones_like(ids)
+
+    def generate(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    generate(short)
+    generate(long)  # compiles and records the graphs
+    t_short = statistics.median(generate(short) for _ in range(repeats))
+    t_long = statistics.median(generate(long) for _ in range(repeats))
+    return (t_long - t_short) / (long - short) * 1e3
+
+
 def prefill_eager_step(model, num_tokens: int) -> Callable[[], object]:
     p = next(model.parameters())
     ids = torch.randint(0, model.config.vocab_size, (1, num_tokens), device=p.device)

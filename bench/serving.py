@@ -70,13 +70,15 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     report.notes.append(
         f"{num_requests} requests, Poisson arrivals at {rate:g}/s (seed 0), prompt {prompt_len[0]}-{prompt_len[1]} "
         f"tokens, output {output_len[0]}-{output_len[1]} tokens (ignore_eos), max_num_seqs={max_num_seqs}, "
-        f"max_num_batched_tokens=1024, {blocks} KV blocks of 16; every config compiled (infer_graphs backend)")
+        f"max_num_batched_tokens=1024, {blocks} KV blocks of 16; every config compiled (infer_graphs backend); each measured run follows a warm-up run of the same requests")
     chosen = list(configs or CONFIGS)
     for name in chosen:
         llm = LLM(net, max_num_seqs=max_num_seqs, num_gpu_blocks=blocks, show_progress=False,
                   max_model_len=max_model_len, **CONFIGS[name])
-        # warm-up: a couple of requests so first-step work stays out of the measured run
-        llm.generate([list(specs[0].prompt_ids), list(specs[1].prompt_ids)], SamplingParams(max_tokens=4))
+        # warm-up: the same requests all at once, so first-use work (Triton specializations of new
+        # shapes, allocator growth) stays out of the measured run
+        llm.generate([list(s.prompt_ids) for s in specs], [SamplingParams(max_tokens=s.output_len, ignore_eos=True)
+                                                           for s in specs])
         stats_before = dict(llm.runtime.runner.dispatcher.mode_counts)
         row = drive(llm, specs)
         modes = {k: v - stats_before.get(k, 0) for k, v in llm.runtime.runner.dispatcher.mode_counts.items()}
