@@ -14,14 +14,26 @@ from typing import Any, Iterator
 import torch
 
 _pool: Any = None
+_pool_keepalive: list[Any] = []   # a tiny graph captured into the pool, never released
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def graph_pool() -> Any:
-    """The process-wide graph pool handle; pass it as `pool=` to every torch.cuda.graph capture."""
+    """The process-wide graph pool handle; pass it as `pool=` to every torch.cuda.graph capture.
+
+    A handle from `graph_pool_handle()` does not keep its pool alive: once every graph captured into
+    it is freed (a backend dropped, `torch._dynamo.reset()`), the allocator retires the pool and the
+    next capture with that handle fails an internal assert. One tiny graph captured into it at
+    creation and held for the life of the process keeps the shared pool valid for everyone."""
     global _pool
     if _pool is None:
-        _pool = torch.cuda.graph_pool_handle()
+        handle = torch.cuda.graph_pool_handle()
+        flag = torch.zeros(1, device="cuda")
+        keepalive = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(keepalive, pool=handle):
+            flag.add_(1)
+        _pool_keepalive.extend((keepalive, flag))
+        _pool = handle
     return _pool
 
 

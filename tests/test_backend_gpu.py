@@ -19,6 +19,7 @@ from tests.test_backend_helpers import ARCHS, TinyLM, hf_config, random_inputs, 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
 VOCAB = 96
+HEAD_DIM = 16  # the Triton attention kernels need a head dim of at least 16 (tl.dot's K)
 
 
 def report(name: str, **values: object) -> None:
@@ -48,7 +49,7 @@ def piecewise_step(compiled, ids: torch.Tensor, positions: torch.Tensor) -> torc
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_replay_matches_eager_for_every_captured_size(arch):
-    model = models.from_config(hf_config(arch), dtype=torch.float32, device=CUDA)
+    model = models.from_config(hf_config(arch, head_dim=HEAD_DIM), dtype=torch.float32, device=CUDA)
     config = BackendConfig(piece_compiler="eager")
     backend, compiled = compile_model(model, config)
     capture_all(backend, compiled)
@@ -70,7 +71,7 @@ def test_replay_matches_eager_for_every_captured_size(arch):
 def inductor_llama():
     """Llama with Inductor pieces, every default size captured (one compile for the tests below)."""
     torch._dynamo.reset()
-    model = models.from_config(hf_config("llama"), dtype=torch.float32, device=CUDA)
+    model = models.from_config(hf_config("llama", head_dim=HEAD_DIM), dtype=torch.float32, device=CUDA)
     backend, compiled = compile_model(model, BackendConfig())
     capture_all(backend, compiled)
     return model, backend, compiled
@@ -136,7 +137,7 @@ def test_graph_pool_for_all_default_sizes_is_at_most_1_3x_the_largest_size_alone
 
 def test_debug_check_raises_when_an_input_is_reallocated():
     torch._dynamo.reset()
-    model = TinyLM().to(CUDA)
+    model = TinyLM(hidden=64, head_dim=HEAD_DIM).to(CUDA)
     backend, compiled = compile_model(model, BackendConfig(piece_compiler="eager", capture_sizes=(8,),
                                                            debug_checks=True))
     ids, positions = random_inputs(8, 100, CUDA)
@@ -151,7 +152,7 @@ def test_debug_check_raises_when_an_input_is_reallocated():
 
 def test_uncaptured_size_falls_back_counted_and_mismatched_token_count_raises():
     torch._dynamo.reset()
-    model = TinyLM().to(CUDA)
+    model = TinyLM(hidden=64, head_dim=HEAD_DIM).to(CUDA)
     backend, compiled = compile_model(model, BackendConfig(piece_compiler="eager", capture_sizes=(8, 16)))
     with torch.no_grad():
         ids, positions = random_inputs(12, 100, CUDA)
@@ -169,7 +170,7 @@ def test_uncaptured_size_falls_back_counted_and_mismatched_token_count_raises():
 
 def test_full_mode_passes_through_to_an_outer_capture():
     torch._dynamo.reset()
-    model = TinyLM().to(CUDA)
+    model = TinyLM(hidden=64, head_dim=HEAD_DIM).to(CUDA)
     backend, compiled = compile_model(model, BackendConfig(piece_compiler="eager"))
     ids, positions = random_inputs(16, 100, CUDA)
     with torch.no_grad():
