@@ -1,6 +1,6 @@
 """The per-step context: what one forward needs beyond its input tensors.
 
-The engine (or `compile_backend.forward_context_for_tokens` for other callers) sets it around a
+The engine (or `compile_backend.piecewise_context` for other callers) sets it around a
 forward; the attention op reads the metadata and the piecewise runners read the runtime mode. It is
 the only module-level mutable state besides the graph pool, and it refuses to nest so a stale
 context can never leak into the next step.
