@@ -34,10 +34,10 @@ case "${1:-smoke}" in
     suite 60 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers none
     ;;
   rest)
-    suite 220 serving --model llama-3.2-3b
-    bash bench/notebooks/run_gpu.sh 100 >>"$LOG" 2>&1
+    suite 170 serving --model llama-3.2-3b --requests 64
+    bash bench/notebooks/run_gpu.sh 90 >>"$LOG" 2>&1
     tar czf "$OUT/nb.tgz" -C "$OUT" nb
-    suite 180 capture --model llama-3.2-3b
+    suite 170 capture --model llama-3.2-3b
     ;;
 esac
 tar czf "$OUT/res.tgz" -C /tmp/bench_res res
