@@ -14,6 +14,7 @@ suite() {  # suite SECONDS ARGS...
   echo "=== $* (limit ${limit}s) $(date -u +%T)" | tee -a "$LOG"
   timeout "$limit" python3 -m bench "$@" --out "$R" >>"$LOG" 2>&1
   echo "=== rc=$? in $(( $(date +%s) - start ))s" | tee -a "$LOG"
+  tar czf "$OUT/res.tgz" -C /tmp/bench_res res  # after every suite: a call cut short still returns what ran
 }
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
@@ -34,9 +35,8 @@ case "${1:-smoke}" in
     suite 60 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers none
     ;;
   rest)
+    bash bench/notebooks/run_gpu.sh 110 >>"$LOG" 2>&1
     suite 170 serving --model llama-3.2-3b --requests 64
-    bash bench/notebooks/run_gpu.sh 90 >>"$LOG" 2>&1
-    tar czf "$OUT/nb.tgz" -C "$OUT" nb
     suite 170 capture --model llama-3.2-3b
     ;;
 esac
