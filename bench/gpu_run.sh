@@ -35,7 +35,7 @@ case "${1:-smoke}" in
     suite 60 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers none
     ;;
   rest)
-    bash bench/notebooks/run_gpu.sh 110 >>"$LOG" 2>&1
+    bash bench/notebooks/run_gpu.sh 140 >>"$LOG" 2>&1
     suite 170 serving --model llama-3.2-3b --requests 64
     suite 170 capture --model llama-3.2-3b
     ;;
