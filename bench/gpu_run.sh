@@ -36,8 +36,8 @@ case "${1:-smoke}" in
     ;;
   rest)
     bash bench/notebooks/run_gpu.sh 140 >>"$LOG" 2>&1
-    suite 170 serving --model llama-3.2-3b --requests 64
     suite 170 capture --model llama-3.2-3b
+    suite 170 serving --model llama-3.2-3b --requests 64
     ;;
 esac
 tar czf "$OUT/res.tgz" -C /tmp/bench_res res
