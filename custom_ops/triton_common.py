@@ -11,9 +11,6 @@ import os
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
-
 def interpreting() -> bool:
     """True when kernels run in Triton's CPU interpreter (tests on machines without CUDA)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

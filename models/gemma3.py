@@ -17,8 +17,8 @@ from models.config import SLIDING, ModelConfig
 from models.layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
 
 
-def _norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
-    return RMSNorm(dim or config.hidden_size, config.rms_norm_eps, config.dtype, unit_offset=True)
+def _norm(config: ModelConfig) -> RMSNorm:
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype, unit_offset=True)
 
 
 class Gemma3DecoderLayer(nn.Module):
