@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from models.base import CausalLM
-from models.config import ModelConfig, architecture_of, parse_dtype
+from models.config import ModelConfig, parse_dtype
 from models.errors import MissingWeightError, ModelPathError, UnexpectedWeightError, WeightShapeError
 from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
@@ -62,9 +62,8 @@ def from_pretrained(
     """Load an HF-format dir (config.json + model.safetensors or a sharded index), a .gguf file,
     or "default" (the real Gemma 3 270M, converted once to a cached dir)."""
     model_dir = Path(resolve_model_path(path))
-    raw = read_config(model_dir)
-    architecture_of(raw)  # fail on an unknown architecture before reading any weights
-    config = ModelConfig.from_hf(raw, dtype)
+    # Parsing the config fails on an unknown architecture before any weight is read.
+    config = ModelConfig.from_hf(read_config(model_dir), dtype)
     model = build_model(config, device)
     load_weights(model, iter_checkpoint(model_dir))
     return model.eval()
