@@ -120,6 +120,10 @@ def parse_dtype(value: Any) -> torch.dtype:
     return _DTYPES[name]
 
 
+_ROPE_KEYS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def _rope_params(spec: Mapping[str, Any] | None, theta: float | None, default_theta: float) -> RopeParams:
     spec = dict(spec or {})
     rope_type = spec.get("rope_type", spec.get("type", "default"))
@@ -128,6 +132,10 @@ def _rope_params(spec: Mapping[str, Any] | None, theta: float | None, default_th
         raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported (rope over all of head_dim)")
     if rope_type == "default":
         return RopeParams(theta=float(theta))
+    missing = [key for key in _ROPE_KEYS.get(rope_type, ()) if spec.get(key) is None]
+    if missing:
+        raise UnsupportedConfigError(f"rope type {rope_type!r} needs {', '.join(map(repr, missing))} in the "
+                                     "config's rope parameters (rope_scaling / rope_parameters)")
     if rope_type == "linear":
         return RopeParams(theta=float(theta), rope_type="linear", factor=float(spec["factor"]))
     if rope_type == "llama3":

@@ -147,6 +147,10 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]] | 
                 raise UnexpectedWeightError(
                     f"checkpoint weight {name!r} {tuple(tensor.shape)} has no place in {arch} "
                     f"(check the config's architecture and tie_word_embeddings)")
+            if name in filled:
+                raise UnexpectedWeightError(
+                    f"checkpoint weight {name!r} appears more than once (in two shards?); "
+                    "each weight must be stored exactly once")
             if tuple(tensor.shape) != tuple(slot.shape):
                 raise WeightShapeError(
                     f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "

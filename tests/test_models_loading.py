@@ -138,6 +138,24 @@ def test_misshapen_weight_names_it_and_both_shapes(llama_dir, tmp_path):
     assert name in str(info.value) and "(40, 32)" in str(info.value) and "(48, 32)" in str(info.value)
 
 
+def test_weight_stored_twice_is_refused(llama_dir):
+    """Two shards holding one name would silently overwrite each other; the loader names it instead."""
+    state = load_file(str(llama_dir / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    model = models.from_config(json.loads((llama_dir / "config.json").read_text()))
+    with pytest.raises(models.UnexpectedWeightError, match=r"q_proj\.weight.*more than once"):
+        models.load_weights(model, [*state.items(), (name, state[name])])
+
+
+def test_rope_scaling_without_a_required_field_names_it():
+    config = transformers.LlamaConfig(**TINY).to_dict()
+    config.pop("rope_parameters", None)
+    config["rope_theta"] = 10000.0
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}
+    with pytest.raises(models.UnsupportedConfigError, match="'low_freq_factor', 'high_freq_factor'"):
+        models.from_config(config)
+
+
 def test_errors_share_one_base_class():
     for cls in (models.ModelPathError, models.UnknownArchitectureError, models.UnsupportedConfigError,
                 models.MissingWeightError, models.UnexpectedWeightError, models.WeightShapeError):
