@@ -102,10 +102,6 @@ class Report:
     def write(self, out_dir: str) -> tuple[str, ...]:
         os.makedirs(out_dir, exist_ok=True)
         stem = os.path.join(out_dir, f"{self.suite}-{self.model}")
-        with open(stem + ".json", "w") as f:
-            json.dump({"suite": self.suite, "model": self.model, "device": self.device,
-                       "date": time.strftime("%Y-%m-%d"), "notes": self.notes, "meta": self.meta,
-                       "columns": self.columns, "rows": self.rows}, f, indent=1)
         paths = [stem + ".json", stem + ".md"]
         images = []
         for name, make in self.plots:
@@ -120,6 +116,11 @@ class Report:
             plt.close(fig)
             images.append(os.path.basename(path))
             paths.append(path)
+        # After the plots: a skipped plot adds a note, and the JSON must carry the same notes as the Markdown.
+        with open(stem + ".json", "w") as f:
+            json.dump({"suite": self.suite, "model": self.model, "device": self.device,
+                       "date": time.strftime("%Y-%m-%d"), "notes": self.notes, "meta": self.meta,
+                       "columns": self.columns, "rows": self.rows}, f, indent=1)
         with open(stem + ".md", "w") as f:
             f.write(self.markdown())
             for image in images:

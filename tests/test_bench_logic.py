@@ -67,6 +67,19 @@ def test_report_writes_json_markdown_and_ratio(tmp_path):
     assert back.rows == report.rows and back.suite == "decode"
 
 
+def test_report_notes_a_skipped_plot_in_json_and_markdown(tmp_path):
+    def no_matplotlib(report):
+        raise ImportError("No module named 'matplotlib'")
+    report = Report("decode", "m", "dev", ["variant"])
+    report.add(variant="eager")
+    report.plots.append(("latency", no_matplotlib))
+    paths = report.write(str(tmp_path))
+    assert len(paths) == 2  # JSON and Markdown, no image
+    note = "plot latency skipped: No module named 'matplotlib'"
+    assert Report.load(paths[0]).notes == [note]
+    assert f"- {note}" in (tmp_path / "decode-m.md").read_text()
+
+
 def test_workload_is_seeded_and_within_bounds():
     a = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
     b = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
