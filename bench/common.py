@@ -30,11 +30,6 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 class Deadline:
     """A wall-clock budget for optional work (peers): skipped rows say so in the report's notes."""
 

@@ -1,7 +1,8 @@
 """The transformers peers: the same architecture from the same config, random weights, on the same GPU.
 
 - eager decode with its DynamicCache filled to the context (what `generate` does by default);
-- static cache + torch.compile(mode="reduce-overhead") (transformers' documented fast path);
+- `generate(cache_implementation="static")`, which compiles its decode step with
+  torch.compile(mode="reduce-overhead") (transformers' documented fast path);
 - eager prefill (one forward over the prompt, logits of the last token only).
 """
 from __future__ import annotations
@@ -64,31 +65,6 @@ def decode_eager_step(model, batch_size: int, context_len: int) -> Callable[[], 
         n = cache.get_seq_length()
         pos = torch.full((batch_size, 1), n, device=p.device, dtype=torch.long)
         return model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
-
-    return step
-
-
-def decode_static_compiled_step(model, batch_size: int, context_len: int) -> Callable[[], object]:
-    """One decode step with a StaticCache of context_len + 16 slots, the forward compiled with
-    mode="reduce-overhead" (CUDA graphs through Inductor). Each call decodes at position context_len."""
-    from transformers import StaticCache
-    p = next(model.parameters())
-    cache = StaticCache(config=model.config, max_cache_len=context_len + 16)
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, 1), device=p.device)
-    pos = torch.full((batch_size, 1), context_len, device=p.device, dtype=torch.long)
-    cache_position = torch.tensor([context_len], device=p.device)
-    # one eager step initialises the cache's tensors (lazily sized by batch); then fill them
-    model(input_ids=ids, position_ids=pos, cache_position=cache_position, past_key_values=cache, use_cache=True)
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                t.normal_()
-    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-
-    def step():
-        return forward(input_ids=ids, position_ids=pos, cache_position=cache_position,
-                       past_key_values=cache, use_cache=True).logits
 
     return step
 

@@ -42,12 +42,6 @@ class Ceilings:
     matmul_flops_per_s: float  # bf16 dense matmul
     device_name: str
 
-    def memory_floor_ms(self, bytes_moved: float) -> float:
-        return bytes_moved / self.copy_bytes_per_s * 1e3
-
-    def compute_floor_ms(self, flops: float) -> float:
-        return flops / self.matmul_flops_per_s * 1e3
-
 
 def measure_ceilings(device: str = "cuda") -> Ceilings:
     if not torch.cuda.is_available():
