@@ -80,6 +80,16 @@ def test_report_notes_a_skipped_plot_in_json_and_markdown(tmp_path):
     assert f"- {note}" in (tmp_path / "decode-m.md").read_text()
 
 
+def test_decode_peer_note_names_only_the_peers_run():
+    from bench.decode import peer_note
+    eager_only = peer_note([(1, 512), (32, 512)], [])  # --peers eager, or no CUDA: nothing compiled ran
+    assert "hf_eager at bs1 ctx512, bs32 ctx512" in eager_only
+    assert "compiled" not in eager_only
+    both = peer_note([(1, 512)], [(1, 512)])
+    assert "hf_static_compiled and ours_reduce_overhead at bs1 ctx512" in both
+    assert "no point of this grid" in peer_note([], [])
+
+
 def test_workload_is_seeded_and_within_bounds():
     a = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
     b = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
