@@ -169,20 +169,23 @@ class ModelRunner:
 
         The tokens are split over num_seqs sequences; every slot and block-table entry is in the
         scratch block, so it needs no KV pool beyond block 0 and never disturbs a live sequence.
+        Tokens that num_seqs sequences of max_model_len cannot hold are padding, as in a padded
+        real step: a bucket or token budget may exceed what max_num_seqs full-length requests fill.
         """
-        if not 1 <= num_seqs <= num_tokens:
-            raise ValueError(f"dummy step needs 1 <= num_seqs ({num_seqs}) <= num_tokens ({num_tokens})")
-        base, extra = divmod(num_tokens, num_seqs)
+        if not 1 <= num_seqs <= min(num_tokens, self.buffers.max_seqs):
+            raise ValueError(f"dummy step needs 1 <= num_seqs ({num_seqs}) <= num_tokens ({num_tokens}) "
+                             f"and <= max_num_seqs ({self.buffers.max_seqs})")
+        num_real = min(num_tokens, num_seqs * self.max_model_len)
+        base, extra = divmod(num_real, num_seqs)
         lens = [base + (i < extra) for i in range(num_seqs)]
-        if max(lens) > self.max_model_len:
-            raise ValueError(f"dummy sequence of {max(lens)} tokens exceeds max_model_len ({self.max_model_len})")
         query_start_loc = [0]
         positions: list[int] = []
         for n in lens:
             query_start_loc.append(query_start_loc[-1] + n)
             positions.extend(range(n))
         slots = [self.scratch_slot + p % self.block_size for p in positions]
-        self.buffers.load([0] * num_tokens, positions, slots, query_start_loc, lens, [[]] * num_seqs,
-                          [q - 1 for q in query_start_loc[1:]])
+        pad = num_tokens - num_real
+        self.buffers.load([0] * num_tokens, positions + [0] * pad, slots + [self.scratch_slot] * pad,
+                          query_start_loc, lens, [[]] * num_seqs, [q - 1 for q in query_start_loc[1:]])
         max_seq_len = self.max_model_len if uniform_decode else max(lens)
-        return self.buffers.metadata(num_tokens, num_seqs, num_tokens, max(lens), max_seq_len, uniform_decode)
+        return self.buffers.metadata(num_tokens, num_seqs, num_real, max(lens), max_seq_len, uniform_decode)

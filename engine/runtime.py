@@ -127,8 +127,9 @@ def _check_blocks(num_blocks: int, min_blocks: int, config: EngineConfig) -> Non
 
 
 def _dummy_seqs(num_tokens: int, config: EngineConfig) -> int:
-    """Sequences to split a dummy step of num_tokens into: each within max_model_len."""
-    return min(num_tokens, max(1, -(-num_tokens // config.max_model_len)))
+    """Sequences to split a dummy step of num_tokens into: each within max_model_len, at most
+    max_num_seqs (the static buffers' rows); what they cannot hold is padding (load_dummy)."""
+    return min(num_tokens, config.max_num_seqs, max(1, -(-num_tokens // config.max_model_len)))
 
 
 def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int:
@@ -140,7 +141,7 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int
         base = torch.cuda.memory_allocated(runner.device)
     max_tokens = config.max_num_batched_tokens
     num_seqs = min(config.max_num_seqs, max_tokens)
-    for tokens, seqs, uniform in ((max_tokens, max(_dummy_seqs(max_tokens, config), 1), False),
+    for tokens, seqs, uniform in ((max_tokens, _dummy_seqs(max_tokens, config), False),
                                   (num_seqs, num_seqs, True)):
         meta = runner.load_dummy(tokens, seqs, uniform)
         hidden = runner.run_forward(meta, RuntimeMode.NONE, tokens)

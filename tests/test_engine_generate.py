@@ -14,9 +14,10 @@ import pytest
 import torch
 import transformers
 
-from custom_ops import RuntimeMode
+from custom_ops import SCRATCH_BLOCK, RuntimeMode
 from engine import LLM, InvalidRequestError, SamplingParams
 from engine.dispatch import Dispatcher
+from engine.runtime import _dummy_seqs, _warm_up
 from engine.__main__ import main as cli_main
 
 COMMON = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0,
@@ -225,3 +226,17 @@ def test_cli_generates_text_with_a_tokenizer(tmp_path, capsys, saved_models):
                      "--max-tokens", "4", "--ignore-eos", "--max-model-len", "64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("The capital of France is") and "tokens/s" in out and "graphs:" in out
+
+
+def test_warm_up_pads_a_token_budget_that_max_num_seqs_full_length_requests_cannot_fill(saved_models):
+    """64 tokens of budget, 2 sequences of at most 16: the dummy step (the warm-up of every CUDA or
+    compiled engine, and each piecewise capture) makes the 32 tokens that do not fit padding."""
+    path, expected = saved_models["llama"]
+    llm = LLM(str(path), **{**SMALL, "max_model_len": 16, "max_num_seqs": 2, "max_num_batched_tokens": 64})
+    runner = llm.runtime.runner
+    with torch.inference_mode():  # as at start-up: the static buffers are inference tensors
+        meta = runner.load_dummy(64, _dummy_seqs(64, llm.config), uniform_decode=False)
+        assert meta.num_seqs == 2 and meta.num_actual_tokens == 32 and meta.seq_lens.tolist() == [16, 16]
+        assert (meta.slot_mapping // llm.config.block_size == SCRATCH_BLOCK).all()
+        _warm_up(runner, llm.runtime.sampler, llm.config)
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids == expected[0]
