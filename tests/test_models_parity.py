@@ -119,8 +119,9 @@ def test_32_greedy_tokens_match_transformers_generate(pair):
 def test_paged_decode_logits_equal_full_prefill(pair, prefill_chunk):
     """Prefill a prefix (whole, token by token, or in chunks of 5) and decode the rest one token at a
     time through the paged cache (block size 4, scrambled block tables, two sequences batched): every
-    position's logits equal those of one cache-free forward over the whole sequence."""
-    _, ours = pair
+    position's logits equal those of one cache-free forward over the whole sequence, and those of
+    transformers over the whole sequence."""
+    hf, ours = pair
     sequences = [_prompt(23, 3), _prompt(14, 4)]
     prefixes = [s[:9] for s in sequences]
     # Teacher-forced: feed the known continuation instead of argmax so every position is compared.
@@ -149,4 +150,5 @@ def test_paged_decode_logits_equal_full_prefill(pair, prefill_chunk):
         ids = torch.tensor(seq)
         full = ours.compute_logits(ours(ids, torch.arange(len(seq))))
         torch.testing.assert_close(torch.cat(parts), full, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.cat(parts), hf(ids[None]).logits[0], atol=1e-4, rtol=0)
         assert any(len(t) > 1 for t in tables)  # sequences did cross block boundaries
