@@ -49,6 +49,9 @@ def test_model_cost_counts_tied_embedding_once():
     n_params = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     assert cost.weight_bytes == 4 * n_params
     assert cost.matmul_params == n_params - 256 * 64
+    # The same count from the config alone (hidden 64, 4 q / 2 kv heads of 16, MLP 128, 2 layers, tied):
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64  # qkv, o, gate/up/down, 2 norms
+    assert n_params == 2 * per_layer + 256 * 64 + 64                  # + embedding, final norm
     assert cost.kv_bytes_per_token() == 2 * (2 * 2 * 16 * 4)
 
 
