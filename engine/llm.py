@@ -64,6 +64,7 @@ class LLM:
                                    self.config.max_num_batched_tokens, self.config.max_model_len,
                                    tuple(model.config.eos_token_ids))
         self._requests: dict[str, Request] = {}
+        self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -101,13 +102,25 @@ class LLM:
         self.scheduler.add(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request runs or waits, or a streamed request's token awaits its step() output."""
+        return self.scheduler.has_unfinished() or bool(self._unreported)
 
     # -- stepping -------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one step; an output for every request that got a token (finished ones included)."""
+        """Run one step; an output for every request that got a token (finished ones included).
+
+        Requests added with add_request that got tokens while generate() ran are reported here too
+        (their latest state), so a stream interleaved with generate() still sees every request finish.
+        """
+        sampled = self._step()
+        late = [r for r in self._unreported.values() if r not in sampled]
+        self._unreported.clear()
+        return [self._output(r) for r in late + sampled]
+
+    @torch.inference_mode()
+    def _step(self) -> list[Request]:
+        """Run one step; the requests that got a token, in chunk order."""
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
@@ -119,11 +132,10 @@ class LLM:
         self.scheduler.update(out, tokens, time.perf_counter())
         self.num_steps += 1
         self.num_generated_tokens += len(tokens)
-        outputs = [self._output(r) for r in sampling]
         for request in sampling:
             if request.is_finished:
                 del self._requests[request.request_id]
-        return outputs
+        return sampling
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -141,8 +153,13 @@ class LLM:
         requests = [self._validated(p, sp, f"{base}.{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         for request in requests:
             self._admit(request)
+        # Outputs are built once at the end, not per step; tokens that streamed requests (added
+        # with add_request) get meanwhile are kept for their next step() instead of being dropped.
+        own = set(requests)
         while any(not r.is_finished for r in requests):
-            self.step()
+            for request in self._step():
+                if request not in own:
+                    self._unreported[request.request_id] = request
         return [self._output(r) for r in requests]
 
     def _output(self, request: Request) -> RequestOutput:

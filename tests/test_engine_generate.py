@@ -209,6 +209,23 @@ def test_streaming_step_reports_each_token(saved_models, llama_llm):
     assert seen == expected[3]
 
 
+def test_a_stream_interleaved_with_generate_still_sees_its_request_finish(saved_models, llama_llm):
+    """generate() steps every request in flight; a request added with add_request that finishes
+    meanwhile is reported by the next step(), not dropped."""
+    _, expected = saved_models["llama"]
+    rid = llama_llm.add_request(PROMPTS[3], SamplingParams(max_tokens=MAX_TOKENS))
+    llama_llm.step()
+    long = SamplingParams(max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+    outputs = llama_llm.generate([PROMPTS[0], PROMPTS[2]], long)
+    assert [o.token_ids[:len(expected[i])] for o, i in zip(outputs, (0, 2))] == [expected[0], expected[2]]
+    assert llama_llm.has_unfinished_requests()  # the stream's last output is still to be reported
+    last = {}
+    while llama_llm.has_unfinished_requests():
+        for out in llama_llm.step():
+            last[out.request_id] = out
+    assert list(last) == [rid] and last[rid].finished and last[rid].token_ids == expected[3]
+
+
 def test_cli_generates_text_with_a_tokenizer(tmp_path, capsys, saved_models):
     """The command line on a tiny Gemma 3 that borrows the default model's tokenizer (if converted)."""
     default_dir = Path.home() / ".cache" / "infer_graphs" / "gemma-3-270m"
