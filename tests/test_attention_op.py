@@ -1,10 +1,11 @@
-"""torch.library.opcheck on infer::attention: schema (declared mutation of `out`), fake impl, and
-dispatch registrations, with and without a sliding window / softcap, MHA and GQA, and under a
-forward context with a paged KV cache."""
+"""infer::attention: torch.library.opcheck (schema with the declared mutation of `out`, fake impl,
+dispatch registrations) and the CPU implementation's numerics against plain torch, with and without
+a sliding window / softcap, MHA and GQA, without a forward context and with a paged KV cache."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import custom_ops
 from custom_ops import AttentionLayer, register_attention_layer
@@ -49,3 +50,59 @@ def test_opcheck_with_paged_cache(heads, kv_heads, window, softcap):
             torch.library.opcheck(torch.ops.infer.attention.default, (*_inputs(4, heads, kv_heads), name))
     finally:
         custom_ops.bind_kv_cache(name, None)
+
+
+def _plain_attention(q, k, v, q_pos, k_pos, window, softcap):
+    """Plain torch, independent of custom_ops.reference: SDPA with an explicit causal / window mask,
+    or (softcap, which SDPA has no hook for) the scores written out; K/V expanded to every q head."""
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (x.transpose(0, 1) for x in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    distance = q_pos[:, None] - k_pos[None, :]
+    visible = (distance >= 0) & (distance < window if window else True)
+    if softcap is None:
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=16 ** -0.5).transpose(0, 1)
+    scores = softcap * torch.tanh(qh @ kh.transpose(1, 2) * 16 ** -0.5 / softcap)
+    return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vh).transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,softcap", VARIANTS)
+def test_op_without_context_matches_plain_torch(heads, kv_heads, window, softcap):
+    name = _layer(f"plain.dense.{heads}.{kv_heads}.{window}.{softcap}", heads, kv_heads, window, softcap)
+    q, k, v, out = _inputs(11, heads, kv_heads)
+    torch.ops.infer.attention(q, k, v, out, name)
+    pos = torch.arange(11)
+    torch.testing.assert_close(out, _plain_attention(q, k, v, pos, pos, window, softcap))
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,softcap", VARIANTS)
+def test_op_with_paged_cache_matches_plain_torch_over_the_whole_sequence(heads, kv_heads, window, softcap):
+    """Sequence 0: 5 cached + 3 new tokens, sequence 1: 2 cached + 1 new, blocks out of order. The new
+    rows equal plain attention over each whole sequence; the new K/V land in their slots."""
+    name = _layer(f"plain.paged.{heads}.{kv_heads}.{window}.{softcap}", heads, kv_heads, window, softcap)
+    block_size, tables, cached, new = 4, [[3, 1], [5]], [5, 2], [3, 1]
+    kv = custom_ops.allocate_kv_cache(8, block_size, kv_heads, 16, torch.float32, "cpu")
+    keys = [torch.randn(c + n, kv_heads, 16) for c, n in zip(cached, new)]
+    values = [torch.randn(c + n, kv_heads, 16) for c, n in zip(cached, new)]
+    for table, c, seq_k, seq_v in zip(tables, cached, keys, values):
+        for pos in range(c):
+            kv[0, table[pos // block_size], pos % block_size] = seq_k[pos]
+            kv[1, table[pos // block_size], pos % block_size] = seq_v[pos]
+    q = torch.randn(sum(new), heads, 16)
+    k = torch.cat([seq_k[c:] for seq_k, c in zip(keys, cached)])
+    v = torch.cat([seq_v[c:] for seq_v, c in zip(values, cached)])
+    out = torch.full_like(q, float("nan"))
+    custom_ops.bind_kv_cache(name, kv)
+    try:
+        with custom_ops.forward_context(build_metadata(block_size, tables, cached, new)):
+            torch.ops.infer.attention(q, k, v, out, name)
+    finally:
+        custom_ops.bind_kv_cache(name, None)
+    start = 0
+    for table, c, n, seq_k, seq_v in zip(tables, cached, new, keys, values):
+        expected = _plain_attention(q[start:start + n], seq_k, seq_v, torch.arange(c, c + n),
+                                    torch.arange(c + n), window, softcap)
+        torch.testing.assert_close(out[start:start + n], expected)
+        last = c + n - 1
+        assert torch.equal(kv[0, table[last // block_size], last % block_size], seq_k[last])
+        assert torch.equal(kv[1, table[last // block_size], last % block_size], seq_v[last])
+        start += n
