@@ -23,8 +23,15 @@ from bench.measure import Report
 COLUMNS = ["cache", "kind", "size", "capture_s", "graph_mib"]
 
 
+def _require_cuda() -> None:
+    # Without CUDA nothing is captured: every capture time and graph size would be a 0 never measured.
+    if not torch.cuda.is_available():
+        raise RuntimeError("the capture suite needs a CUDA device: graphs are captured only there")
+
+
 def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024) -> dict:
     """Run in THIS process: compile + capture every default size; per-size seconds and bytes."""
+    _require_cuda()
     from compile_backend import graph_pool, pool_bytes
     from custom_ops import RuntimeMode
     from engine.compile import compile_model
@@ -110,6 +117,7 @@ def _child(model: str, cache_dir: str, timeout_s: float) -> dict:
 
 
 def run(model: str, timeout_s: float = 400, **_: object) -> Report:
+    _require_cuda()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as cache_dir:
         runs["cold"] = _child(model, cache_dir, timeout_s)

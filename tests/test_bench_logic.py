@@ -105,6 +105,14 @@ def test_summary_capture_goal_reads_the_report_and_tolerates_a_missing_cold_run(
     assert status == f"met (capture; with the warm compile the start-up is over {CAPTURE_SECONDS_GOAL:g} s)"
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU refusal")
+def test_capture_suite_refuses_to_report_zeros_without_cuda():
+    from bench import capture
+    for call in (lambda: capture.measure("tiny-llama"), lambda: capture.run("tiny-llama")):
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            call()
+
+
 def test_workload_is_seeded_and_within_bounds():
     a = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
     b = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
