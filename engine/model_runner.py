@@ -104,15 +104,15 @@ class ModelRunner:
         dispatch = self.dispatcher.dispatch(BatchDescriptor(out.num_tokens, out.is_uniform_decode))
         full = dispatch.mode is RuntimeMode.FULL
         num_padded = dispatch.descriptor.num_tokens
-        meta, sample_rows = self._prepare(out, pool, num_padded, full)
+        meta, num_sampling = self._prepare(out, pool, num_padded, full)
+        rows = self.buffers.logits_indices[:num_sampling]  # under FULL, a token's row is its chunk's
         if full:
             logits = self.decode_graphs.replay(num_padded, len(out.chunks))
-            if len(sample_rows) != len(out.chunks):
-                logits = logits[torch.tensor(sample_rows, device=logits.device)]
+            if num_sampling != len(out.chunks):  # a 1-token chunk short of its request's end samples nothing
+                logits = logits[rows]
             return StepResult(logits, dispatch)
         hidden = self.run_forward(meta, dispatch.mode, num_padded)
-        logits = self.model.compute_logits(hidden[self.buffers.logits_indices[:len(sample_rows)]])
-        return StepResult(logits, dispatch)
+        return StepResult(self.model.compute_logits(hidden[rows]), dispatch)
 
     def run_forward(self, meta: AttentionMetadata, mode: RuntimeMode, num_tokens: int) -> torch.Tensor:
         """The model over the first num_tokens buffered tokens, under the step's forward context."""
@@ -123,7 +123,9 @@ class ModelRunner:
             return self.forward(ids, positions)
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
-                 full: bool) -> tuple[AttentionMetadata, list[int]]:
+                 full: bool) -> tuple[AttentionMetadata | None, int]:
+        """Load the step into the static buffers; (its metadata, or None under FULL, where the decode
+        graph reads the buffer slices it was captured with; the number of sampling chunks)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -131,9 +133,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         logits_indices: list[int] = []
-        sample_rows: list[int] = []
         block_size = self.block_size
-        for row, chunk in enumerate(out.chunks):
+        for chunk in out.chunks:
             request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
             table = pool.block_table(request.request_id)
             ids.extend(request.token_ids[start:end])
@@ -144,7 +145,6 @@ class ModelRunner:
             tables.append(table)
             if chunk.samples:
                 logits_indices.append(query_start_loc[-1] - 1)
-                sample_rows.append(row)
         num_tokens, num_seqs = len(ids), len(out.chunks)
         pad = num_padded - num_tokens
         ids += [0] * pad
@@ -156,13 +156,12 @@ class ModelRunner:
             query_start_loc += range(num_tokens + 1, num_padded + 1)
             seq_lens += [1] * pad
             tables += [[]] * pad
-            num_seqs = num_padded
         self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices)
-        meta = self.buffers.metadata(
-            num_padded, num_seqs, num_padded if full else num_tokens,
-            max(c.num_tokens for c in out.chunks), self.max_model_len if full else max(seq_lens),
-            out.is_uniform_decode)
-        return meta, sample_rows
+        if full:
+            return None, len(logits_indices)
+        meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max(c.num_tokens for c in out.chunks),
+                                     max(seq_lens), out.is_uniform_decode)
+        return meta, len(logits_indices)
 
     def load_dummy(self, num_tokens: int, num_seqs: int, uniform_decode: bool) -> AttentionMetadata:
         """Metadata for a warm-up or capture step that touches only the scratch block.

@@ -154,6 +154,29 @@ def test_padded_full_and_piecewise_steps_give_the_same_tokens(saved_models, arch
     assert set(stats["decode_graph_replays_by_size"]) == {2, 4}  # 1 -> 2 and 3 -> 4 are padded
 
 
+
+def test_full_step_with_a_one_token_prefill_chunk_samples_only_the_rows_that_end_a_request(saved_models):
+    """A budget of 4 with 3 decodes leaves 1 token for a prefill: a uniform FULL batch in which one
+    row samples nothing, so the graph's logits are cut to the sampling rows."""
+    path, expected = saved_models["llama"]
+    llm = LLM(str(path), **{**SMALL, "max_num_batched_tokens": 4})
+    runner = llm.runtime.runner
+    runner.decode_graphs = _EagerDecodeGraphs(runner, (2, 4))
+    runner.dispatcher = Dispatcher((2, 4), (), decode_graphs_wanted=True)
+    schedule, partial = llm.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        if out.is_uniform_decode and not all(c.samples for c in out.chunks):
+            partial.append(len(out.chunks))
+        return out
+
+    llm.scheduler.schedule = spy
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == expected
+    assert partial and llm.stats()["modes"]["full"] > 0
+
+
 @pytest.fixture(scope="module")
 def llama_llm(saved_models) -> LLM:
     return LLM(str(saved_models["llama"][0]), **SMALL)
