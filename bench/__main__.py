@@ -11,10 +11,17 @@ import sys
 SUITES = ("floor", "decode", "prefill", "capture", "serving")
 
 
+def gpu_tag(device_name: str) -> str:
+    """The model in a device name: its first word with a digit ("NVIDIA H100 80GB HBM3" -> "h100";
+    the last word would be the memory type, "hbm3")."""
+    words = device_name.split()
+    tag = next((w for w in words if any(c.isdigit() for c in w)), words[-1] if words else "gpu")
+    return "".join(c for c in tag.lower() if c.isalnum() or c == "-")
+
+
 def default_out_dir() -> str:
     import torch
-    gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
-    gpu = "".join(c for c in gpu if c.isalnum() or c == "-")
+    gpu = gpu_tag(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
     return os.path.join("bench", "results", f"{gpu}-{datetime.date.today().isoformat()}")
 
 

@@ -113,6 +113,14 @@ def test_capture_suite_refuses_to_report_zeros_without_cuda():
             call()
 
 
+def test_default_results_dir_is_named_for_the_gpu_model():
+    from bench.__main__ import gpu_tag
+    assert gpu_tag("NVIDIA H100 80GB HBM3") == "h100"  # the last word, "HBM3", was used before
+    assert gpu_tag("NVIDIA H200") == "h200"
+    assert gpu_tag("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
+    assert gpu_tag("NVIDIA GeForce RTX 4090") == "4090"
+
+
 def test_workload_is_seeded_and_within_bounds():
     a = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
     b = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
