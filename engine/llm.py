@@ -10,6 +10,7 @@ InvalidRequestError naming it and leaves the requests in flight untouched.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -215,9 +216,8 @@ class LLM:
             "piecewise_capture_seconds": self.runtime.piecewise_capture_seconds,
             **self.runtime.memory,
         }
-        backend = self.runtime.backend
-        if backend is not None and hasattr(backend, "stats"):
-            stats["backend"] = _as_dict(backend.stats)
+        if self.runtime.backend is not None:
+            stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
         return stats
 
 
@@ -228,12 +228,3 @@ def _load_tokenizer(name: str) -> Any:
     except Exception as exc:  # a weights-only dir (tests, converted checkpoints) has no tokenizer
         logger.info("no tokenizer for %s (%s): prompts must be token ids", name, exc)
         return None
-
-
-def _as_dict(stats: Any) -> Any:
-    if callable(stats):
-        stats = stats()
-    if hasattr(stats, "__dataclass_fields__"):
-        import dataclasses
-        return dataclasses.asdict(stats)
-    return stats

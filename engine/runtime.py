@@ -23,6 +23,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
 
+if TYPE_CHECKING:
+    from compile_backend import InferGraphsBackend
+
 logger = logging.getLogger("engine")
 GRAPH_OVERHEAD_BYTES = 8 * 2**20  # per decode graph, outside the caching allocator (a margin)
 
@@ -46,7 +50,7 @@ class Runtime:
     kv_cache: KVCache
     block_pool: BlockPool
     sampler: Sampler
-    backend: object | None = None           # the compile backend (for its stats), if compiled
+    backend: InferGraphsBackend | None = None  # the compile backend (for its stats), if compiled
     memory: dict[str, int] = field(default_factory=dict)  # start-up measurements, bytes
     piecewise_capture_seconds: float = 0.0
 
@@ -73,7 +77,6 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
         kv_cache.allocate(num_blocks)
         if config.compile:
             _warm_up(runner, sampler, config)  # compiles now, not in the first request's step
-        runner.dispatcher = Dispatcher()
         return Runtime(runner, kv_cache, BlockPool(num_blocks, config.block_size), sampler, backend)
 
     kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
@@ -159,7 +162,7 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
 
 
-def _capture_piecewise(runner: ModelRunner, backend, config: EngineConfig) -> float:
+def _capture_piecewise(runner: ModelRunner, backend: InferGraphsBackend, config: EngineConfig) -> float:
     """Let the backend capture its piecewise graphs now, largest size first, on scratch-only dummy steps."""
     sizes = sorted(config.prefill_graph_sizes, reverse=True)
     start = time.perf_counter()
