@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 class InferGraphsBackend:
     def __init__(self, config: BackendConfig | None = None, *, pool: Any = None):
         """`pool`: a graph pool handle for this backend's captures; default (None) is the process-wide
-        `graph_pool()` that the engine's full graphs share. A separate pool is for measurements."""
+        `graph_pool()`. The engine passes its own pool, shared with its decode graphs (engine/runtime.py
+        says why); a separate pool also keeps a measurement's graph memory apart."""
         if config is not None and not isinstance(config, BackendConfig):
             raise TypeError(f"InferGraphsBackend expects a BackendConfig, got {type(config).__name__}")
         self.config = config or BackendConfig()

@@ -1,9 +1,10 @@
-"""The process-wide CUDA graph memory pool and the hygiene every capture needs.
+"""The process-wide CUDA graph memory pool (a backend's default) and the hygiene every capture needs.
 
-All graphs (the backend's piecewise graphs and the engine's full decode graphs) capture into ONE
-private pool: a graph's intermediates and (weakly held) outputs are free blocks of that pool once its
-capture ends, so the next capture (smaller sizes come later) reuses them instead of growing memory.
-This is safe because graphs replay one at a time, in step order.
+The graphs of one owner capture into ONE private pool: a graph's intermediates and (weakly held)
+outputs are free blocks of that pool once its capture ends, so the next capture (smaller sizes come
+later) reuses them instead of growing memory. This is safe because those graphs replay one at a
+time, in step order. A backend given no pool uses the process-wide one; an engine passes a pool of
+its own, shared by its piecewise and decode graphs (engine/runtime.py says why).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def graph_pool() -> Any:
-    """The process-wide graph pool handle; pass it as `pool=` to every torch.cuda.graph capture.
+    """The process-wide graph pool handle: the default pool of an InferGraphsBackend given none.
 
     A handle from `graph_pool_handle()` does not keep its pool alive: once every graph captured into
     it is freed (a backend dropped, `torch._dynamo.reset()`), the allocator retires the pool and the

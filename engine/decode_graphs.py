@@ -63,10 +63,8 @@ class DecodeGraphs:
         """Warm up once eagerly, then capture the decode forward for batch_size rows."""
         runner = self.runner
         meta = runner.load_dummy(batch_size, batch_size, uniform_decode=True)
-        # Warm-up outside capture: lazy initialisation (kernel autotuning, cuBLAS workspaces,
-        # Dynamo guards) must not happen inside the graph.
-        # The warm-up runs on the capture stream, so per-stream library state (cuBLAS workspaces)
-        # exists before the capture instead of being allocated inside it.
+        # Warm-up outside capture, on the capture stream: lazy initialisation (kernel autotuning,
+        # Dynamo guards, per-stream cuBLAS workspaces) must exist before the graph, not inside it.
         self.stream.wait_stream(torch.cuda.current_stream(runner.device))
         with torch.cuda.stream(self.stream):
             hidden = runner.run_forward(meta, RuntimeMode.FULL, batch_size)
