@@ -3,8 +3,8 @@
 Requests arrive on a Poisson clock (seeded), each with a random prompt and output length
 (ignore_eos, so every run generates exactly the same tokens). The driver adds each request when
 its arrival time has passed and steps the engine; TTFT is arrival -> first token, ITL the gaps
-between a request's tokens. Every configuration compiles with the infer_graphs backend; they
-differ only in which CUDA graphs they use.
+between a request's tokens. Every configuration compiles with the infer_graphs backend on CUDA
+(the engine's default; each row says so); they differ only in which CUDA graphs they use.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ CONFIGS = {
     "decode graphs": dict(cuda_graphs=True, prefill_graphs=False),
     "decode + prefill graphs": dict(cuda_graphs=True, prefill_graphs=True),
 }
+BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every LLM, so the report's note states what ran
 COLUMNS = ["config", "requests", "output_tokens", "makespan_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-           "itl_p50_ms", "itl_p99_ms", "mode_counts"]
+           "itl_p50_ms", "itl_p99_ms", "mode_counts", "compiled"]
 
 
 def drive(llm, specs) -> dict:
@@ -65,15 +66,16 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     net = build_model(model)
     specs = make_workload(num_requests, rate, prompt_len, output_len, net.config.vocab_size, seed=0)
     max_model_len = prompt_len[1] + output_len[1] + 16
-    blocks = 1 + max_num_seqs * -(-max_model_len // 16)
+    blocks = 1 + max_num_seqs * -(-max_model_len // BLOCK_SIZE)
     report = Report("serving", model, torch.cuda.get_device_name() if on_cuda else "cpu", COLUMNS)
     report.notes.append(
         f"{num_requests} requests, Poisson arrivals at {rate:g}/s (seed 0), prompt {prompt_len[0]}-{prompt_len[1]} "
         f"tokens, output {output_len[0]}-{output_len[1]} tokens (ignore_eos), max_num_seqs={max_num_seqs}, "
-        f"max_num_batched_tokens=1024, {blocks} KV blocks of 16; every config compiled (infer_graphs backend); each measured run follows a warm-up run of the same requests")
+        f"max_num_batched_tokens={MAX_NUM_BATCHED_TOKENS}, {blocks} KV blocks of {BLOCK_SIZE}; each measured run follows a warm-up run of the same requests")
     chosen = list(configs or CONFIGS)
     for name in chosen:
-        llm = LLM(net, max_num_seqs=max_num_seqs, num_gpu_blocks=blocks, show_progress=False,
+        llm = LLM(net, max_num_seqs=max_num_seqs, num_gpu_blocks=blocks, block_size=BLOCK_SIZE,
+                  max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, show_progress=False,
                   max_model_len=max_model_len, **CONFIGS[name])
         # warm-up: the same requests all at once, so first-use work (Triton specializations of new
         # shapes, allocator growth) stays out of the measured run
@@ -84,6 +86,7 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
         modes = {k: v - stats_before.get(k, 0) for k, v in llm.runtime.runner.dispatcher.mode_counts.items()}
         report.add(config=name, mode_counts=" ".join(f"{k}:{v}" for k, v in sorted(modes.items())), **row)
         report.rows[-1]["fallbacks"] = llm.runtime.runner.dispatcher.fallbacks
+        report.rows[-1]["compiled"] = llm.config.compile  # the engine's default: on for CUDA only
         llm.runtime.kv_cache.release()
         del llm
         torch._dynamo.reset()

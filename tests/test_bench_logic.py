@@ -121,6 +121,17 @@ def test_default_results_dir_is_named_for_the_gpu_model():
     assert gpu_tag("NVIDIA GeForce RTX 4090") == "4090"
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_serving_report_states_the_settings_it_ran_with():
+    from bench import serving
+    report = serving.run("tiny-llama", requests=3, configs=["graphs off"])
+    assert f"max_num_batched_tokens={serving.MAX_NUM_BATCHED_TOKENS}" in report.notes[0]
+    assert f"KV blocks of {serving.BLOCK_SIZE}" in report.notes[0]
+    [row] = report.rows
+    assert row["requests"] == 3 and row["compiled"] is False  # the engine compiles on CUDA only
+    assert row["mode_counts"].startswith("none:")
+
+
 def test_workload_is_seeded_and_within_bounds():
     a = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
     b = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
