@@ -38,6 +38,12 @@ class DirectCalls:
             fn(*values, **kwargs)
 
 
+def _holds_node(value: Any) -> bool:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(value, found.append)
+    return bool(found)
+
+
 def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
     """DirectCalls when every node is a known op with placeholder/constant args and the piece
     returns nothing; otherwise the piece's own forward (still correct, just dispatcher-priced)."""
@@ -50,10 +56,9 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
         elif node.op == "output":
             if node.args[0] not in (None, (), []):
                 return piece.forward
-        elif node.op == "call_function" and op_name(node.target) is not None and not node.users:
-            if any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
+        elif node.op == "call_function" and (name := op_name(node.target)) is not None and not node.users:
+            if _holds_node(node.kwargs):
                 return piece.forward
-            name = op_name(node.target)
             base = name if isinstance(node.target, torch._ops.OpOverloadPacket) else name.rsplit(".", 1)[0]
             fn = impls.get(base)
             if fn is None:   # unknown op: skip the packet's overload resolution at least
@@ -65,6 +70,8 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
                         return piece.forward
                     slots.append((slot, inputs[arg]))
                     template.append(None)
+                elif _holds_node(arg):  # a list of tensors: the template cannot hold the values
+                    return piece.forward
                 else:
                     template.append(arg)
             calls.append((fn, template, slots, dict(node.kwargs)))

@@ -30,6 +30,16 @@ def _pair_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
 
 
+@torch.library.custom_op("infer_test::sum_into", mutates_args=("out",))
+def sum_into(xs: list[torch.Tensor], out: torch.Tensor) -> None:
+    out.copy_(sum(xs))
+
+
+@sum_into.register_fake
+def _sum_into_fake(xs: list[torch.Tensor], out: torch.Tensor) -> None:
+    return None
+
+
 def compile_and_run(module: torch.nn.Module, config: BackendConfig, num_tokens: int = 7, vocab: int = 100):
     torch._dynamo.reset()
     backend = InferGraphsBackend(config)
@@ -68,6 +78,22 @@ def test_attention_pieces_call_the_implementation_directly():
     graph = backend.graphs[0]
     direct = [graph.split.module.__dict__[p.name] for p in graph.split.summary.pieces if p.is_splitting]
     assert len(direct) == 2 and all(isinstance(d, DirectCalls) for d in direct)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+class _ListArg(torch.nn.Module):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        a, b = ids.float().sin()[:, None], positions.float().cos()[:, None]
+        out = torch.empty_like(a)
+        torch.ops.infer_test.sum_into([a, b], out)
+        return out * 2
+
+
+def test_a_splitting_op_with_a_list_of_tensors_runs_through_the_piece_not_direct_calls():
+    backend, got, expected = compile_and_run(_ListArg(), EAGER.replace(splitting_ops=("infer_test::sum_into",)))
+    graph = backend.graphs[0]
+    runners = [graph.split.module.__dict__[p.name] for p in graph.split.summary.pieces if p.is_splitting]
+    assert len(runners) == 1 and not isinstance(runners[0], DirectCalls)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
