@@ -21,10 +21,9 @@ def blocks_per_seq(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
 
 @dataclass
 class PagedKV:
+    """The model's layers with a cache bound (the layer registry holds the tensors until `release`)."""
+
     layer_names: list[str]
-    num_blocks: int
-    block_size: int
-    tensors: list[torch.Tensor]
 
     @classmethod
     def allocate(cls, model: torch.nn.Module, num_blocks: int, block_size: int = BLOCK_SIZE,
@@ -33,20 +32,17 @@ class PagedKV:
         names = list(model.attention_layer_names)
         dtype = model.model.embed_tokens.weight.dtype
         device = model.model.embed_tokens.weight.device
-        tensors = []
         for name in names:
             layer = get_attention_layer(name)
             cache = allocate_kv_cache(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype, device)
             if fill:
                 cache.normal_(0.0, 1.0)
             bind_kv_cache(name, cache)
-            tensors.append(cache)
-        return cls(names, num_blocks, block_size, tensors)
+        return cls(names)
 
     def release(self) -> None:
         for name in self.layer_names:
             bind_kv_cache(name, None)
-        self.tensors.clear()
 
 
 def step_metadata(num_seqs: int, context_len: int, query_len: int, device: torch.device | str,
