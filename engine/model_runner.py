@@ -8,6 +8,7 @@ under a forward context and compute logits only for the last token of each sampl
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,10 @@ from engine.dispatch import BatchDescriptor, Dispatch, Dispatcher
 from engine.scheduler import SchedulerOutput
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Host lists reach the staging tensors through array.array + torch.frombuffer: torch.tensor(list)
+# costs ~100 ns per int, which a decode step's block tables (max_seqs x max_model_len / block_size
+# entries) turn into most of a millisecond on the host path.
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}  # "i" is 32-bit wherever torch runs
 
 
 class StaticBuffers:
@@ -42,6 +47,7 @@ class StaticBuffers:
         # Marks when the last step's host -> device copies have run, so the next step does not
         # overwrite pinned staging memory that an asynchronous copy is still reading.
         self._copied = torch.cuda.Event() if pin else None
+        self._table_pad = array.array(_TYPECODES[torch.int32], [SCRATCH_BLOCK]) * max_blocks_per_seq
 
     def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
              seq_lens: list[int], tables: list[list[int]], logits_indices: list[int]) -> None:
@@ -49,7 +55,10 @@ class StaticBuffers:
         if self._copied is not None:
             self._copied.synchronize()
         width = self.max_blocks_per_seq
-        flat_tables = [b for row in tables for b in (row + [SCRATCH_BLOCK] * (width - len(row)))]
+        flat_tables = array.array(_TYPECODES[torch.int32])
+        for row in tables:  # each row padded with the scratch block to the full width
+            flat_tables.extend(row)
+            flat_tables.extend(self._table_pad[:width - len(row)])
         for device_buf, host_buf, values in (
             (self.input_ids, self._input_ids, ids), (self.positions, self._positions, positions),
             (self.slot_mapping, self._slot_mapping, slots),
@@ -60,7 +69,7 @@ class StaticBuffers:
         ):
             n = len(values)
             if n:
-                host_buf[:n] = torch.tensor(values, dtype=host_buf.dtype)
+                host_buf[:n] = torch.frombuffer(array.array(_TYPECODES[host_buf.dtype], values), dtype=host_buf.dtype)
                 device_buf[:n].copy_(host_buf[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

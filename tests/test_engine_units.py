@@ -11,6 +11,7 @@ from custom_ops import SCRATCH_BLOCK, RuntimeMode
 from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, default_decode_graph_sizes
 from engine.dispatch import BatchDescriptor, Dispatcher
+from engine.model_runner import StaticBuffers
 from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -60,6 +61,16 @@ def test_block_pool_refuses_without_partial_allocation():
     assert pool.grow("a", 8)
     assert not pool.grow("b", 8)  # needs 2, only 1 free
     assert pool.block_table("b") == [] and pool.num_free_blocks == 1
+
+
+def test_static_buffers_load_pads_each_block_table_row_with_the_scratch_block():
+    buffers = StaticBuffers(max_tokens=8, max_seqs=3, max_blocks_per_seq=4, device=torch.device("cpu"))
+    buffers.load([5, 6, 7], [0, 1, 9], [4, 5, 39], [0, 2, 3], [2, 10], [[1], [7, 8, 9]], [1, 2])
+    assert buffers.input_ids[:3].tolist() == [5, 6, 7] and buffers.positions[:3].tolist() == [0, 1, 9]
+    assert buffers.slot_mapping[:3].tolist() == [4, 5, 39] and buffers.logits_indices[:2].tolist() == [1, 2]
+    assert buffers.query_start_loc[:3].tolist() == [0, 2, 3] and buffers.seq_lens[:2].tolist() == [2, 10]
+    assert buffers.block_tables[:2].tolist() == [[1, 0, 0, 0], [7, 8, 9, 0]] and SCRATCH_BLOCK == 0
+    assert buffers.block_tables.dtype == torch.int32 and buffers.slot_mapping.dtype == torch.int64
 
 
 # -- scheduler ------------------------------------------------------------------------------------
