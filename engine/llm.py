@@ -18,7 +18,7 @@ from typing import Any, Sequence, Union
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.request import (
     InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
 )
@@ -35,10 +35,14 @@ class LLM:
         """`model`: an HF-format dir, a .gguf file, "default", or an already built models.CausalLM.
 
         `config_fields` are EngineConfig fields (max_num_seqs=..., prefill_graphs=..., ...).
-        `tokenizer`: a transformers tokenizer; by default the model directory's own (if it has one).
+        `tokenizer`: a transformers tokenizer, or the name / path of one to load (EngineConfig.tokenizer,
+        which must then load); by default the model directory's own, if it has one.
         """
         import models
 
+        if isinstance(tokenizer, str):
+            config_fields["tokenizer"], tokenizer = tokenizer, None
+        model_dir = model if isinstance(model, str) else None
         name = model if isinstance(model, str) else f"<{type(model).__name__} instance>"
         if not isinstance(model, str):
             # A built model fixes the dtype and device the KV cache and buffers must match.
@@ -51,10 +55,10 @@ class LLM:
             load_start = time.perf_counter()
             model = models.from_pretrained(model, dtype=dtype, device=device)
             logger.info("loaded %s in %.1f s", name, time.perf_counter() - load_start)
-            if tokenizer is None:
-                tokenizer = _load_tokenizer(config.tokenizer or name)
-        elif config.tokenizer is not None and tokenizer is None:
-            tokenizer = _load_tokenizer(config.tokenizer)
+        if tokenizer is None and config.tokenizer is not None:
+            tokenizer = _load_tokenizer(config.tokenizer, required=True)
+        elif tokenizer is None and model_dir is not None:
+            tokenizer = _load_tokenizer(model_dir, required=False)
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model.config
@@ -221,10 +225,14 @@ class LLM:
         return stats
 
 
-def _load_tokenizer(name: str) -> Any:
+def _load_tokenizer(name: str, required: bool) -> Any:
+    """The tokenizer `name` names; when not required (the model directory's own), None if it has none."""
     import models
     try:
         return models.load_tokenizer(name)
-    except Exception as exc:  # a weights-only dir (tests, converted checkpoints) has no tokenizer
+    except Exception as exc:
+        if required:
+            raise ConfigError(f"EngineConfig.tokenizer={name!r} could not be loaded: {exc}") from exc
+        # a weights-only dir (tests, converted checkpoints) has no tokenizer
         logger.info("no tokenizer for %s (%s): prompts must be token ids", name, exc)
         return None

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from custom_ops import SCRATCH_BLOCK, RuntimeMode
-from engine import LLM, InvalidRequestError, SamplingParams
+from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
 from engine.dispatch import Dispatcher
 from engine.runtime import _dummy_seqs, _warm_up
 from engine.__main__ import main as cli_main
@@ -212,6 +212,11 @@ def test_bad_request_is_refused_by_name_and_in_flight_requests_are_unaffected(sa
             if out.finished:
                 finished[out.request_id] = out
     assert list(finished) == [good] and finished[good].token_ids == expected[1]
+
+
+def test_a_tokenizer_that_was_asked_for_and_does_not_load_is_a_config_error(saved_models, tmp_path):
+    with pytest.raises(ConfigError, match="EngineConfig.tokenizer="):
+        LLM(str(saved_models["llama"][0]), tokenizer=str(tmp_path / "missing"), **SMALL)
 
 
 def test_generate_validates_every_prompt_before_running_any(llama_llm):
