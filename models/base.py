@@ -12,8 +12,43 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops import unique_prefix
-from models.config import ModelConfig
-from models.layers import Linear, init_random_
+from models.config import ModelConfig, RopeParams
+from models.layers import Embedding, Linear, RotaryEmbedding, init_random_
+
+
+class DecoderModel(nn.Module):
+    """embed -> decoder layers -> final norm: the stack every model here shares, named like
+    transformers' `model.*` so checkpoint names map. Each model gives its layers, its final norm,
+    its rope tables (`ropes`, with `layer_rope[i]` the table of layer i) and, for Gemma, the
+    embedding scale.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module,
+        ropes: tuple[RopeParams, ...], layer_rope: list[int], embed_scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.dtype)
+        # transformers multiplies by the scale rounded to the weight dtype; a buffer (not a Python
+        # float) keeps that rounding when the model is cast with .to(dtype).
+        self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(
+            embed_scale, dtype=config.dtype), persistent=False)
+        self.rotary = nn.ModuleList(
+            RotaryEmbedding(params, config.head_dim, config.max_position_embeddings) for params in ropes)
+        self.layer_rope = list(layer_rope)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale.to(h.dtype)
+        # Every table is gathered once per step and shared by its layers; which table a layer reads is
+        # static, so the choice is resolved at trace time and leaves no branch in the graph.
+        tables = [rotary(positions, h.dtype) for rotary in self.rotary]
+        for layer, rope in zip(self.layers, self.layer_rope):
+            h = layer(h, *tables[rope])
+        return self.norm(h)
 
 
 class CausalLM(nn.Module):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.base import CausalLM
+from models.base import CausalLM, DecoderModel
 from models.config import SLIDING, ModelConfig
-from models.layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from models.layers import Attention, GatedMLP, RMSNorm
 
 
 def _norm(config: ModelConfig) -> RMSNorm:
@@ -24,10 +24,9 @@ def _norm(config: ModelConfig) -> RMSNorm:
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_name: str, layer_type: str) -> None:
         super().__init__()
-        self.is_sliding = layer_type == SLIDING
         self.input_layernorm = _norm(config)
         self.self_attn = Attention(
-            config, layer_name, sliding_window=config.sliding_window if self.is_sliding else None,
+            config, layer_name, sliding_window=config.sliding_window if layer_type == SLIDING else None,
             qk_norm=True, unit_offset_norm=True)
         self.post_attention_layernorm = _norm(config)
         self.pre_feedforward_layernorm = _norm(config)
@@ -39,34 +38,13 @@ class Gemma3DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3TextModel(nn.Module):
-    def __init__(self, config: ModelConfig, layer_names: list[str]) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.dtype)
-        # transformers multiplies by sqrt(hidden) rounded to the weight dtype; a buffer (not a Python
-        # float) keeps that rounding when the model is cast with .to(dtype).
-        self.register_buffer(
-            "embed_scale", torch.tensor(config.hidden_size ** 0.5, dtype=config.dtype), persistent=False)
-        self.rotary_global = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
-        local = config.rope_local or config.rope
-        self.rotary_local = RotaryEmbedding(local, config.head_dim, config.max_position_embeddings)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, name, kind) for name, kind in zip(layer_names, config.layer_types))
-        self.norm = _norm(config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)
-        # Both tables are gathered once per step; the layer type is static, so the choice below is
-        # resolved at trace time and leaves no branch in the graph.
-        global_cs, local_cs = self.rotary_global(positions, h.dtype), self.rotary_local(positions, h.dtype)
-        for layer in self.layers:
-            cos, sin = local_cs if layer.is_sliding else global_cs
-            h = layer(h, cos, sin)
-        return self.norm(h)
-
-
 class Gemma3ForCausalLM(CausalLM):
     name_stem = "gemma3_"
 
     def build_decoder(self, config: ModelConfig) -> nn.Module:
-        return Gemma3TextModel(config, [self.layer_name(i) for i in range(config.num_layers)])
+        layers = [Gemma3DecoderLayer(config, self.layer_name(i), kind) for i, kind in enumerate(config.layer_types)]
+        # Table 0 for global layers, table 1 (the sliding layers' own base frequency) for sliding ones.
+        return DecoderModel(
+            config, layers, _norm(config), ropes=(config.rope, config.rope_local or config.rope),
+            layer_rope=[1 if kind == SLIDING else 0 for kind in config.layer_types],
+            embed_scale=config.hidden_size ** 0.5)

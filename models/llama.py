@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.base import CausalLM
+from models.base import CausalLM, DecoderModel
 from models.config import ModelConfig
 from models.errors import UnsupportedConfigError
-from models.layers import Attention, Embedding, GatedMLP, RMSNorm, RotaryEmbedding
+from models.layers import Attention, GatedMLP, RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -23,22 +23,6 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layer_names: list[str], qk_norm: bool) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.dtype)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, name, qk_norm) for name in layer_names)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)  # gathered once per step, shared by every layer
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
-
-
 class LlamaForCausalLM(CausalLM):
     name_stem = "llama_"
     qk_norm = False
@@ -48,5 +32,6 @@ class LlamaForCausalLM(CausalLM):
             raise UnsupportedConfigError(
                 f"{config.architecture} with sliding-window layers (use_sliding_window / layer_types) "
                 "is not implemented; only Gemma3ForCausalLM has sliding layers here")
-        names = [self.layer_name(i) for i in range(config.num_layers)]
-        return LlamaModel(config, names, self.qk_norm)
+        layers = [LlamaDecoderLayer(config, self.layer_name(i), self.qk_norm) for i in range(config.num_layers)]
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        return DecoderModel(config, layers, norm, ropes=(config.rope,), layer_rope=[0] * config.num_layers)
