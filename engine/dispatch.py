@@ -7,7 +7,9 @@ PIECEWISE  with prefill graphs on, any other step whose token count fits a piece
 NONE       everything else: the compiled (or eager) model, no graph.
 
 The tables are built once from the sizes that were actually captured, so a lookup is one list index.
-A step that wanted a graph and got none is a fallback: counted, and logged once per reason.
+A step that wanted a graph and got none is a fallback: counted per reason (which names the step's
+size), and logged once per kind (decode batch too large, token count too large) so a stream of
+varying sizes past the largest graph does not log every size it meets.
 """
 from __future__ import annotations
 
@@ -53,32 +55,37 @@ class Dispatcher:
         self._piece_pad = _pad_table(self.piecewise_sizes)
         self.mode_counts: Counter[str] = Counter()
         self.fallback_counts: Counter[str] = Counter()
+        self._logged_kinds: set[str] = set()
 
     @property
     def fallbacks(self) -> int:
         return sum(self.fallback_counts.values())
 
     def dispatch(self, batch: BatchDescriptor) -> Dispatch:
-        result = self._decide(batch)
+        result, kind = self._decide(batch)
         self.mode_counts[result.mode.value] += 1
         if result.fallback is not None:
-            if not self.fallback_counts[result.fallback]:
-                logger.warning("no CUDA graph for this step (%s): running %s; further cases are counted, "
-                               "not logged", result.fallback, result.mode.value)
+            if kind not in self._logged_kinds:
+                self._logged_kinds.add(kind)
+                logger.warning("no CUDA graph for this step (%s): running %s; further cases are counted "
+                               "(LLM.stats()['fallback_reasons']), not logged", result.fallback, result.mode.value)
             self.fallback_counts[result.fallback] += 1
         return result
 
-    def _decide(self, batch: BatchDescriptor) -> Dispatch:
+    def _decide(self, batch: BatchDescriptor) -> tuple[Dispatch, str | None]:
+        """(the dispatch, the kind of its fallback or None)."""
         n = batch.num_tokens
-        fallback = None
+        fallback, kind = None, None
         if batch.uniform_decode and self._decode_wanted:
             if n < len(self._full_pad):
-                return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True))
+                return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True)), None
             fallback = f"decode batch of {n} > largest decode graph {self.decode_sizes[-1] if self.decode_sizes else 0}"
+            kind = "decode"
         if self._piecewise_wanted:
             if n < len(self._piece_pad):
                 return Dispatch(RuntimeMode.PIECEWISE, BatchDescriptor(self._piece_pad[n], batch.uniform_decode),
-                                fallback)
-            fallback = fallback or (f"{n} tokens > largest piecewise graph "
-                                    f"{self.piecewise_sizes[-1] if self.piecewise_sizes else 0}")
-        return Dispatch(RuntimeMode.NONE, batch, fallback)
+                                fallback), kind
+            if fallback is None:
+                fallback = f"{n} tokens > largest piecewise graph {self.piecewise_sizes[-1] if self.piecewise_sizes else 0}"
+                kind = "piecewise"
+        return Dispatch(RuntimeMode.NONE, batch, fallback), kind

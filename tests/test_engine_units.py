@@ -216,6 +216,17 @@ def test_dispatch_counts_fallbacks_and_logs_each_reason_once(caplog):
     assert len([r for r in caplog.records if "no CUDA graph" in r.message]) == 1
 
 
+def test_dispatch_logs_one_line_per_kind_of_fallback_whatever_the_sizes(caplog):
+    dispatcher = Dispatcher((1, 2), (4, 8), decode_graphs_wanted=True, piecewise_graphs_wanted=True)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        for n in (5, 6, 7):  # decode batches past the largest decode graph: PIECEWISE instead
+            assert dispatcher.dispatch(BatchDescriptor(n, True)).mode is RuntimeMode.PIECEWISE
+        for n in (9, 10):
+            assert dispatcher.dispatch(BatchDescriptor(n, False)).mode is RuntimeMode.NONE
+    assert dispatcher.fallbacks == 5 and len(dispatcher.fallback_counts) == 5
+    assert len([r for r in caplog.records if "no CUDA graph" in r.message]) == 2
+
+
 def test_dispatch_without_graphs_runs_everything_unpadded():
     dispatcher = Dispatcher()
     for batch in (BatchDescriptor(1, True), BatchDescriptor(100, False)):
