@@ -135,8 +135,6 @@ class EngineConfig:
             cuda_graphs, prefill_graphs = False, False
         changes["cuda_graphs"] = on_cuda if cuda_graphs is None else cuda_graphs
         changes["prefill_graphs"] = prefill_graphs
-        if prefill_graphs:
-            changes["compile"] = True
         max_len = self.max_model_len
         if max_len is None:
             max_len = min(model_max_len or 4096, 4096)
@@ -144,7 +142,9 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.max_model_len={max_len} exceeds the model's "
                               f"max_position_embeddings ({model_max_len})")
         changes["max_model_len"] = max_len
-        changes["decode_graph_sizes"] = self.decode_graph_sizes or default_decode_graph_sizes(self.max_num_seqs)
+        # A decode batch spends one token of the step budget per sequence, so no batch exceeds it.
+        changes["decode_graph_sizes"] = self.decode_graph_sizes or default_decode_graph_sizes(
+            min(self.max_num_seqs, self.max_num_batched_tokens))
         changes["prefill_graph_sizes"] = (self.prefill_graph_sizes
                                           or default_prefill_graph_sizes(self.max_num_batched_tokens))
         return dataclasses.replace(self, **changes)

@@ -257,6 +257,8 @@ def test_config_on_cpu_ignores_graph_options_with_one_warning(caplog):
 def test_config_default_decode_sizes_end_at_max_num_seqs():
     assert default_decode_graph_sizes(20) == (1, 2, 4, 8, 16, 20)
     assert default_decode_graph_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
+    # no decode batch exceeds the token budget: no graph is captured past it
+    assert EngineConfig(device="cpu", max_num_seqs=64, max_num_batched_tokens=20).resolve().decode_graph_sizes[-1] == 20
     with pytest.raises(ConfigError, match="max_model_len"):
         EngineConfig(device="cpu", max_model_len=9000).resolve(8192)
 
