@@ -145,8 +145,10 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One output per prompt, in order. Every prompt is validated before any of them runs."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, torch.Tensor):  # [T] is one prompt, [B, T] a batch
+            prompts = [prompts] if prompts.dim() == 1 else list(prompts)
+        elif isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                          and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):

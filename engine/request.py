@@ -117,7 +117,11 @@ def check_prompt(request_id: str, prompt_token_ids: Sequence[int], vocab_size: i
     """The prompt as a list of ints, or InvalidRequestError naming the request and what is wrong."""
     if isinstance(prompt_token_ids, torch.Tensor):
         prompt_token_ids = prompt_token_ids.tolist()
-    ids = list(prompt_token_ids)
+    try:
+        ids = list(prompt_token_ids)
+    except TypeError:
+        raise InvalidRequestError(f"request {request_id!r}: prompt must be a string or a sequence of token "
+                                  f"ids, got {type(prompt_token_ids).__name__}") from None
     if not ids:
         raise InvalidRequestError(f"request {request_id!r}: prompt is empty")
     if not all(_is_int(t) for t in ids):

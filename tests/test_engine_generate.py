@@ -219,6 +219,15 @@ def test_a_tokenizer_that_was_asked_for_and_does_not_load_is_a_config_error(save
         LLM(str(saved_models["llama"][0]), tokenizer=str(tmp_path / "missing"), **SMALL)
 
 
+def test_generate_takes_a_tensor_prompt_and_refuses_a_prompt_that_is_not_a_sequence(saved_models, llama_llm):
+    _, expected = saved_models["llama"]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    assert llama_llm.generate(torch.tensor(PROMPTS[0]), params)[0].token_ids == expected[0]
+    assert [o.token_ids for o in llama_llm.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), params)] == [expected[0]] * 2
+    with pytest.raises(InvalidRequestError, match="request 'bad': prompt must be a string or a sequence"):
+        llama_llm.add_request(7, request_id="bad")
+
+
 def test_generate_validates_every_prompt_before_running_any(llama_llm):
     steps = llama_llm.num_steps
     with pytest.raises(InvalidRequestError, match=r"request '\d+\.2': prompt is empty"):
