@@ -40,9 +40,6 @@ class BlockPool:
         """Blocks to add so that request_id holds num_tokens tokens."""
         return max(0, self.blocks_for(num_tokens) - len(self.block_table(request_id)))
 
-    def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks_needed(request_id, num_tokens) <= len(self._free)
-
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Give request_id enough blocks for num_tokens tokens; False (and no change) if too few are free."""
         needed = self.num_new_blocks_needed(request_id, num_tokens)
