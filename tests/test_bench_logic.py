@@ -132,6 +132,23 @@ def test_serving_report_states_the_settings_it_ran_with():
     assert row["mode_counts"].startswith("none:")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_decode_report_on_cpu_claims_no_graphs_and_times_a_compiled_model(monkeypatch):
+    import engine
+    from bench import decode
+    built = []
+    real_llm = engine.LLM
+
+    def recording_llm(*args, **kwargs):
+        built.append(real_llm(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(engine, "LLM", recording_llm)
+    report = decode.run("tiny-llama", batches="1", contexts="16", peers="none", iters=1)
+    assert report.notes[0].startswith("no decode graphs (the engine captures them on CUDA only)")
+    assert [r["variant"] for r in report.rows] == ["eager", "compiled"]
+    assert built[0].runtime.backend is not None  # the "compiled" row ran the infer_graphs backend
+
+
 def test_workload_is_seeded_and_within_bounds():
     a = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
     b = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
