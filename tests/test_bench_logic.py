@@ -149,6 +149,14 @@ def test_decode_report_on_cpu_claims_no_graphs_and_times_a_compiled_model(monkey
     assert built[0].runtime.backend is not None  # the "compiled" row ran the infer_graphs backend
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_prefill_report_on_cpu_has_no_graph_rows():
+    from bench import prefill
+    report = prefill.run("tiny-llama", tokens="16", peers="none", iters=1)
+    assert [r["variant"] for r in report.rows] == ["compiled", "eager"]  # sorted by (tokens, variant)
+    assert "graphs are captured on CUDA only" in report.notes[-1]
+
+
 def test_workload_is_seeded_and_within_bounds():
     a = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
     b = make_workload(50, 10.0, (8, 32), (4, 16), vocab_size=100, seed=3)
