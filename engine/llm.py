@@ -50,6 +50,8 @@ class LLM:
             config_fields.setdefault("dtype", str(weight.dtype).removeprefix("torch."))
             config_fields.setdefault("device", str(weight.device))
         config = EngineConfig.from_kwargs(name, **config_fields)
+        if not isinstance(model, str):
+            _check_built_model(weight, config)
         device, dtype = config.device_and_dtype()
         if isinstance(model, str):
             load_start = time.perf_counter()
@@ -225,6 +227,19 @@ class LLM:
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
         return stats
+
+
+def _check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:
+    """A built model runs in its own dtype and on its own device: a config that asks for others
+    would give a KV cache and buffers the model cannot use."""
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if config.dtype != dtype:
+        raise ConfigError(f"EngineConfig.dtype={config.dtype!r} but the built model's weights are {dtype}: "
+                          "leave dtype unset for a built model, or convert the model first")
+    asked = torch.device(config.device)
+    if asked.type != weight.device.type or asked.index not in (None, weight.device.index):
+        raise ConfigError(f"EngineConfig.device={config.device!r} but the built model's weights are on "
+                          f"{weight.device}: leave device unset for a built model, or move the model first")
 
 
 def _load_tokenizer(name: str, required: bool) -> Any:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+import models
 from custom_ops import SCRATCH_BLOCK, RuntimeMode
 from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
 from engine.dispatch import Dispatcher
@@ -226,6 +227,13 @@ def test_generate_takes_a_tensor_prompt_and_refuses_a_prompt_that_is_not_a_seque
     assert [o.token_ids for o in llama_llm.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), params)] == [expected[0]] * 2
     with pytest.raises(InvalidRequestError, match="request 'bad': prompt must be a string or a sequence"):
         llama_llm.add_request(7, request_id="bad")
+
+
+def test_a_built_model_with_another_dtype_in_the_config_is_a_config_error(saved_models):
+    model = models.from_pretrained(str(saved_models["llama"][0]), dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="EngineConfig.dtype='bfloat16' but the built model's weights are float32"):
+        LLM(model, **{**SMALL, "dtype": "bfloat16"})
+    assert LLM(model, **SMALL).config.dtype == "float32"
 
 
 def test_generate_validates_every_prompt_before_running_any(llama_llm):
