@@ -60,9 +60,9 @@ class InferGraphsBackend:
         self.stats.pieces += len(summary.pieces)
         self.stats.compute_pieces += summary.num_compute_pieces
         self.stats.splitting_pieces += summary.num_splitting_pieces
-        self.stats.compile_seconds += time.perf_counter() - start
-        logger.info("%s\ncompiled with %s in %.1f s", summary, self.config.piece_compiler,
-                    time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.stats.compile_seconds += seconds
+        logger.info("%s\ncompiled with %s in %.1f s", summary, self.config.piece_compiler, seconds)
         return graph
 
     def split_summary(self, graph_index: int = -1) -> SplitSummary:

@@ -27,10 +27,9 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = sum(2 * get_attention_layer(n).num_kv_heads * get_attention_layer(n).head_dim
-                        for n in self.layer_names)
-        return per_token * self.block_size * element
+        layers = [get_attention_layer(n) for n in self.layer_names]
+        per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in layers)  # K and V
+        return per_token * self.block_size * self.dtype.itemsize
 
     def blocks_for_memory(self, available_bytes: int) -> int:
         return max(0, int(available_bytes) // self.bytes_per_block)
