@@ -11,7 +11,6 @@ records everything, attention kernels included.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import sys
 import time
@@ -27,16 +26,10 @@ logger = logging.getLogger("engine")
 
 @contextlib.contextmanager
 def frozen_gc() -> Iterator[None]:
-    gc.collect()
-    gc.freeze()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    """The backend's capture-loop guards: survivors frozen, collection paused while recording."""
+    from compile_backend.pool import gc_frozen, gc_paused  # lazy: compile_backend is slow to import
+    with gc_frozen(), gc_paused():
         yield
-    finally:
-        if was_enabled:
-            gc.enable()
-        gc.unfreeze()
 
 
 def free_memory_gib(device: torch.device) -> float:
