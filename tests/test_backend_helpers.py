@@ -58,9 +58,12 @@ class TinyLM(nn.Module):
             k = k.view(-1, self.kv_heads, self.head_dim)
             v = v.view(-1, self.kv_heads, self.head_dim)
             out = torch.empty_like(q)
-            torch.ops.infer.attention(q, k, v, out, name)
+            self.attend(q, k, v, out, name)
             x = x + self.o[i](out.view(q.shape[0], -1))
         return self.norms[-1](x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, name: str) -> None:
+        torch.ops.infer.attention(q, k, v, out, name)
 
 
 def random_inputs(num_tokens: int, vocab: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
