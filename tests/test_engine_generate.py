@@ -20,6 +20,7 @@ from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
 from engine.dispatch import Dispatcher
 from engine.runtime import _dummy_seqs, _warm_up
 from engine.__main__ import main as cli_main
+from tests.hf_helpers import random_hf_model
 
 COMMON = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0,
               bos_token_id=1, eos_token_id=2)
@@ -52,17 +53,7 @@ def _one_thread():
 
 def _build_hf(arch: str) -> transformers.PreTrainedModel:
     config_cls, kwargs = ARCHS[arch]
-    config = config_cls(**COMMON, **kwargs)
-    config._attn_implementation = "eager"
-    torch.manual_seed(7)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:  # Gemma inits norms to zero: random ones expose a missing "1 +"
-                param.normal_(0.0, 0.5)
-            elif "embed_tokens" in name:  # small, or tied logits just echo the input token
-                param.normal_(0.0, 0.03)
-    return hf
+    return random_hf_model(config_cls(**COMMON, **kwargs), seed=7)
 
 
 @pytest.fixture(scope="module")

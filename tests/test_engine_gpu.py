@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from engine import LLM, SamplingParams
+from tests.hf_helpers import random_hf_model
 from tests.test_engine_generate import ARCHS, COMMON, _build_hf
 
 pytestmark = pytest.mark.gpu
@@ -125,15 +125,7 @@ def test_gemma_context_longer_than_the_sliding_window_matches_transformers(tmp_p
     # no EOS (neither side stops early): every context grows past 100 tokens against a window of 16
     config = config_cls(**{**COMMON, "max_position_embeddings": 512, "eos_token_id": None},
                         **{**kwargs, "sliding_window": 16, "sliding_window_pattern": 2})
-    config._attn_implementation = "eager"
-    torch.manual_seed(11)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.5)
-            elif "embed_tokens" in name:
-                param.normal_(0.0, 0.03)
+    hf = random_hf_model(config, seed=11)
     hf.save_pretrained(tmp_path)
     prompts = [[1] + [(3 * j) % 90 + 3 for j in range(70)], [1] + [(7 * j) % 90 + 3 for j in range(40)]]
     hf = hf.cuda()

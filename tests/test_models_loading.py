@@ -11,6 +11,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import models
+from tests.hf_helpers import random_hf_model
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -22,13 +23,7 @@ TOL = {torch.bfloat16: 0.15, torch.float16: 0.03}
 
 
 def _save_hf(config: transformers.PretrainedConfig, path: Path, **save_kwargs) -> transformers.PreTrainedModel:
-    config._attn_implementation = "eager"
-    torch.manual_seed(5)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.5)  # transformers' constant norm init would hide norm mistakes
+    hf = random_hf_model(config, seed=5, embed_std=None)
     hf.save_pretrained(path, **save_kwargs)
     return hf
 

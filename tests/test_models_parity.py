@@ -12,6 +12,7 @@ import torch
 import transformers
 
 import models
+from tests.hf_helpers import random_hf_model
 from tests.paged_helpers import paged_greedy_generate
 
 VOCAB = 128
@@ -57,24 +58,7 @@ CASES = {
 
 def _hf_model(case: str) -> transformers.PreTrainedModel:
     config_cls, kwargs = CASES[case]
-    config = config_cls(**COMMON, **kwargs)
-    config._attn_implementation = "eager"
-    torch.manual_seed(1234)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            # transformers inits norms to a constant (Gemma: w = 0, i.e. identity under (1 + w)), which
-            # would hide a missing "1 +" or a swapped norm; random weights expose both.
-            if "norm" in name:
-                param.normal_(0.0, 0.5)
-            elif "embed_tokens" in name:
-                # Much smaller than the other weights: with tied embeddings (and Gemma's sqrt(hidden) scale)
-                # a large embedding makes every step predict its own input token, so greedy
-                # generation would repeat one token and compare almost nothing.
-                param.normal_(0.0, 0.03)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.03)
-    return hf
+    return random_hf_model(config_cls(**COMMON, **kwargs), seed=1234)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
