@@ -21,7 +21,7 @@ import torch
 from bench.common import Deadline, build_model, free_device_memory, parse_ints, rel_err
 from bench.configs import load_config
 from bench.floors import decode_floor_ms, model_cost
-from bench.measure import Report, measure_ceilings, median_ms, ratio
+from bench.measure import Report, measure_ceilings, median_ms, plot_latency_vs_floor, ratio
 from bench.paged import BLOCK_SIZE, blocks_per_seq, step_metadata
 
 BATCHES = (1, 8, 32, 64, 128)
@@ -208,18 +208,6 @@ def plot_decode(report: Report):
     contexts = sorted({r["context"] for r in report.rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
     for ax, c in zip(axes[0], contexts):
-        rows = [r for r in report.rows if r["context"] == c]
-        for variant in dict.fromkeys(r["variant"] for r in rows):
-            pts = sorted((r["batch"], r["median_ms"]) for r in rows if r["variant"] == variant)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
-        floor = sorted({(r["batch"], r["floor_ms"]) for r in rows if r.get("floor_ms")})
-        if floor:
-            ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="floor")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("ms per decode step")
-        ax.set_title(f"{report.model}, context {c}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        plot_latency_vs_floor(ax, [r for r in report.rows if r["context"] == c], "batch", "batch size",
+                              "ms per decode step", f"{report.model}, context {c}")
     return fig

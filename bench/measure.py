@@ -135,3 +135,20 @@ def ratio(measured_ms: float | None, floor_ms: float | None) -> float | None:
     if measured_ms is None or not floor_ms:
         return None
     return measured_ms / floor_ms
+
+
+def plot_latency_vs_floor(ax, rows: list[dict], x_key: str, xlabel: str, ylabel: str, title: str) -> None:
+    """One line per variant of median_ms against x_key, the floor dashed, both axes log scale."""
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        pts = sorted((r[x_key], r["median_ms"]) for r in rows if r["variant"] == variant)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+    floor = sorted({(r[x_key], r["floor_ms"]) for r in rows if r.get("floor_ms")})
+    if floor:
+        ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)

@@ -19,7 +19,7 @@ import torch
 from bench.common import build_model, free_device_memory, parse_ints, rel_err
 from bench.configs import load_config
 from bench.floors import model_cost, prefill_floor_ms
-from bench.measure import Report, measure_ceilings, median_ms, ratio
+from bench.measure import Report, measure_ceilings, median_ms, plot_latency_vs_floor, ratio
 from bench.paged import PagedKV, blocks_per_seq, step_inputs, step_metadata
 
 TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -129,17 +129,5 @@ def plot_prefill(report: Report):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for variant in dict.fromkeys(r["variant"] for r in report.rows):
-        pts = sorted((r["tokens"], r["median_ms"]) for r in report.rows if r["variant"] == variant)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
-    floor = sorted({(r["tokens"], r["floor_ms"]) for r in report.rows if r.get("floor_ms")})
-    if floor:
-        ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="floor")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("ms per prefill")
-    ax.set_title(f"prefill, {report.model}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    plot_latency_vs_floor(ax, report.rows, "tokens", "prompt tokens", "ms per prefill", f"prefill, {report.model}")
     return fig
