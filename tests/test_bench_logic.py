@@ -325,3 +325,43 @@ def test_e2e_suite_from_the_command_line_reports_each_batch(tmp_path):
     from bench.e2e import WARMUP_TOKENS
     repeats = report.meta["repeats"]
     assert report.meta["engine_stats"]["generated_tokens"] == (1 + 3) * (WARMUP_TOKENS + repeats * 5)
+
+
+def test_paged_kv_hands_out_blocks_scrambled_or_in_order_and_never_the_scratch_block():
+    import torch
+
+    import models
+    from bench.configs import TINY_LLAMA
+    from bench.paged import PagedKV
+    from custom_ops import SCRATCH_BLOCK
+    model = models.from_config(TINY_LLAMA, dtype=torch.float32, device="cpu", seed=0)
+    kv = PagedKV.allocate(model, num_blocks=9, block_size=4, fill=False, seed=3)
+    try:
+        assert list(kv.caches) == list(model.attention_layer_names)
+        assert all(not c.any() for c in kv.caches.values())  # fill=False: zeros
+        table: list[int] = []
+        kv.grow(table, 30)  # 8 blocks of 4 tokens: every block but the scratch one
+        assert sorted(table) == [b for b in range(9) if b != SCRATCH_BLOCK] and table != sorted(table)
+        with pytest.raises(RuntimeError, match="ran out of blocks"):
+            kv.grow(table, 33)
+    finally:
+        kv.release()
+    assert kv.caches == {}
+    ordered = PagedKV.allocate(model, num_blocks=5, block_size=4)
+    try:
+        table = [7]
+        ordered.grow(table, 9)  # holds 4 already: two more blocks, in ascending order
+        assert table == [7, 1, 2] and all(c.abs().sum() > 0 for c in ordered.caches.values())  # random fill
+    finally:
+        ordered.release()
+
+
+def test_step_metadata_gives_each_sequence_its_own_contiguous_blocks():
+    from bench.paged import step_metadata
+    meta = step_metadata(num_seqs=3, context_len=5, query_len=2, device="cpu", block_size=4)
+    # 7 tokens -> 2 blocks per sequence: 1-2, 3-4, 5-6; new tokens at positions 5 and 6 (block 1 of each)
+    assert meta.block_tables.tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 4 * 4 + 1, 4 * 4 + 2, 6 * 4 + 1, 6 * 4 + 2]
+    assert meta.query_start_loc.tolist() == [0, 2, 4, 6] and meta.seq_lens.tolist() == [7, 7, 7]
+    assert (meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (6, 2, 7)
+    assert not meta.is_uniform_decode and step_metadata(2, 5, 1, "cpu", max_seq_len=64).max_seq_len == 64
