@@ -365,3 +365,38 @@ def test_step_metadata_gives_each_sequence_its_own_contiguous_blocks():
     assert meta.query_start_loc.tolist() == [0, 2, 4, 6] and meta.seq_lens.tolist() == [7, 7, 7]
     assert (meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (6, 2, 7)
     assert not meta.is_uniform_decode and step_metadata(2, 5, 1, "cpu", max_seq_len=64).max_seq_len == 64
+
+
+def test_capture_startup_timeline_reads_a_list_or_a_dict_of_phases():
+    from bench.capture import startup_phases
+    as_list = [{"name": "load", "seconds": 1.5, "allocated_bytes": 2**20}, {"phase": "compile", "seconds": 4.0}]
+    assert startup_phases(as_list) == [("load", 1.5, 2**20), ("compile", 4.0, None)]
+    as_dict = {"total_s": 9.0, "phases": {"compile": {"seconds": 4.0}, "decode capture": 0.5}}
+    assert startup_phases(as_dict) == [("compile", 4.0, None), ("decode capture", 0.5, None)]
+    assert startup_phases(None) == [] and startup_phases({}) == []
+
+
+def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
+    from bench.capture import build_report
+    from bench.summary import goal_rows
+
+    def child(startup):
+        return {"model": "m", "device": "dev", "build_s": 1.0, "ready_s": 12.0, "process_s": 20.0,
+                "prefill_sizes": [1, 2, 4], "decode_sizes": [1, 2], "startup": startup,
+                "piecewise": [{"size": 4, "capture_s": 0.3}, {"size": 2, "capture_s": 0.2}, {"size": 1, "capture_s": 0.1}],
+                "compile_s": 5.0, "piecewise_total_s": 0.6, "piecewise_pool_bytes": 100 * 2**20,
+                "decode_total_s": 0.4, "decode_graph_bytes": 10 * 2**20, "kv_pool_bytes": 2**30}
+    report = build_report("m", {"cold": child(None), "warm": child([{"name": "load", "seconds": 0.5}])})
+    rows = {(r["cache"], r["kind"]): r for r in report.rows}
+    assert ("cold", "startup: load") not in rows and rows[("warm", "startup: load")]["capture_s"] == 0.5
+    assert [r["size"] for r in report.rows if r["kind"] == "piecewise" and r["cache"] == "warm"] == [4, 2, 1]
+    total = rows[("warm", "all graphs")]
+    assert total["size"] == 5 and total["capture_s"] == pytest.approx(1.0) and total["graph_mib"] == 110
+    assert rows[("warm", "decode total")]["note"] == "0.200 s per graph"
+    assert rows[("warm", "ready")]["capture_s"] == 12.0 and rows[("warm", "ready")]["graph_mib"] == 1024
+    assert rows[("warm", "compile")]["capture_s"] == 5.0
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        report.write(out)
+        [(_, _, measured, _)] = goal_rows(out)[-1:]
+    assert "engine ready in 12.0 s" in measured and "5 graphs captured in 1.0 s" in measured
