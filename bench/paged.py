@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from custom_ops import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache, bind_kv_cache, get_attention_layer
+from custom_ops import (
+    SCRATCH_BLOCK, AttentionMetadata, RuntimeMode, allocate_kv_cache, bind_kv_cache, forward_context,
+    get_attention_layer,
+)
 
 BLOCK_SIZE = 16
 
@@ -24,8 +27,9 @@ def blocks_per_seq(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
 
 
 def bind_kv(caches: dict[str, torch.Tensor | None]) -> None:
-    """Hand each attention layer its K/V cache (None takes it back): the one place this module and
-    the tests' helpers tell the attention op where K/V live (the engine does it in engine.kv_cache)."""
+    """Hand each attention layer its K/V cache (None takes it back): with `PagedKV.context`, the only
+    place bench and the tests' helpers tell the attention op where K/V live (the engine does it in
+    engine.kv_cache). Should K/V move into the forward context, this goes and `context` passes them."""
     for name, cache in caches.items():
         bind_kv_cache(name, cache)
 
@@ -59,6 +63,10 @@ class PagedKV:
         else:
             blocks.reverse()  # grow() pops from the end: unscrambled, blocks come out in ascending order
         return cls(caches, block_size, blocks)
+
+    def context(self, meta: AttentionMetadata, mode: RuntimeMode = RuntimeMode.NONE, num_tokens: int | None = None):
+        """The forward context of one step over these caches."""
+        return forward_context(meta, mode, num_tokens)
 
     @property
     def layer_names(self) -> list[str]:

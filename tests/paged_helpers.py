@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from bench.paged import PagedKV, paged_metadata
-from custom_ops import forward_context
 
 # One metadata builder for tests and benchmarks (bench.paged): tests may import bench, never the reverse.
 build_metadata = paged_metadata
@@ -36,7 +35,7 @@ def paged_step(
     positions = torch.tensor(
         [p for cached, new in zip(cached_lens, new_lens) for p in range(cached, cached + new)],
         dtype=torch.int64, device=device)
-    with forward_context(meta):
+    with cache.context(meta):
         hidden = model(ids, positions)
     return model.compute_logits(hidden)
 
