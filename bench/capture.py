@@ -128,8 +128,8 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
                        note="the backend's split + piece compilation (Dynamo's trace not included)")
         report.add(cache=cache, kind="piecewise total", size=n_pw, capture_s=pw,
                    graph_mib=mib(data["piecewise_pool_bytes"]))
-        report.add(cache=cache, kind="decode total", size=n_dec, capture_s=dec, graph_mib=mib(data.get("decode_graph_bytes")),
-                   note=f"{dec / n_dec:.3f} s per graph" if n_dec else None)
+        report.add(cache=cache, kind="decode total", size=n_dec, capture_s=dec,
+                   graph_mib=mib(data.get("decode_graph_bytes")), note=f"{dec / n_dec:.3f} s per graph" if n_dec else None)
         report.add(cache=cache, kind="all graphs", size=n_pw + n_dec, capture_s=pw + dec,
                    graph_mib=mib(data["piecewise_pool_bytes"] + (data.get("decode_graph_bytes") or 0)))
         report.add(cache=cache, kind="ready", size="-", capture_s=data["ready_s"],

@@ -3,8 +3,9 @@
 A step is a (token count, uniform decode?) pair. With decode graphs of batch sizes D and piecewise
 graphs of token counts P, the engine's own dispatcher (engine.dispatch.Dispatcher, the one place that
 decides a step's mode) says how each step runs: FULL (a decode graph), PIECEWISE or NONE, and its
-padded size. Padding waste is the share of the tokens computed under graphs that are padding. `suggest_sizes` picks the k sizes that minimise the
-padded tokens of a token-count histogram (exact dynamic programme over the observed counts).
+padded size. Padding waste is the share of the tokens computed under graphs that are padding.
+`suggest_sizes` picks the k sizes that minimise the padded tokens of a token-count histogram (exact
+dynamic programme over the observed counts).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from bench.paged import BLOCK_SIZE, blocks_per_seq, step_metadata
 
 BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 4096)
-PEER_POINTS = ((1, 512), (32, 512), (1, 4096), (32, 4096))   # eager peers (cheap)
+PEER_POINTS = ((1, 512), (32, 512), (1, 4096), (32, 4096))   # eager peers (no compile; ~10 s each)
 COMPILED_PEER_POINTS = ((1, 512),)                            # each costs a full-model compile
 EAGER_GENERATE_LENGTHS = {"short": 8, "long": 24}  # 16 steps of ~35 ms (llama-3.2-3b, H100): ~0.6 s of signal
 KV_MEMORY_FRACTION = 0.8  # of the memory free after the weights, for the pool of the largest point

@@ -383,7 +383,8 @@ def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
     def child(startup):
         return {"model": "m", "device": "dev", "build_s": 1.0, "ready_s": 12.0, "process_s": 20.0,
                 "prefill_sizes": [1, 2, 4], "decode_sizes": [1, 2], "startup": startup,
-                "piecewise": [{"size": 4, "capture_s": 0.3}, {"size": 2, "capture_s": 0.2}, {"size": 1, "capture_s": 0.1}],
+                "piecewise": [{"size": 4, "capture_s": 0.3}, {"size": 2, "capture_s": 0.2},
+                              {"size": 1, "capture_s": 0.1}],
                 "compile_s": 5.0, "piecewise_total_s": 0.6, "piecewise_pool_bytes": 100 * 2**20,
                 "decode_total_s": 0.4, "decode_graph_bytes": 10 * 2**20, "kv_pool_bytes": 2**30}
     report = build_report("m", {"cold": child(None), "warm": child([{"name": "load", "seconds": 0.5}])})
