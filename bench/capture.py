@@ -179,4 +179,4 @@ def plot_capture(report: Report):
 if __name__ == "__main__":
     data = measure(sys.argv[1])
     with open(sys.argv[2], "w") as f:
-        json.dump(data, f)
+        json.dump(data, f, default=str)  # a timeline value JSON has no type for is kept as its text
