@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-SUITES = ("floor", "decode", "prefill", "capture", "serving")
+SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -31,14 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama-3.2-3b",
                         help="llama-3.2-3b, qwen3-4b, gemma-3-1b (real configs, random weights) or a model dir")
     parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>)")
-    parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128)")
+    parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
+                        "e2e: default 1,16,64")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048)")
-    parser.add_argument("--peers", choices=("all", "eager", "none"), help="decode/prefill: which peers to run")
+    parser.add_argument("--peers", choices=("all", "eager", "none"),
+                        help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")
+    parser.add_argument("--prompt-len", type=int, help="e2e: prompt tokens per request (default 512)")
+    parser.add_argument("--output-len", type=int, help="e2e: generated tokens per request (default 128)")
+    parser.add_argument("--peer-batches", help="e2e: batch sizes with the transformers static + compile peer "
+                        "(default 1; each is one compile)")
     parser.add_argument("--requests", type=int, help="serving: number of requests")
     parser.add_argument("--rate", type=float, help="serving: arrival rate, requests/s")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
-                        help="decode: seconds after which compiled peers are skipped (noted in the report)")
+                        help="decode, e2e: seconds after which peers are skipped (noted in the report)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suite = importlib.import_module(f"bench.{args.suite}")

@@ -1,11 +1,11 @@
-"""Suite `capture`: what the engine's default graphs cost to get: seconds and memory per size.
+"""Suite `capture`: what the engine's default graphs cost to get, as a user builds the engine.
 
-The engine's start-up order is replayed size by size with its own parts (compile_model, ModelRunner,
-DecodeGraphs): compile (first forward), then the piecewise graphs for every default prefill size,
-largest first, then the full-decode graphs for every default decode batch, largest first, all in the
-one shared graph pool. Memory per size is the growth of that pool (piecewise) or of used device
-memory (decode; it also holds each graph's executable). Each run is a fresh subprocess: "cold" with
-empty Inductor and Triton caches, "warm" again with the caches the cold run filled.
+Each run is a fresh subprocess that builds `engine.LLM` on the model (engine defaults, prefill graphs
+on) and reads what the engine reports of its own start-up, `llm.stats()`: the start-up timeline
+(`stats["startup"]`: phases with seconds and memory) when the engine has one, else its capture
+seconds and memory keys, and the backend's per-size piecewise capture seconds. Nothing here replays
+the engine's start-up order itself. "cold" runs with empty Inductor and Triton caches, "warm" again
+with the caches the cold run filled.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import torch
 from bench.measure import Report
 
 COLUMNS = ["cache", "kind", "size", "capture_s", "graph_mib"]
+MEMORY_KEYS = ("activation_peak_bytes", "decode_graph_reserve_bytes", "free_bytes_before_pool", "kv_pool_bytes",
+               "decode_graph_bytes")
 
 
 def _require_cuda() -> None:
@@ -30,75 +32,55 @@ def _require_cuda() -> None:
 
 
 def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024) -> dict:
-    """Run in THIS process: compile + capture every default size; per-size seconds and bytes."""
+    """Run in THIS process: build the engine with every default graph; what its stats say it cost."""
     _require_cuda()
-    from compile_backend import graph_pool, pool_bytes
-    from custom_ops import RuntimeMode
-    from engine.compile import compile_model
-    from engine.config import EngineConfig
-    from engine.decode_graphs import DecodeGraphs
-    from engine.kv_cache import KVCache
-    from engine.model_runner import ModelRunner
+    from engine import LLM
 
     from bench.common import build_model
 
     start = time.perf_counter()
     net = build_model(model)
     build_s = time.perf_counter() - start
-    config = EngineConfig(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          prefill_graphs=True, show_progress=False).resolve(net.config.max_position_embeddings)
-    device = torch.device(config.device)
-    cuda = device.type == "cuda"
-    forward, mark, backend = compile_model(net, config)
-    runner = ModelRunner(net, forward, config.block_size, config.max_model_len,
-                         max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs, device, mark)
-    kv = KVCache(net.attention_layer_names, config.block_size, config.torch_dtype, device)
-    kv.allocate(2)  # dummy steps touch only the scratch block
-
-    def seqs(n: int) -> int:
-        return min(n, max(1, -(-n // config.max_model_len)))
-
-    result: dict = {"model": model, "build_s": build_s, "piecewise": [], "decode": [],
-                    "prefill_sizes": list(config.prefill_graph_sizes),
-                    "decode_sizes": list(config.decode_graph_sizes)}
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        n = config.max_num_batched_tokens
-        runner.run_forward(runner.load_dummy(n, seqs(n), False), RuntimeMode.NONE, n)
-        if cuda:
-            torch.cuda.synchronize()
-        result["compile_s"] = time.perf_counter() - t0
-        result["backend_compile_s"] = backend.stats.compile_seconds
-
-        def fwd(num_tokens: int) -> None:
-            ids, positions = runner.buffers.input_ids[:num_tokens], runner.buffers.positions[:num_tokens]
-            runner.mark_dynamic(ids, positions)
-            runner.forward(ids, positions)
-
-        pool = graph_pool() if cuda else None
-        t0 = time.perf_counter()
-        for size in sorted(config.prefill_graph_sizes, reverse=True):
-            before = pool_bytes(pool) if cuda else 0
-            backend.capture(fwd, [size], lambda k: runner.load_dummy(k, seqs(k), False))
-            seconds = backend.stats.capture_seconds.get(size, 0.0)
-            result["piecewise"].append({"size": size, "capture_s": seconds,
-                                        "graph_bytes": (pool_bytes(pool) - before) if cuda else 0})
-        result["piecewise_total_s"] = time.perf_counter() - t0
-        result["piecewise_pool_bytes"] = pool_bytes(pool) if cuda else 0
-        if cuda:
-            graphs = DecodeGraphs(runner, pool)
-            t0 = time.perf_counter()
-            for size in sorted(config.decode_graph_sizes, reverse=True):
-                graphs.capture((size,), False)
-                result["decode"].append({"size": size, "capture_s": graphs.capture_seconds,
-                                         "graph_bytes": graphs.graph_bytes})
-            result["decode_total_s"] = time.perf_counter() - t0
-            result["pool_bytes"] = pool_bytes(pool)
-        else:
-            result["decode_total_s"] = 0.0
-            result["pool_bytes"] = 0
-    result["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    start = time.perf_counter()
+    llm = LLM(net, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, prefill_graphs=True,
+              show_progress=False)
+    ready_s = time.perf_counter() - start
+    stats = llm.stats()
+    backend = stats.get("backend") or {}
+    graphs = llm.runtime.runner.decode_graphs
+    result = {
+        "model": model, "device": torch.cuda.get_device_name(), "build_s": build_s, "ready_s": ready_s,
+        "prefill_sizes": sorted(llm.config.prefill_graph_sizes),
+        "decode_sizes": list(graphs.sizes) if graphs else [],
+        "piecewise": [{"size": int(size), "capture_s": seconds}
+                      for size, seconds in sorted(backend.get("capture_seconds", {}).items(), reverse=True)],
+        "compile_s": backend.get("compile_seconds"),
+        "piecewise_total_s": stats.get("piecewise_capture_seconds", 0.0),
+        "piecewise_pool_bytes": backend.get("graph_pool_bytes", 0),
+        "decode_total_s": stats.get("decode_graph_capture_seconds", 0.0),
+        "startup": stats.get("startup"),
+        **{key: stats[key] for key in MEMORY_KEYS if key in stats},
+    }
+    llm.close()
     return result
+
+
+def startup_phases(startup) -> list[tuple[str, float, float | None]]:
+    """(phase, seconds, bytes or None) from the engine's start-up timeline: a list of phase dicts
+    (named by "name" or "phase"), or a dict of phases by name (each a dict or plain seconds), either
+    alone or under "phases". A phase's memory is its first numeric key naming bytes."""
+    if not startup:
+        return []
+    phases = startup.get("phases", startup) if isinstance(startup, dict) else startup
+    items = phases.items() if isinstance(phases, dict) else [(p.get("name", p.get("phase")), p) for p in phases]
+    out = []
+    for name, phase in items:
+        if isinstance(phase, (int, float)) and not isinstance(phase, bool):
+            out.append((str(name), float(phase), None))
+        elif isinstance(phase, dict) and isinstance(phase.get("seconds", phase.get("s")), (int, float)):
+            memory = next((v for k, v in phase.items() if "bytes" in k and isinstance(v, (int, float))), None)
+            out.append((str(name), float(phase.get("seconds", phase.get("s"))), memory))
+    return out
 
 
 def _child(model: str, cache_dir: str, timeout_s: float) -> dict:
@@ -122,63 +104,79 @@ def run(model: str, timeout_s: float = 400, **_: object) -> Report:
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as cache_dir:
         runs["cold"] = _child(model, cache_dir, timeout_s)
         runs["warm"] = _child(model, cache_dir, timeout_s)
-    device = runs["warm"]["device"]
-    report = Report("capture", model, device, COLUMNS + ["note"])
+    return build_report(model, runs)
+
+
+def build_report(model: str, runs: dict[str, dict]) -> Report:
+    """The capture report from the child runs' `measure` results, by cache state."""
+    any_run = next(iter(runs.values()))
+    report = Report("capture", model, any_run["device"], COLUMNS + ["note"])
     report.meta["runs"] = runs
+
+    def mib(value):
+        return None if value is None else value / 2**20
     for cache, data in runs.items():
-        for kind in ("piecewise", "decode"):
-            for row in data[kind]:
-                report.add(cache=cache, kind=kind, size=row["size"], capture_s=row["capture_s"],
-                           graph_mib=row["graph_bytes"] / 2**20)
+        for row in data["piecewise"]:
+            report.add(cache=cache, kind="piecewise", size=row["size"], capture_s=row["capture_s"], graph_mib=None)
     for cache, data in runs.items():
-        pw = sum(r["capture_s"] for r in data["piecewise"])
-        dec = data["decode_total_s"]
-        report.add(cache=cache, kind="compile (first forward)", size="-", capture_s=data["compile_s"],
-                   graph_mib=None)
-        report.add(cache=cache, kind="piecewise total", size=len(data["piecewise"]), capture_s=pw,
-                   graph_mib=data["piecewise_pool_bytes"] / 2**20)
-        report.add(cache=cache, kind="decode total", size=len(data["decode"]), capture_s=dec,
-                   graph_mib=sum(r["graph_bytes"] for r in data["decode"]) / 2**20)
-        report.add(cache=cache, kind="all graphs", size=len(data["piecewise"]) + len(data["decode"]),
-                   capture_s=pw + dec, graph_mib=data["pool_bytes"] / 2**20,
-                   note=f"compile + all graphs {data['compile_s'] + pw + dec:.1f} s; "
-                        f"process {data['process_s']:.1f} s")
-    report.notes.append("engine defaults: max_num_seqs=32 (decode batches "
-                        f"{runs['warm']['decode_sizes']}), max_num_batched_tokens=1024 (piecewise sizes "
-                        f"{runs['warm']['prefill_sizes'][0]}..{runs['warm']['prefill_sizes'][-1]}, "
-                        f"{len(runs['warm']['prefill_sizes'])} sizes)")
-    report.notes.append("graph_mib: piecewise = growth of the shared graph pool; decode = device memory the "
-                        "capture took (engine's measure); 'all graphs' = the shared pool at the end")
+        pw, dec = data["piecewise_total_s"], data["decode_total_s"]
+        n_pw, n_dec = len(data["prefill_sizes"]), len(data["decode_sizes"])
+        for name, seconds, memory in startup_phases(data.get("startup")):
+            report.add(cache=cache, kind=f"startup: {name}", size="-", capture_s=seconds, graph_mib=mib(memory))
+        if data.get("compile_s") is not None:
+            report.add(cache=cache, kind="compile", size="-", capture_s=data["compile_s"], graph_mib=None,
+                       note="the backend's split + piece compilation (Dynamo's trace not included)")
+        report.add(cache=cache, kind="piecewise total", size=n_pw, capture_s=pw,
+                   graph_mib=mib(data["piecewise_pool_bytes"]))
+        report.add(cache=cache, kind="decode total", size=n_dec, capture_s=dec,
+                   graph_mib=mib(data.get("decode_graph_bytes")), note=f"{dec / n_dec:.3f} s per graph" if n_dec else None)
+        report.add(cache=cache, kind="all graphs", size=n_pw + n_dec, capture_s=pw + dec,
+                   graph_mib=mib(data["piecewise_pool_bytes"] + (data.get("decode_graph_bytes") or 0)))
+        report.add(cache=cache, kind="ready", size="-", capture_s=data["ready_s"],
+                   graph_mib=mib(data.get("kv_pool_bytes")),
+                   note=f"LLM(...) built from a loaded model; KV pool in graph_mib; process {data['process_s']:.1f} s")
+    warm = runs.get("warm", any_run)
+    report.notes.append(f"engine defaults: max_num_seqs=32 (decode batches {warm['decode_sizes']}), "
+                        f"max_num_batched_tokens=1024 (piecewise sizes {warm['prefill_sizes'][0]}.."
+                        f"{warm['prefill_sizes'][-1]}, {len(warm['prefill_sizes'])} sizes), prefill graphs on")
+    report.notes.append("from the engine's own stats: 'startup: ...' rows are its start-up timeline (when it has "
+                        "one); graph_mib: piecewise = the backend's graph pool growth, decode = device memory the "
+                        "decode captures took, 'ready' = the KV pool")
     report.plots.append(("per-size", plot_capture))
     return report
 
 
 def plot_capture(report: Report):
+    """Left: capture ms per size (piecewise; decode too in reports that timed each decode graph).
+    Right: seconds of each start-up part, cold and warm."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for cache, style in (("cold", "o--"), ("warm", "o-")):
         for kind in ("piecewise", "decode"):
-            rows = sorted((r["size"], r["capture_s"], r["graph_mib"]) for r in report.rows
-                          if r["cache"] == cache and r["kind"] == kind)
-            if not rows:
-                continue
-            axes[0].plot([r[0] for r in rows], [r[1] * 1e3 for r in rows], style, ms=3, label=f"{kind} ({cache})")
-            if cache == "warm":
-                axes[1].plot([r[0] for r in rows], [r[2] for r in rows], "o-", ms=3, label=kind)
+            rows = sorted((r["size"], r["capture_s"]) for r in report.rows if r["cache"] == cache and r["kind"] == kind)
+            if rows:
+                axes[0].plot([r[0] for r in rows], [r[1] * 1e3 for r in rows], style, ms=3, label=f"{kind} ({cache})")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("tokens (piecewise) / batch (decode)")
     axes[0].set_ylabel("capture ms")
-    axes[1].set_ylabel("graph memory MiB")
+    parts = [r for r in report.rows if r["kind"] not in ("piecewise", "decode")]
+    kinds = list(dict.fromkeys(r["kind"] for r in parts))
+    for i, cache in enumerate(("cold", "warm")):
+        seconds = {r["kind"]: r["capture_s"] for r in parts if r["cache"] == cache}
+        axes[1].barh([k + (i - 0.5) * 0.4 for k in range(len(kinds))], [seconds.get(k, 0.0) for k in kinds],
+                     height=0.4, label=cache)
+    axes[1].set_yticks(range(len(kinds)), kinds, fontsize=8)
+    axes[1].set_xlabel("seconds")
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens (piecewise) / batch (decode)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"capture cost per size, {report.model}")
+    fig.suptitle(f"start-up cost, {report.model}")
     return fig
 
 
 if __name__ == "__main__":
     data = measure(sys.argv[1])
     with open(sys.argv[2], "w") as f:
-        json.dump(data, f)
+        json.dump(data, f, default=str)  # a timeline value JSON has no type for is kept as its text

@@ -1,18 +1,20 @@
 """Graph coverage of a workload: which steps a set of capture sizes serves, at what padding cost.
 
 A step is a (token count, uniform decode?) pair. With decode graphs of batch sizes D and piecewise
-graphs of token counts P (the engine's dispatcher rule): a uniform decode of n <= max(D) replays the
-smallest decode graph >= n (FULL); otherwise a step of n <= max(P) replays the smallest piecewise
-size >= n (PIECEWISE); anything else runs without graphs (NONE). Padding waste is the share of the
-tokens computed under graphs that are padding. `suggest_sizes` picks the k sizes that minimise the
-padded tokens of a token-count histogram (exact dynamic programme over the observed counts).
+graphs of token counts P, the engine's own dispatcher (engine.dispatch.Dispatcher, the one place that
+decides a step's mode) says how each step runs: FULL (a decode graph), PIECEWISE or NONE, and its
+padded size. Padding waste is the share of the tokens computed under graphs that are padding.
+`suggest_sizes` picks the k sizes that minimise the padded tokens of a token-count histogram (exact
+dynamic programme over the observed counts).
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
+import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -58,24 +60,34 @@ def bucket(n: int, sizes: Sequence[int]) -> int | None:
 
 
 def coverage(steps: Iterable[Step], decode_sizes: Sequence[int], piecewise_sizes: Sequence[int]) -> Coverage:
-    decode_sizes, piecewise_sizes = sorted(decode_sizes), sorted(piecewise_sizes)
+    from custom_ops import RuntimeMode
+    from engine.dispatch import BatchDescriptor, Dispatcher
+    dispatcher = Dispatcher(tuple(decode_sizes), tuple(piecewise_sizes), decode_graphs_wanted=True,
+                            piecewise_graphs_wanted=True)
     counts = Counter()
     real = graph_real = graph_padded = 0
-    for step in steps:
-        n = step.num_tokens
-        real += n
-        padded = bucket(n, decode_sizes) if step.uniform_decode else None
-        mode = "full"
-        if padded is None:
-            padded, mode = bucket(n, piecewise_sizes), "piecewise"
-        if padded is None:
-            counts["none"] += 1
-            continue
-        counts[mode] += 1
-        graph_real += n
-        graph_padded += padded
-    total = sum(counts.values())
-    return Coverage(total, counts["full"], counts["piecewise"], counts["none"], real, graph_real, graph_padded)
+    with _quiet("engine"):  # a simulated step past the largest graph is a result (none_steps), not an event
+        for step in steps:
+            n = step.num_tokens
+            real += n
+            dispatch = dispatcher.dispatch(BatchDescriptor(n, step.uniform_decode))
+            counts[dispatch.mode] += 1
+            if dispatch.mode is not RuntimeMode.NONE:
+                graph_real += n
+                graph_padded += dispatch.descriptor.num_tokens
+    return Coverage(sum(counts.values()), counts[RuntimeMode.FULL], counts[RuntimeMode.PIECEWISE],
+                    counts[RuntimeMode.NONE], real, graph_real, graph_padded)
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def padded_tokens(histogram: dict[int, int], sizes: Sequence[int]) -> int:

@@ -6,10 +6,12 @@ Ours, through the engine's own runner (its static buffers and its full-decode gr
   full_graph   the engine's native decode graph for the batch (engine.decode_graphs), replayed.
 Peers, same process, same GPU:
   ours_reduce_overhead  torch.compile(mode="reduce-overhead") on our model (Inductor + cudagraph trees);
-  hf_eager              transformers, DynamicCache filled to the context;
+  hf_eager              transformers' generate() (greedy, its default DynamicCache), as its users
+                        run it;
   hf_static_compiled    transformers' generate(cache_implementation="static"), which compiles its
-                        decode step with torch.compile(mode="reduce-overhead"); per-step time from
-                        two generation lengths (prefill cancels).
+                        decode step with torch.compile(mode="reduce-overhead").
+  Both peers: per-step time from two generation lengths, (t(long) - t(short)) / (long - short) with
+  exact lengths, from a prompt of `context` tokens (prefill and set-up cancel).
 Floor = (weight bytes + batch * K/V bytes attended) / copy bandwidth.
 """
 from __future__ import annotations
@@ -26,8 +28,9 @@ from bench.paged import BLOCK_SIZE, blocks_per_seq, step_metadata
 
 BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 4096)
-PEER_POINTS = ((1, 512), (32, 512), (1, 4096), (32, 4096))   # eager peers (cheap)
+PEER_POINTS = ((1, 512), (32, 512), (1, 4096), (32, 4096))   # eager peers (no compile; ~10 s each)
 COMPILED_PEER_POINTS = ((1, 512),)                            # each costs a full-model compile
+EAGER_GENERATE_LENGTHS = {"short": 8, "long": 24}  # 16 steps of ~35 ms (llama-3.2-3b, H100): ~0.6 s of signal
 KV_MEMORY_FRACTION = 0.8  # of the memory free after the weights, for the pool of the largest point
 
 logger = logging.getLogger("bench")
@@ -41,6 +44,33 @@ def _points_that_fit(points, kv_bytes_per_token: int, free_bytes: int) -> tuple[
         need = b * blocks_per_seq(c + 1) * BLOCK_SIZE * kv_bytes_per_token
         (fit if need <= KV_MEMORY_FRACTION * free_bytes else skipped).append((b, c))
     return fit, skipped
+
+
+def load_decode_step(runner, vocab_size: int, batch: int, context: int):
+    """A decode step of `batch` sequences at `context` cached tokens into the engine runner's static
+    buffers (random ids; each sequence its own blocks, bench.paged.step_metadata); the metadata
+    viewing those buffers."""
+    meta = step_metadata(batch, context, 1, "cpu")
+    ids = torch.randint(0, vocab_size, (batch,)).tolist()
+    runner.buffers.load(ids, [context] * batch, meta.slot_mapping.tolist(), meta.query_start_loc.tolist(),
+                        meta.seq_lens.tolist(), meta.block_tables.tolist(), list(range(batch)))
+    return runner.buffers.metadata(batch, batch, batch, 1, context + 1, True)
+
+
+def decode_blocks_needed(batch: int, context: int) -> int:
+    """KV blocks `load_decode_step` addresses (with the scratch block)."""
+    return 1 + batch * blocks_per_seq(context + 1)
+
+
+def graph_replay_ms(runner, vocab_size: int, batch: int, context: int, iters: int = 30) -> float:
+    """Median ms of one replay of the engine's full-decode graph for `batch` (a captured size) at
+    `context` cached tokens: the step the engine serves, without the host around it. Overwrites the
+    K/V of blocks 1..decode_blocks_needed - 1 and the runner's static buffers."""
+    graphs = runner.decode_graphs
+    if graphs is None or batch not in graphs.sizes:
+        raise ValueError(f"no decode graph for batch {batch} (captured: {graphs.sizes if graphs else ()})")
+    load_decode_step(runner, vocab_size, batch, context)
+    return median_ms(lambda: graphs.replay(batch, batch), iters=iters)
 
 
 def run(model: str, batches=None, contexts=None, peers: str | None = None, iters: int = 30,
@@ -76,7 +106,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
                             + ", ".join(f"bs{b} ctx{c}" for b, c in skipped))
     max_batch = max(b for b, _ in grid)
     max_context = max(c for _, c in grid)
-    num_blocks = 1 + max(b * blocks_per_seq(c + 1) for b, c in grid)
+    num_blocks = max(decode_blocks_needed(b, c) for b, c in grid)
     # compile=True: the engine's default on CUDA only, and the "compiled" rows must be compiled everywhere.
     llm = LLM(net, max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE, num_gpu_blocks=num_blocks,
               decode_graph_sizes=tuple(sorted({b for b, _ in grid})), show_progress=False,
@@ -91,13 +121,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
     report.notes.append(f"{graphs}; K/V pool {num_blocks} blocks, each sequence its own blocks, random contents")
 
     def load(b: int, c: int):
-        """The step's values into the runner's static buffers; metadata viewing them."""
-        meta = step_metadata(b, c, 1, "cpu")
-        ids = torch.randint(0, net.config.vocab_size, (b,)).tolist()
-        tables = meta.block_tables.tolist()
-        runner.buffers.load(ids, [c] * b, meta.slot_mapping.tolist(), meta.query_start_loc.tolist(),
-                            meta.seq_lens.tolist(), tables, list(range(b)))
-        return runner.buffers.metadata(b, b, b, 1, c + 1, True)
+        return load_decode_step(runner, net.config.vocab_size, b, c)
 
     ours_points = []
     with torch.inference_mode():
@@ -115,11 +139,9 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
             add("eager", b, c, median_ms(eager, iters=iters))
             add("compiled", b, c, median_ms(compiled, iters=iters))
             if runner.decode_graphs is not None:
-                def full():
-                    return runner.decode_graphs.replay(b, b)
                 reference = compiled().float()
-                error = rel_err(full(), reference)
-                add("full_graph", b, c, median_ms(full, iters=iters))
+                error = rel_err(runner.decode_graphs.replay(b, b), reference)
+                add("full_graph", b, c, graph_replay_ms(runner, net.config.vocab_size, b, c, iters))
                 report.rows[-1]["full_vs_compiled_rel_err"] = error
             ours_points.append((b, c))
 
@@ -167,9 +189,10 @@ def _run_hf_peers(report: Report, model: str, add, peers: str, deadline: Deadlin
         compiled_points = [(b, c) for b, c in COMPILED_PEER_POINTS if c in contexts and b in batches]
     with torch.no_grad():
         for b, c in points:
-            step = hf_peers.decode_eager_step(hf, b, c)
-            add("hf_eager", b, c, median_ms(step, iters=iters))
-            del step
+            if not deadline.allows(30):
+                report.notes.append(f"hf_eager bs{b} ctx{c} skipped: time budget")
+                continue
+            add("hf_eager", b, c, hf_peers.decode_eager_generate_ms(hf, b, c, **EAGER_GENERATE_LENGTHS))
             free_device_memory()
         for b, c in compiled_points:
             if not deadline.allows(80):

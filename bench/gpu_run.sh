@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|peers  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -34,6 +34,14 @@ case "${1:-smoke}" in
     suite 75 decode --model qwen3-4b --batches 1,64 --contexts 512 --peers none
     suite 60 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers none
     ;;
+  e2e)  # what a user sees through LLM.generate; each run ~3-4 min on an H100 (cold compile cache)
+    suite 280 e2e --model llama-3.2-3b --time-budget 200
+    suite 280 e2e --model qwen3-4b --time-budget 200
+    ;;
+  peers)  # the decode suite again with transformers eager measured through generate(); then gemma's e2e
+    suite 330 decode --model llama-3.2-3b --time-budget 290
+    suite 250 e2e --model gemma-3-1b --time-budget 180
+    ;;
   rest)
     bash bench/notebooks/run_gpu.sh 140 >>"$LOG" 2>&1
     suite 170 capture --model llama-3.2-3b
@@ -42,4 +50,4 @@ case "${1:-smoke}" in
 esac
 tar czf "$OUT/res.tgz" -C /tmp/bench_res res
 ls -la "$R" | tail -40
-grep -h "^| \(full_graph\|piecewise\|hf_\|ours_\)" "$R"/*.md 2>/dev/null | head -60
+grep -h "^| \(full_graph\|piecewise\|hf_\|ours_\|[0-9]\)" "$R"/*.md 2>/dev/null | head -80

@@ -29,7 +29,7 @@ logger = logging.getLogger("bench")
 
 def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_: object) -> Report:
     from compile_backend import BackendConfig, InferGraphsBackend, graph_pool, mark_token_dim
-    from custom_ops import RuntimeMode, forward_context
+    from custom_ops import RuntimeMode
 
     tokens = parse_ints(tokens, TOKENS)
     peers = peers or "all"
@@ -61,7 +61,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
             ids, pos = step_inputs(1, 0, t, net.config.vocab_size, device, seed=t)
 
             def run_model(fn, mode):
-                with forward_context(meta, mode, t):
+                with kv.context(meta, mode, t):
                     if fn is compiled:
                         mark_token_dim(ids, pos)
                     hidden = fn(ids, pos)

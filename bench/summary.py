@@ -76,12 +76,16 @@ def goal_rows(results: str) -> list[tuple[str, str, str, str]]:
                          "met" if not missed else "**missed** (" + ", ".join(missed) + ")"))
     for model, report in capture.items():
         r = _find(report, cache="warm", kind="all graphs")
-        c = _find(report, cache="warm", kind="compile (first forward)")
+        # "compile (first forward)": reports from before the suite read the engine's own stats
+        c = _find(report, cache="warm", kind="compile") or _find(report, cache="warm", kind="compile (first forward)")
         cold = _find(report, cache="cold", kind="all graphs")
+        ready = _find(report, cache="warm", kind="ready")
         if r is None or c is None:
             continue
         gib = r["graph_mib"] / 1024
         cold_txt = f"cold: graphs {cold['capture_s']:.1f} s" if cold else "no cold run"
+        if ready is not None:
+            cold_txt = f"engine ready in {ready['capture_s']:.1f} s; " + cold_txt
         rows.append((f"capture all default sizes, {model}", f"< {CAPTURE_SECONDS_GOAL:g} s warm, < {CAPTURE_GIB_GOAL:g} GiB",
                      f"warm: {r['size']} graphs captured in {r['capture_s']:.1f} s (+ compile {c['capture_s']:.1f} s "
                      f"= {r['capture_s'] + c['capture_s']:.1f} s); {cold_txt}; graph pool {gib:.2f} GiB",

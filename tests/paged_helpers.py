@@ -1,83 +1,28 @@
 """Drive a model through the paged KV cache the way the engine does, on the CPU reference op.
 
-A tiny stand-in for the engine's KV pool and model runner, for tests: bind one cache per attention
-layer, hand out blocks in a scrambled order (so block tables are never contiguous and sequences
-cross block boundaries), build the AttentionMetadata of one step, and run prefill + greedy decode of
-several sequences batched together.
+A tiny stand-in for the engine's KV pool and model runner, for tests: bench.paged's caches (one per
+attention layer, blocks handed out in a scrambled order, so block tables are never contiguous and
+sequences cross block boundaries) and its step metadata, driving prefill + greedy decode of several
+sequences batched together.
 """
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
-
 import torch
 
-import custom_ops
-from custom_ops import AttentionMetadata, allocate_kv_cache, bind_kv_cache, forward_context
+from bench.paged import PagedKV, paged_metadata
+
+# One metadata builder for tests and benchmarks (bench.paged): tests may import bench, never the reverse.
+build_metadata = paged_metadata
 
 
-@dataclass
-class PagedCache:
-    """KV caches bound to a model's layers plus a scrambled free list of blocks (block 0 is scratch)."""
-
-    model: torch.nn.Module
-    num_blocks: int
-    block_size: int
-    seed: int = 0
-    free_blocks: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        cfg = self.model.config
-        device = self.model.model.embed_tokens.weight.device
-        for name in self.model.attention_layer_names:
-            bind_kv_cache(name, allocate_kv_cache(
-                self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device))
-        blocks = [b for b in range(self.num_blocks) if b != custom_ops.SCRATCH_BLOCK]
-        random.Random(self.seed).shuffle(blocks)
-        self.free_blocks = blocks
-
-    def grow(self, block_table: list[int], num_tokens: int) -> None:
-        """Append blocks to `block_table` until it holds `num_tokens` tokens."""
-        while len(block_table) * self.block_size < num_tokens:
-            if not self.free_blocks:
-                raise RuntimeError("test KV cache ran out of blocks; raise num_blocks")
-            block_table.append(self.free_blocks.pop())
-
-    def release(self) -> None:
-        for name in self.model.attention_layer_names:
-            bind_kv_cache(name, None)
-
-
-def build_metadata(
-    block_size: int, block_tables: list[list[int]], cached_lens: list[int], new_lens: list[int],
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Metadata for one step: sequence i has cached_lens[i] tokens in the cache and new_lens[i] new ones."""
-    slots: list[int] = []
-    for table, cached, new in zip(block_tables, cached_lens, new_lens):
-        for pos in range(cached, cached + new):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    starts = [0]
-    for new in new_lens:
-        starts.append(starts[-1] + new)
-    seq_lens = [c + n for c, n in zip(cached_lens, new_lens)]
-    width = max(len(t) for t in block_tables)
-    padded = [t + [custom_ops.SCRATCH_BLOCK] * (width - len(t)) for t in block_tables]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        num_actual_tokens=len(slots),
-        max_query_len=max(new_lens),
-        max_seq_len=max(seq_lens),
-        is_uniform_decode=all(n == 1 for n in new_lens),
-    )
+def PagedCache(model: torch.nn.Module, num_blocks: int, block_size: int, seed: int = 0) -> PagedKV:  # noqa: N802
+    """Zeroed KV caches bound to the model's layers, with a scrambled free list (block 0 is scratch)."""
+    return PagedKV.allocate(model, num_blocks, block_size, fill=False, seed=seed)
 
 
 @torch.no_grad()
 def paged_step(
-    model: torch.nn.Module, cache: PagedCache, block_tables: list[list[int]],
+    model: torch.nn.Module, cache: PagedKV, block_tables: list[list[int]],
     cached_lens: list[int], new_tokens: list[list[int]],
 ) -> torch.Tensor:
     """One batched step: append new_tokens[i] to sequence i; returns logits [sum(new), V]."""
@@ -90,7 +35,7 @@ def paged_step(
     positions = torch.tensor(
         [p for cached, new in zip(cached_lens, new_lens) for p in range(cached, cached + new)],
         dtype=torch.int64, device=device)
-    with forward_context(meta):
+    with cache.context(meta):
         hidden = model(ids, positions)
     return model.compute_logits(hidden)
 

@@ -237,3 +237,167 @@ def test_idle_fraction_between_kernels():
     # two steps of [busy 2, gap 2, busy 2] separated by a long pause
     trace = [(0, 2), (4, 6), (100, 102), (104, 106)]
     assert per_step_idle(trace, 2) == pytest.approx([1 / 3, 1 / 3])
+
+
+def test_generate_step_ms_is_the_per_token_slope_of_two_exact_generation_lengths(monkeypatch):
+    import time
+
+    import torch
+
+    from bench import hf_peers
+    clock = [0.0]
+    calls = []
+
+    class FakeGenerator(torch.nn.Module):
+        """generate() costs 50 ms of set-up and prefill plus 3 ms per new token, on a fake clock."""
+        config = type("Config", (), {"vocab_size": 100})()
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, attention_mask, max_new_tokens, min_new_tokens, **kwargs):
+            calls.append((tuple(input_ids.shape), max_new_tokens, min_new_tokens, kwargs.get("cache_implementation")))
+            clock[0] += 0.050 + 0.003 * max_new_tokens
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    ms = hf_peers.decode_static_generate_ms(FakeGenerator(), 2, 30, short=4, long=12, repeats=3)
+    assert ms == pytest.approx(3.0)
+    assert all(mx == mn for _, mx, mn, _ in calls)  # exact lengths, or the slope would mix prefill in
+    assert {shape for shape, *_ in calls} == {(2, 30)} and {c for *_, c in calls} == {"static"}
+    assert len(calls) == 2 + 2 * 3  # one untimed call per length, then the timed repeats
+    calls.clear()
+    assert hf_peers.decode_eager_generate_ms(FakeGenerator(), 1, 8, short=2, long=6) == pytest.approx(3.0)
+    assert {c for *_, c in calls} == {None}  # eager: generate's default cache
+    with pytest.raises(ValueError, match="short < long"):
+        hf_peers.generate_step_ms(FakeGenerator(), 1, 8, short=6, long=6)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_decode_hf_eager_row_comes_from_transformers_generate(monkeypatch):
+    import transformers
+
+    from bench import decode
+    lengths = []
+    real_generate = transformers.GenerationMixin.generate
+
+    def recording_generate(self, *args, **kwargs):
+        lengths.append((kwargs["max_new_tokens"], kwargs["min_new_tokens"]))
+        return real_generate(self, *args, **kwargs)
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", recording_generate)
+    report = decode.run("tiny-llama", batches="1", contexts="512", peers="eager", iters=1)  # a peer point
+    [row] = [r for r in report.rows if r["variant"] == "hf_eager"]
+    assert (row["batch"], row["context"]) == (1, 512) and isinstance(row["median_ms"], float)
+    short, long = decode.EAGER_GENERATE_LENGTHS["short"], decode.EAGER_GENERATE_LENGTHS["long"]
+    assert set(lengths) == {(short, short), (long, long)}
+
+
+def test_e2e_latencies_keep_only_the_intervals_where_every_request_decodes():
+    from bench.e2e import latencies
+    from engine.request import RequestOutput
+
+    def out(ttft_s, gaps):
+        return RequestOutput("r", [1], [5] * (len(gaps) + 1), "", True, "length", ttft_s=ttft_s,
+                             inter_token_latencies_s=gaps)
+    # request a starts decoding at 10 ms, b only at 40 ms (its prefill came later)
+    a = out(0.010, [0.020, 0.020, 0.020, 0.004])  # tokens at 10, 30, 50, 70, 74 ms
+    b = out(0.040, [0.004])                       # tokens at 40, 44 ms
+    lat = latencies([a, b])
+    assert lat["ttft_ms"] == pytest.approx(25.0) and lat["ttft_max_ms"] == pytest.approx(40.0)
+    assert lat["steady_intervals"] == 3           # a's from 50 and 70 ms, b's from 40 ms
+    assert lat["itl_ms"] == pytest.approx(4.0)    # median of 20, 4, 4: the mixed steps' intervals left out
+    assert lat["itl_all_ms"] == pytest.approx(20.0)
+    only_a = latencies([out(0.010, [0.020, 0.020, 0.020])])
+    assert only_a["itl_ms"] == pytest.approx(20.0)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_e2e_suite_from_the_command_line_reports_each_batch(tmp_path):
+    from bench.__main__ import main
+    assert main(["e2e", "--model", "tiny-llama", "--batches", "1,3", "--prompt-len", "12", "--output-len", "5",
+                 "--peers", "none", "--time-budget", "60", "--out", str(tmp_path)]) == 0
+    report = Report.load(str(tmp_path / "e2e-tiny-llama.json"))
+    assert [r["batch"] for r in report.rows] == [1, 3]
+    for row in report.rows:
+        assert row["prompt_len"] == 12 and row["context"] == 12 + 5 // 2
+        assert row["ttft_ms"] > 0 and row["itl_ms"] > 0 and row["ttft_max_ms"] >= row["ttft_ms"]
+        assert row["graph_replay_ms"] is None and row["floor_ms"] is None  # no graphs, no ceilings on the CPU
+    assert any("decode graphs on CUDA only" in n for n in report.notes)
+    from bench.e2e import WARMUP_TOKENS
+    repeats = report.meta["repeats"]
+    assert report.meta["engine_stats"]["generated_tokens"] == (1 + 3) * (WARMUP_TOKENS + repeats * 5)
+
+
+def test_paged_kv_hands_out_blocks_scrambled_or_in_order_and_never_the_scratch_block():
+    import torch
+
+    import models
+    from bench.configs import TINY_LLAMA
+    from bench.paged import PagedKV
+    from custom_ops import SCRATCH_BLOCK
+    model = models.from_config(TINY_LLAMA, dtype=torch.float32, device="cpu", seed=0)
+    kv = PagedKV.allocate(model, num_blocks=9, block_size=4, fill=False, seed=3)
+    try:
+        assert list(kv.caches) == list(model.attention_layer_names)
+        assert all(not c.any() for c in kv.caches.values())  # fill=False: zeros
+        table: list[int] = []
+        kv.grow(table, 30)  # 8 blocks of 4 tokens: every block but the scratch one
+        assert sorted(table) == [b for b in range(9) if b != SCRATCH_BLOCK] and table != sorted(table)
+        with pytest.raises(RuntimeError, match="ran out of blocks"):
+            kv.grow(table, 33)
+    finally:
+        kv.release()
+    assert kv.caches == {}
+    ordered = PagedKV.allocate(model, num_blocks=5, block_size=4)
+    try:
+        table = [7]
+        ordered.grow(table, 9)  # holds 4 already: two more blocks, in ascending order
+        assert table == [7, 1, 2] and all(c.abs().sum() > 0 for c in ordered.caches.values())  # random fill
+    finally:
+        ordered.release()
+
+
+def test_step_metadata_gives_each_sequence_its_own_contiguous_blocks():
+    from bench.paged import step_metadata
+    meta = step_metadata(num_seqs=3, context_len=5, query_len=2, device="cpu", block_size=4)
+    # 7 tokens -> 2 blocks per sequence: 1-2, 3-4, 5-6; new tokens at positions 5 and 6 (block 1 of each)
+    assert meta.block_tables.tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 4 * 4 + 1, 4 * 4 + 2, 6 * 4 + 1, 6 * 4 + 2]
+    assert meta.query_start_loc.tolist() == [0, 2, 4, 6] and meta.seq_lens.tolist() == [7, 7, 7]
+    assert (meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (6, 2, 7)
+    assert not meta.is_uniform_decode and step_metadata(2, 5, 1, "cpu", max_seq_len=64).max_seq_len == 64
+
+
+def test_capture_startup_timeline_reads_a_list_or_a_dict_of_phases():
+    from bench.capture import startup_phases
+    as_list = [{"name": "load", "seconds": 1.5, "allocated_bytes": 2**20}, {"phase": "compile", "seconds": 4.0}]
+    assert startup_phases(as_list) == [("load", 1.5, 2**20), ("compile", 4.0, None)]
+    as_dict = {"total_s": 9.0, "phases": {"compile": {"seconds": 4.0}, "decode capture": 0.5}}
+    assert startup_phases(as_dict) == [("compile", 4.0, None), ("decode capture", 0.5, None)]
+    assert startup_phases(None) == [] and startup_phases({}) == []
+
+
+def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
+    from bench.capture import build_report
+    from bench.summary import goal_rows
+
+    def child(startup):
+        return {"model": "m", "device": "dev", "build_s": 1.0, "ready_s": 12.0, "process_s": 20.0,
+                "prefill_sizes": [1, 2, 4], "decode_sizes": [1, 2], "startup": startup,
+                "piecewise": [{"size": 4, "capture_s": 0.3}, {"size": 2, "capture_s": 0.2},
+                              {"size": 1, "capture_s": 0.1}],
+                "compile_s": 5.0, "piecewise_total_s": 0.6, "piecewise_pool_bytes": 100 * 2**20,
+                "decode_total_s": 0.4, "decode_graph_bytes": 10 * 2**20, "kv_pool_bytes": 2**30}
+    report = build_report("m", {"cold": child(None), "warm": child([{"name": "load", "seconds": 0.5}])})
+    rows = {(r["cache"], r["kind"]): r for r in report.rows}
+    assert ("cold", "startup: load") not in rows and rows[("warm", "startup: load")]["capture_s"] == 0.5
+    assert [r["size"] for r in report.rows if r["kind"] == "piecewise" and r["cache"] == "warm"] == [4, 2, 1]
+    total = rows[("warm", "all graphs")]
+    assert total["size"] == 5 and total["capture_s"] == pytest.approx(1.0) and total["graph_mib"] == 110
+    assert rows[("warm", "decode total")]["note"] == "0.200 s per graph"
+    assert rows[("warm", "ready")]["capture_s"] == 12.0 and rows[("warm", "ready")]["graph_mib"] == 1024
+    assert rows[("warm", "compile")]["capture_s"] == 5.0
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        report.write(out)
+        [(_, _, measured, _)] = goal_rows(out)[-1:]
+    assert "engine ready in 12.0 s" in measured and "5 graphs captured in 1.0 s" in measured
