@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-SUITES = ("floor", "decode", "prefill", "capture", "serving")
+SUITES = ("floor", "decode", "prefill", "capture", "serving", "prefix")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048)")
     parser.add_argument("--peers", choices=("all", "eager", "none"), help="decode/prefill: which peers to run")
-    parser.add_argument("--requests", type=int, help="serving: number of requests")
-    parser.add_argument("--rate", type=float, help="serving: arrival rate, requests/s")
+    parser.add_argument("--requests", type=int, help="serving, prefix: number of requests")
+    parser.add_argument("--rate", type=float, help="serving, prefix: arrival rate, requests/s")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode: seconds after which compiled peers are skipped (noted in the report)")
     args = parser.parse_args(argv)

@@ -161,6 +161,14 @@ class BlockPool:
             parent = block
         self._published[request_id] = max(done, full)
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block (a benchmark starting cold); the number evicted."""
+        evicted = 0
+        while self.cache is not None and self.cache.num_unreferenced:
+            self._free.append(self.cache.evict())
+            evicted += 1
+        return evicted
+
     # -- queries and checks -------------------------------------------------------------------------
 
     def slot(self, request_id: str, position: int) -> int:

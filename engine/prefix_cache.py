@@ -33,7 +33,7 @@ from typing import Sequence
 ROOT = -1  # the parent of a prefix's first block
 
 
-@dataclass
+@dataclass(slots=True)  # one per cached block: slots make creating and reading it cheaper
 class _Node:
     key: tuple[int, tuple[int, ...]]
     parent: int
@@ -78,9 +78,8 @@ class PrefixCache:
     def publish(self, parent: int, tokens: tuple[int, ...], block: int) -> bool:
         """Publish a referenced, fully computed block; False if this prefix is already published elsewhere."""
         key = (parent, tokens)
-        if key in self._block_of:
+        if self._block_of.setdefault(key, block) != block:  # one hash of the key, not two
             return False
-        self._block_of[key] = block
         self._nodes[block] = _Node(key, parent)
         if parent != ROOT:
             self._nodes[parent].num_children += 1

@@ -151,10 +151,12 @@ class Scheduler:
         """Advance each chunk; `sampled` holds one token per sampling chunk, in chunk order. Returns the finished."""
         finished = []
         tokens = iter(sampled)
+        block_size = self.pool.block_size
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
-            self.pool.publish(request.request_id, request.token_ids, request.num_computed_tokens)
+            if request.num_computed_tokens // block_size > chunk.start // block_size:  # a block filled up
+                self.pool.publish(request.request_id, request.token_ids, request.num_computed_tokens)
             if not chunk.samples:
                 continue
             token = next(tokens)

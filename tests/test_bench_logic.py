@@ -237,3 +237,18 @@ def test_idle_fraction_between_kernels():
     # two steps of [busy 2, gap 2, busy 2] separated by a long pause
     trace = [(0, 2), (4, 6), (100, 102), (104, 106)]
     assert per_step_idle(trace, 2) == pytest.approx([1 / 3, 1 / 3])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_prefix_report_compares_caching_on_and_off_on_shared_and_unique_prompts():
+    from bench import prefix
+    report = prefix.run("tiny-llama", requests=3, host_rows=False)
+    assert "a 64-token prompt" in report.notes[0] and f"KV blocks of {prefix.BLOCK_SIZE}" in report.notes[0]
+    rows = {(r["workload"], r["caching"], r["arrivals"]): r for r in report.rows}
+    assert len(rows) == 8 and all(r["requests"] == 3 for r in rows.values())
+    # (how many shared-prompt requests hit depends on when they arrive; unique prompts never hit)
+    assert all(r["hit_rate"] is None for key, r in rows.items() if key[1] == "off")
+    assert rows["unique", "on", "poisson"]["hit_rate"] == 0.0 and rows["shared", "on", "poisson"]["hit_rate"] >= 0
+    specs = prefix.make_specs(3, 64, 8, 4, 256, shared=True, rate_per_s=None, seed=0)
+    assert specs[0].prompt_ids[:64] == specs[2].prompt_ids[:64] and specs[0].prompt_ids != specs[2].prompt_ids
+    assert prefix.host_us_per_step(specs, True, 4, 96) > 0 and prefix.prepare_us(4, 64, steps=3) > 0
