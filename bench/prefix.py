@@ -9,7 +9,8 @@ other questions first compiles and captures what the measured run needs, without
 
 Host rows: the scheduler + block pool + step preparation alone (no model) over the unique workload,
 caching on vs off (the bookkeeping at 0% hits), and one decode step's `_prepare` at batch 64 with
-short and long contexts (persistent block tables: the host cost must not grow with context).
+short and long contexts (persistent block tables: the host cost must not grow with context), and
+the block pool's admit + publish + release per block, caching on vs off.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from bench.workload import RequestSpec
 
 BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024
 COLUMNS = ["workload", "caching", "arrivals", "requests", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-           "itl_p50_ms", "hit_rate", "mode_counts", "host_us_per_step"]
+           "itl_p50_ms", "hit_rate", "mode_counts", "host_us_per_step", "host_us_per_block"]
 
 
 def make_specs(num_requests: int, system_len: int, question_len: int, output_len: int, vocab_size: int,
@@ -70,6 +71,29 @@ def host_us_per_step(specs: list[RequestSpec], caching: bool, max_num_seqs: int,
         scheduler.update(out, [7] * sum(c.samples for c in out.chunks), 0.0)
         steps += 1
     return (time.perf_counter() - start) / steps * 1e6
+
+
+def bookkeeping_us_per_block(caching: bool, num_requests: int = 200, blocks_per_request: int = 64) -> float:
+    """Host microseconds per block of admit + publish + release, every prompt unique (0% hits), the pool
+    full of cached blocks (so with caching every new block also evicts one). Best of three, CPU time."""
+    from engine.block_pool import BlockPool
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 32000) for _ in range(blocks_per_request * BLOCK_SIZE)] for _ in range(num_requests)]
+    best = float("inf")
+    for _ in range(3):
+        pool = BlockPool(1 + 4 * blocks_per_request, BLOCK_SIZE, debug_checks=False)
+        if caching:
+            pool.enable_prefix_caching()
+        start = time.process_time()
+        for i, prompt in enumerate(prompts):
+            rid = str(i)
+            if not pool.admit(rid, pool.match_prefix(prompt), len(prompt)):
+                raise RuntimeError(f"bookkeeping benchmark: request {rid} did not fit")
+            pool.publish(rid, prompt, len(prompt))
+            pool.free(rid)
+        best = min(best, (time.process_time() - start) / (num_requests * blocks_per_request) * 1e6)
+    return best
 
 
 def prepare_us(batch: int, context: int, steps: int = 200) -> float:
@@ -156,7 +180,10 @@ def run(model: str, requests: int | None = None, rate: float | None = None, host
     for caching in (False, True):
         report.add(workload="unique", caching="on" if caching else "off", arrivals="host only (no model)",
                    requests=len(unique), host_us_per_step=host_us_per_step(unique, caching, 32, 1024 + 64 + 64 + 16))
-    for context in (2048, 8192):
+    for caching in (False, True):
+        report.add(workload="unique", caching="on" if caching else "off", arrivals="block pool only",
+                   host_us_per_block=bookkeeping_us_per_block(caching))
+    for context in (128, 2048, 8192):
         report.add(workload=f"decode batch 64, context {context}", caching="off", arrivals="host _prepare only",
                    host_us_per_step=prepare_us(64, context))
     report.notes.append("host rows time the CPU bookkeeping alone (schedule + _prepare + update, or _prepare), "

@@ -252,3 +252,4 @@ def test_prefix_report_compares_caching_on_and_off_on_shared_and_unique_prompts(
     specs = prefix.make_specs(3, 64, 8, 4, 256, shared=True, rate_per_s=None, seed=0)
     assert specs[0].prompt_ids[:64] == specs[2].prompt_ids[:64] and specs[0].prompt_ids != specs[2].prompt_ids
     assert prefix.host_us_per_step(specs, True, 4, 96) > 0 and prefix.prepare_us(4, 64, steps=3) > 0
+    assert prefix.bookkeeping_us_per_block(True, num_requests=6, blocks_per_request=2) > 0
