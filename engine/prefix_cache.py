@@ -17,7 +17,9 @@ moved vLLM to sha256 does not exist when keys are compared exactly).
 Invariant (no copy-on-write): only full blocks whose K/V are all computed are published, and a
 request writes only at positions >= its computed tokens, which lie past its full blocks. So a
 published block is never written again, and sharing it needs no copy. BlockPool.check_writable checks
-this under debug checks.
+this under debug checks. A published block holds its tokens' K/V for every layer: sliding-window
+layers keep all of a sequence's blocks today, so sharing is safe for them; an allocator that frees
+blocks out of a window must not free (or must unpublish) a block another prefix can still hit.
 
 Eviction: a published block nobody references is kept until a new block is needed; then the least
 recently released leaf goes first (a heap on the release tick). A parent becomes a leaf when its last

@@ -15,7 +15,9 @@ SYSTEM = [1] + [3 + (5 * i) % 90 for i in range(13)]  # 14 tokens: 3 full blocks
 QUESTIONS = [[40 + 3 * i, 41, 42 + i] for i in range(4)]
 REPEATED = SYSTEM[:6] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 20 tokens
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-ENGINE = dict(device="cpu", block_size=BLOCK, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+# 64 usable blocks: the workload below never evicts, so its hit counts are exact
+ENGINE = dict(device="cpu", block_size=BLOCK, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+              num_gpu_blocks=65)
 
 
 @pytest.fixture(autouse=True)
