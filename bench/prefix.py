@@ -153,6 +153,7 @@ def run(model: str, requests: int | None = None, rate: float | None = None, host
         warm = make_specs(min(num_requests, 2 * max_num_seqs), system_len, question_len, output_len, vocab,
                           True, None, seed=99)
         llm.generate([list(s.prompt_ids) for s in warm], greedy)
+        llm.runtime.block_pool.reset_prefix_cache()
         for shared in (True, False):
             for arrivals, arrival_rate in (("poisson", rate), ("all at once", None)):
                 specs = make_specs(num_requests, system_len, question_len, output_len, vocab, shared, arrival_rate,
