@@ -54,9 +54,10 @@ class PersistentBlockTables:
     def update(self, tables: Sequence[Sequence[int]]) -> None:
         """Make rows 0..len(tables)-1 hold `tables` (host -> device asynchronously; call with the
         staging memory free, i.e. after the previous step's copies ran)."""
-        if len(tables) > self.max_seqs:
-            raise ValueError(f"{len(tables)} block tables for {self.max_seqs} rows")
         holds, synced, width = self._holds, self._synced, self.width
+        if len(tables) > self.max_seqs or any(len(t) > width for t in tables):  # before any state changes
+            raise ValueError(f"{len(tables)} block tables of up to {max(map(len, tables), default=0)} entries "
+                             f"for {self.max_seqs} rows of {width} (max_num_seqs, max_model_len / block_size)")
         previous_row: dict[int, int] | None = None
         moves: list[tuple[int, int]] = []
         new_synced: dict[int, int] = {}
@@ -91,9 +92,6 @@ class PersistentBlockTables:
         for i, table in enumerate(tables):
             done = synced[i]
             if len(table) > done:
-                if len(table) > width:
-                    raise ValueError(f"block table of sequence {i} has {len(table)} entries, more than the "
-                                     f"{width} a row holds (max_model_len / block_size)")
                 index.extend(range(i * width + done, i * width + len(table)))
                 values.extend(table[done:])
                 synced[i] = len(table)

@@ -254,3 +254,14 @@ def test_block_table_rows_copy_only_new_entries_whatever_the_context(context):
     runner._prepare(out, scheduler.pool, out.num_tokens, False)
     _check_rows(runner, out, scheduler.pool, len(out.chunks))
     assert tables.rows_moved == moved_before + batch - 2 and tables.entries_copied == copied_before
+
+
+def test_a_block_table_wider_than_a_row_is_refused_before_anything_changes():
+    runner = _runner(max_seqs=2, block_size=4, max_model_len=8)  # rows of 2 entries
+    tables = runner.buffers.tables
+    ok = [3, 4]
+    tables.update([ok])
+    with pytest.raises(ValueError, match="rows of 2"):
+        tables.update([[5], [6, 7, 8]])
+    tables.update([ok])
+    assert runner.buffers.block_tables[0].tolist() == [3, 4] and tables.entries_copied == 2
