@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e")
+SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, help="e2e: generated tokens per request (default 128)")
     parser.add_argument("--peer-batches", help="e2e: batch sizes with the transformers static + compile peer "
                         "(default 1; each is one compile)")
-    parser.add_argument("--requests", type=int, help="serving: number of requests")
-    parser.add_argument("--rate", type=float, help="serving: arrival rate, requests/s")
+    parser.add_argument("--requests", type=int, help="serving, prefix: number of requests")
+    parser.add_argument("--rate", type=float, help="serving, prefix: arrival rate, requests/s")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode, e2e: seconds after which peers are skipped (noted in the report)")
     args = parser.parse_args(argv)

@@ -81,6 +81,7 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
         # shapes, allocator growth) stays out of the measured run
         llm.generate([list(s.prompt_ids) for s in specs], [SamplingParams(max_tokens=s.output_len, ignore_eos=True)
                                                            for s in specs])
+        llm.runtime.block_pool.reset_prefix_cache()  # the measured run must not hit the warm-up's prompts
         stats_before = dict(llm.runtime.runner.dispatcher.mode_counts)
         row = drive(llm, specs)
         modes = {k: v - stats_before.get(k, 0) for k, v in llm.runtime.runner.dispatcher.mode_counts.items()}

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-graph-sizes", type=_sizes, default=None, help="e.g. 16,64,256")
     gen.add_argument("--no-compile", action="store_true", help="eager model (implies no prefill graphs)")
     gen.add_argument("--piece-compiler", choices=("inductor", "eager"), default=None)
+    gen.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                     help="share the KV blocks of common prompt prefixes (the default)")
+    gen.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     gen.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     fields = {name: getattr(args, name) for name in (
         "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
-        "kv_memory_fraction", "decode_graph_sizes", "prefill_graph_sizes", "piece_compiler")
+        "kv_memory_fraction", "decode_graph_sizes", "prefill_graph_sizes", "piece_compiler",
+        "enable_prefix_caching")
         if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         fields["cuda_graphs"] = False

@@ -69,7 +69,7 @@ class LLM:
             self.runtime = build_runtime(model, self.config)
         self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.max_model_len,
-                                   tuple(model.config.eos_token_ids))
+                                   tuple(model.config.eos_token_ids), self.config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._ids = itertools.count()
@@ -216,6 +216,7 @@ class LLM:
             "fallback_reasons": dict(runner.dispatcher.fallback_counts),
             "preemptions": self.scheduler.num_preemptions,
             "kv_blocks": self.runtime.block_pool.num_blocks,
+            "prefix_cache": self.runtime.block_pool.prefix_cache_stats(),
             "decode_graphs": len(graphs.sizes) if graphs else 0,
             "decode_graph_replays": graphs.replays if graphs else 0,
             "decode_graph_replays_by_size": dict(graphs.replays_by_size) if graphs else {},

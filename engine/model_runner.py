@@ -16,13 +16,14 @@ import torch
 
 from custom_ops import SCRATCH_BLOCK, AttentionMetadata, RuntimeMode, forward_context
 from engine.block_pool import BlockPool
+from engine.block_tables import PersistentBlockTables
 from engine.dispatch import BatchDescriptor, Dispatch, Dispatcher
 from engine.scheduler import SchedulerOutput
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Host lists reach the staging tensors through array.array + torch.frombuffer: torch.tensor(list)
-# costs ~100 ns per int, which a decode step's block tables (max_seqs x max_model_len / block_size
-# entries) turn into most of a millisecond on the host path.
+# costs ~100 ns per int. Block tables are not re-sent each step: PersistentBlockTables copies only
+# their new entries, so the host path does not grow with context length.
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}  # "i" is 32-bit wherever torch runs
 
 
@@ -42,29 +43,28 @@ class StaticBuffers:
         self.slot_mapping, self._slot_mapping = pair((max_tokens,), torch.int64)
         self.query_start_loc, self._query_start_loc = pair((max_seqs + 1,), torch.int32)
         self.seq_lens, self._seq_lens = pair((max_seqs,), torch.int32)
-        self.block_tables, self._block_tables = pair((max_seqs, max_blocks_per_seq), torch.int32)
+        self.tables = PersistentBlockTables(max_seqs, max_blocks_per_seq, device, pin)
+        self.block_tables = self.tables.table
         self.logits_indices, self._logits_indices = pair((max_seqs,), torch.int64)
         # Marks when the last step's host -> device copies have run, so the next step does not
         # overwrite pinned staging memory that an asynchronous copy is still reading.
         self._copied = torch.cuda.Event() if pin else None
-        self._table_pad = array.array(_TYPECODES[torch.int32], [SCRATCH_BLOCK]) * max_blocks_per_seq
 
     def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
              seq_lens: list[int], tables: list[list[int]], logits_indices: list[int]) -> None:
-        """Copy one step's values in (host lists -> pinned staging -> device, asynchronously)."""
+        """Copy one step's values in (host lists -> pinned staging -> device, asynchronously).
+
+        `tables[i]` is the block table of sequence i: the pool's own list (only new entries are copied,
+        see PersistentBlockTables), or an empty one for a padding row.
+        """
         if self._copied is not None:
             self._copied.synchronize()
-        width = self.max_blocks_per_seq
-        flat_tables = array.array(_TYPECODES[torch.int32])
-        for row in tables:  # each row padded with the scratch block to the full width
-            flat_tables.extend(row)
-            flat_tables.extend(self._table_pad[:width - len(row)])
+        self.tables.update(tables)
         for device_buf, host_buf, values in (
             (self.input_ids, self._input_ids, ids), (self.positions, self._positions, positions),
             (self.slot_mapping, self._slot_mapping, slots),
             (self.query_start_loc, self._query_start_loc, query_start_loc),
             (self.seq_lens, self._seq_lens, seq_lens),
-            (self.block_tables.view(-1), self._block_tables.view(-1), flat_tables),
             (self.logits_indices, self._logits_indices, logits_indices),
         ):
             n = len(values)
@@ -193,6 +193,7 @@ class ModelRunner:
             positions.extend(range(n))
         slots = [self.scratch_slot + p % self.block_size for p in positions]
         pad = num_tokens - num_real
+        self.buffers.tables.reset()  # every entry the dummy sequences read is the scratch block
         self.buffers.load([0] * num_tokens, positions + [0] * pad, slots + [self.scratch_slot] * pad,
                           query_start_loc, lens, [[]] * num_seqs, [q - 1 for q in query_start_loc[1:]])
         max_seq_len = self.max_model_len if uniform_decode else max(lens)

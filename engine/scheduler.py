@@ -10,6 +10,12 @@ When a running request cannot get the blocks for its chunk, the newest running r
 its blocks are freed, its computed count drops to zero, and it goes to the front of the waiting
 queue. Its token list (prompt + everything generated so far) is kept, so on readmission the whole
 list is recomputed as a prefill and generation continues where it stopped: nothing is lost.
+
+With prefix caching, admission takes the longest run of cached full blocks matching the request's
+tokens (engine.prefix_cache) and starts its computed count there, so only the rest is prefilled (an
+extend); a preempted request readmitted hits the blocks it published itself. Full blocks are
+published after the step that computed them, and finishing, aborting (`finish`) or preempting drops
+the request's references.
 """
 from __future__ import annotations
 
@@ -56,7 +62,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (),
+                 enable_prefix_caching: bool = False) -> None:
         if block_pool.blocks_for(max_model_len) > block_pool.num_usable_blocks:
             raise ValueError(
                 f"the KV pool has {block_pool.num_usable_blocks} usable blocks of {block_pool.block_size} "
@@ -64,6 +71,8 @@ class Scheduler:
                 f"({block_pool.blocks_for(max_model_len)}): raise num_gpu_blocks / kv_memory_fraction or "
                 "lower max_model_len")
         self.pool = block_pool
+        if enable_prefix_caching:
+            block_pool.enable_prefix_caching()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -93,17 +102,30 @@ class Scheduler:
             else:  # the request preempted itself: it was the newest, nothing after it runs
                 break
         if out.preempted:  # blocks are short: admitting more would only preempt again
-            return out
+            return self._checked(out)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.pool.grow(request.request_id, request.num_computed_tokens + num_new):
+            request = self.waiting[0]  # holds no blocks: new, or preempted (its blocks released)
+            cached = self.pool.match_prefix(request.token_ids)
+            num_cached = len(cached) * self.pool.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.pool.admit(request.request_id, cached, num_cached + num_new):
                 break
+            if self.pool.cache is not None:
+                self.pool.cache.count_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk.next_for(request, num_new))
             budget -= num_new
+        return self._checked(out)
+
+    def _checked(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Under debug checks: no chunk writes into a shared or published block, and the pool adds up."""
+        if self.pool.debug_checks:
+            for chunk in out.chunks:
+                self.pool.check_writable(chunk.request.request_id, chunk.start, chunk.start + chunk.num_tokens)
+            self.pool.check_consistency()
         return out
 
     def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -129,9 +151,12 @@ class Scheduler:
         """Advance each chunk; `sampled` holds one token per sampling chunk, in chunk order. Returns the finished."""
         finished = []
         tokens = iter(sampled)
+        block_size = self.pool.block_size
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
+            if request.num_computed_tokens // block_size > chunk.start // block_size:  # a block filled up
+                self.pool.publish(request.request_id, request.token_ids, request.num_computed_tokens)
             if not chunk.samples:
                 continue
             token = next(tokens)
@@ -156,6 +181,7 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (its stop condition, or an abort): out of the queues, its block references dropped."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -401,3 +401,19 @@ def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
         report.write(out)
         [(_, _, measured, _)] = goal_rows(out)[-1:]
     assert "engine ready in 12.0 s" in measured and "5 graphs captured in 1.0 s" in measured
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_prefix_report_compares_caching_on_and_off_on_shared_and_unique_prompts():
+    from bench import prefix
+    report = prefix.run("tiny-llama", requests=3, host_rows=False)
+    assert "a 64-token prompt" in report.notes[0] and f"KV blocks of {prefix.BLOCK_SIZE}" in report.notes[0]
+    rows = {(r["workload"], r["caching"], r["arrivals"]): r for r in report.rows}
+    assert len(rows) == 8 and all(r["requests"] == 3 for r in rows.values())
+    # (how many shared-prompt requests hit depends on when they arrive; unique prompts never hit)
+    assert all(r["hit_rate"] is None for key, r in rows.items() if key[1] == "off")
+    assert rows["unique", "on", "poisson"]["hit_rate"] == 0.0 and rows["shared", "on", "poisson"]["hit_rate"] >= 0
+    specs = prefix.make_specs(3, 64, 8, 4, 256, shared=True, rate_per_s=None, seed=0)
+    assert specs[0].prompt_ids[:64] == specs[2].prompt_ids[:64] and specs[0].prompt_ids != specs[2].prompt_ids
+    assert prefix.host_us_per_step(specs, True, 4, 96) > 0 and prefix.prepare_us(4, 64, steps=3) > 0
+    assert prefix.bookkeeping_us_per_block(True, num_requests=6, blocks_per_request=2) > 0

@@ -63,14 +63,22 @@ def test_block_pool_refuses_without_partial_allocation():
     assert pool.block_table("b") == [] and pool.num_free_blocks == 1
 
 
-def test_static_buffers_load_pads_each_block_table_row_with_the_scratch_block():
+def test_static_buffers_load_copies_the_values_and_keeps_block_table_rows_between_steps():
     buffers = StaticBuffers(max_tokens=8, max_seqs=3, max_blocks_per_seq=4, device=torch.device("cpu"))
-    buffers.load([5, 6, 7], [0, 1, 9], [4, 5, 39], [0, 2, 3], [2, 10], [[1], [7, 8, 9]], [1, 2])
+    first, second = [1], [7, 8, 9]
+    buffers.load([5, 6, 7], [0, 1, 9], [4, 5, 39], [0, 2, 3], [2, 10], [first, second], [1, 2])
     assert buffers.input_ids[:3].tolist() == [5, 6, 7] and buffers.positions[:3].tolist() == [0, 1, 9]
     assert buffers.slot_mapping[:3].tolist() == [4, 5, 39] and buffers.logits_indices[:2].tolist() == [1, 2]
     assert buffers.query_start_loc[:3].tolist() == [0, 2, 3] and buffers.seq_lens[:2].tolist() == [2, 10]
     assert buffers.block_tables[:2].tolist() == [[1, 0, 0, 0], [7, 8, 9, 0]] and SCRATCH_BLOCK == 0
     assert buffers.block_tables.dtype == torch.int32 and buffers.slot_mapping.dtype == torch.int64
+    # Next step: the first sequence is gone, the second grew a block, a padding row follows.
+    second.append(11)
+    copied = buffers.tables.entries_copied
+    buffers.load([1, 0], [13, 0], [44, 0], [0, 1, 2], [14, 1], [second, []], [0])
+    assert buffers.block_tables[0].tolist() == [7, 8, 9, 11] and int(buffers.block_tables[1, 0]) == SCRATCH_BLOCK
+    # the moved row came over on the device; only the new entry and the padding row's scratch were sent
+    assert buffers.tables.rows_moved == 1 and buffers.tables.entries_copied - copied == 2
 
 
 # -- scheduler ------------------------------------------------------------------------------------
