@@ -156,6 +156,9 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, reason: FinishReason) -> None:
+        """Take the request out of the queues and return its blocks now; a finished request is left as it is."""
+        if request.is_finished:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
