@@ -19,19 +19,26 @@ logger = logging.getLogger("engine.server")
 
 
 def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
+    """`python -m engine serve`: build the engine from the command line, then serve it."""
+    from engine.llm import LLM
+
+    return serve_llm(LLM(args.model, **config_fields), args.served_model_name or args.model, args.host, args.port,
+                     api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+
+
+def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20) -> int:
+    """Serve a built LLM until SIGINT / SIGTERM (the benchmarks serve models built from a config)."""
     import uvicorn
 
-    from engine.llm import LLM
     from engine.server.app import build_app
     from engine.server.engine_loop import EngineLoop
 
-    llm = LLM(args.model, **config_fields)
     if llm.tokenizer is None:
-        logger.warning("model %s has no tokenizer: prompts must be token ids, texts are empty, no chat", args.model)
-    sock = _listen(args.host, args.port)
+        logger.warning("model %s has no tokenizer: prompts must be token ids, texts are empty, no chat", name)
+    sock = _listen(host, port)
     engine = EngineLoop(llm)
-    name = args.served_model_name or args.model
-    app = build_app(engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    app = build_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -45,7 +52,7 @@ def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
     logger.info("ready: serving %r at http://%s:%d/v1 (%s, %s; %d decode graphs, prefill graphs %s%s)",
                 name, host if ":" not in host else f"[{host}]", port, llm.config.device, llm.config.dtype,
                 stats["decode_graphs"], "on" if llm.config.prefill_graphs else "off",
-                ", API key required" if args.api_key else "")
+                ", API key required" if api_key else "")
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after its shutdown

@@ -46,6 +46,9 @@ class _EngineStats:
         yield counter("graph_fallbacks", "steps that ran without the graph they could have used", s["fallbacks"])
         yield counter("preemptions", "requests preempted (recomputed later) for lack of KV blocks",
                       s["preemptions"])
+        yield gauge("decode_graph_bytes", "memory of the full-decode CUDA graphs", s.get("decode_graph_bytes", 0))
+        yield gauge("piecewise_graph_bytes", "memory of the piecewise CUDA graphs (the backend's pool growth)",
+                    (s.get("backend") or {}).get("graph_pool_bytes", 0))
         for key, value in (s.get("prefix_cache") or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 yield gauge(f"prefix_cache_{key}", f"LLM.stats()['prefix_cache']['{key}']", value)
