@@ -15,6 +15,8 @@ Workloads (the phase-9 design's benchmark plan):
 Per row: requests sent and completed side by side, output throughput, TTFT / ITL / end-to-end P50 and
 P99 as the client sees them, and the graph memory the server reports on /metrics. Each measured run
 follows an unmeasured warm-up run of the same workload (first-use compilation stays out of it).
+A "(in-process LLM)" row runs the baseline through LLM.add_request / step in this process with the
+same options: the difference to the HTTP baseline row is what serving adds.
 """
 from __future__ import annotations
 
@@ -226,6 +228,8 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
             finally:
                 if server is not None:
                     server.stop()
+        if not url and "baseline" in chosen:
+            _measure_in_process(report, name, model, [*engine_flags, *flags], make("baseline", s, vocab)[0])
     return report
 
 
@@ -241,6 +245,43 @@ def _measure(report: Report, config: str, workload: str, url: str, specs: list[R
     report.add(config=config, workload=workload, graph_mib=graph_bytes / 2**20, **row)
     if errors:
         report.notes.append(f"{config} / {workload}: errors {errors}")
+
+
+def _measure_in_process(report: Report, config: str, model: str, flags: list[str], specs: list[RequestSpec]) -> None:
+    """The baseline through LLM.add_request / step in this process, the same engine options: the
+    reference the HTTP rows are compared with (what HTTP, JSON and the engine loop thread add)."""
+    from bench.common import build_model, free_device_memory
+    from engine import LLM, SamplingParams
+    from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+
+    parser = OneLineErrorParser(prog="bench.serving")
+    add_engine_args(parser)
+    llm = LLM(build_model(model), **engine_config_fields(parser.parse_args(flags)))
+    try:
+        def one_at_a_time():
+            outs, start = [], time.perf_counter()
+            for spec in specs:
+                rid = llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True))
+                while llm.has_unfinished_requests():
+                    outs += [o for o in llm.step() if o.finished and o.request_id == rid]
+            return outs, time.perf_counter() - start
+        one_at_a_time()  # warm-up
+        outs, makespan = one_at_a_time()
+    finally:
+        llm.close()
+        del llm
+        torch._dynamo.reset()
+        free_device_memory()
+    ttfts = [o.ttft_s for o in outs]
+    e2es = [o.ttft_s + sum(o.inter_token_latencies_s) for o in outs]
+    itls = [x for o in outs for x in o.inter_token_latencies_s]
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    report.add(config=f"{config} (in-process LLM)", workload="baseline", sent=len(specs), completed=len(outs),
+               output_tok_per_s=sum(len(o.token_ids) for o in outs) / makespan,
+               ttft_p50_ms=ms(percentile(ttfts, 50)), ttft_p99_ms=ms(percentile(ttfts, 99)),
+               itl_p50_ms=ms(percentile(itls, 50)), itl_p99_ms=ms(percentile(itls, 99)),
+               e2e_p50_ms=ms(percentile(e2es, 50)), e2e_p99_ms=ms(percentile(e2es, 99)), graph_mib=None,
+               makespan_s=makespan)
 
 
 def _serve_main(argv: list[str]) -> int:

@@ -128,11 +128,12 @@ def test_serving_sends_the_workloads_over_http_and_every_request_completes():
     report = serving.run("tiny-llama", requests=3, configs=["graphs off"], workloads="baseline,chunked_prefill")
     assert f"max_num_batched_tokens={serving.MAX_NUM_BATCHED_TOKENS}" in report.notes[0]
     assert f"KV blocks of {serving.BLOCK_SIZE}" in report.notes[0]
-    assert [(r["config"], r["workload"]) for r in report.rows] == [("graphs off", "baseline"),
-                                                                   ("graphs off", "chunked_prefill")]
+    assert [(r["config"], r["workload"]) for r in report.rows] == [
+        ("graphs off", "baseline"), ("graphs off", "chunked_prefill"), ("graphs off (in-process LLM)", "baseline")]
     for row in report.rows:
         assert row["sent"] == row["completed"] > 0 and row["output_tok_per_s"] > 0
-        assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0 and row["graph_mib"] == 0
+        assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0 and not row["graph_mib"]
+    assert "| graphs off (in-process LLM) | baseline |" in report.markdown()
 
 
 def test_serving_workloads_have_their_shape():

@@ -29,6 +29,7 @@ from engine.server.protocol import ChatRequest, CompletionRequest, ResponseBuild
 logger = logging.getLogger("engine.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+STATS_TIMEOUT_S = 60.0  # a scrape waits for the step in progress, never for ever
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -52,6 +53,11 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), code=str(exc.status_code))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s failed: %r", request.method, request.url.path, exc)
+        return _error(500, f"internal error: {type(exc).__name__}", type="server_error")
+
     @app.get("/health")
     async def health() -> Response:
         if engine.accepting and engine.is_alive():
@@ -60,7 +66,10 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        stats = await engine.stats()
+        try:
+            stats = await asyncio.wait_for(engine.stats(), STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return _error(503, "the engine loop did not answer", type="server_error")
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

@@ -64,8 +64,9 @@ class EngineLoop:
 
     def submit(self, prompt: Any, params: SamplingParams, request_id: str) -> Stream:
         stream = Stream(request_id, asyncio.get_running_loop())
-        if not self.accepting:
-            stream.queue.put_nowait(EngineUnavailable("the server is shutting down"))
+        if not self.accepting or not self.is_alive():
+            stream.queue.put_nowait(EngineUnavailable("the server is shutting down" if not self.accepting
+                                                      else "the engine loop is not running"))
         else:
             self._commands.put((self._add, (prompt, params, stream)))
         return stream
