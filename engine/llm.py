@@ -96,6 +96,9 @@ class LLM:
             prompt = self.tokenizer(prompt)["input_ids"]
         ids = check_prompt(request_id, prompt, vocab, self.config.max_model_len)
         params.check(request_id, vocab)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(f"request {request_id!r}: SamplingParams.stop needs a tokenizer (stop strings "
+                                      "are matched on the text); use stop_token_ids", param="stop")
         return Request(request_id, ids, params)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, InvalidRequestError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, OutputTracker
 from engine.request import FinishReason, Request, RequestStatus
 from tests.tiny_tokenizer import CORPUS, save_tiny_llama_with_tokenizer
@@ -165,6 +165,14 @@ def test_stop_strings_and_a_non_special_stop_token_through_generate(llm):
     out = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(token,),
                                                 include_stop_str_in_output=True))[0]
     assert out.text == llm.tokenizer.decode(base.token_ids[:first + 1])
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_by_name(model_dir):
+    llm = LLM(str(model_dir), tokenizer=None, **SMALL)
+    llm.tokenizer = None  # a weights-only model: token-id prompts, no text
+    with pytest.raises(InvalidRequestError, match="SamplingParams.stop needs a tokenizer") as info:
+        llm.add_request([2, 5, 6], SamplingParams(stop=("x",)))
+    assert info.value.param == "stop" and not llm.has_unfinished_requests()
 
 
 def test_abort_frees_blocks_at_once_is_idempotent_and_leaves_others_alone(llm):
