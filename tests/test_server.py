@@ -350,6 +350,13 @@ def test_a_users_mistake_is_one_error_line_and_status_2(argv, model_dir, capsys)
     assert not any("Traceback" in line for line in err)
 
 
+def test_generate_takes_the_shared_engine_options(model_dir, capsys):
+    assert cli_main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "3", "--ignore-eos",
+                     "--device", "cpu", "--max-model-len", "64", "--block-size", "8", "--max-num-seqs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT) and "[3 tokens, finish: length" in out
+
+
 # -- shutdown (last: it stops the module's server) ----------------------------------------------------
 
 def test_sigterm_aborts_running_streams_and_exits(server, url):
