@@ -49,7 +49,7 @@ def save_tiny_llama_with_tokenizer(path: Path, seed: int = 3) -> Path:
     vocab = save_tiny_tokenizer(path)
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, pad_token_id=0,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.5, pad_token_id=0,
         bos_token_id=2, eos_token_id=1)
     random_hf_model(config, seed=seed).save_pretrained(path)
     return path
