@@ -307,14 +307,18 @@ def test_a_body_over_the_limit_is_413_with_or_without_content_length(url):
 def test_metrics_parse_as_prometheus_text_and_counters_move(url, client):
     before = _metrics(url)
     client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True}))
     after = _metrics(url)
-    assert after["infer_graphs_generation_tokens_total"] - before["infer_graphs_generation_tokens_total"] == 5
+    assert after["infer_graphs_generation_tokens_total"] - before["infer_graphs_generation_tokens_total"] == 10
     assert after["infer_graphs_prompt_tokens_total"] > before["infer_graphs_prompt_tokens_total"]
-    assert after["infer_graphs_steps_total{mode=none}"] >= before["infer_graphs_steps_total{mode=none}"] + 5
+    assert after["infer_graphs_steps_total{mode=none}"] >= before["infer_graphs_steps_total{mode=none}"] + 10
     assert after["infer_graphs_time_to_first_token_seconds_count"] == \
-        before["infer_graphs_time_to_first_token_seconds_count"] + 1
+        before["infer_graphs_time_to_first_token_seconds_count"] + 2
     assert after["infer_graphs_inter_token_latency_seconds_count"] == \
-        before["infer_graphs_inter_token_latency_seconds_count"] + 4
+        before["infer_graphs_inter_token_latency_seconds_count"] + 8
+    assert after["infer_graphs_requests_total{finish_reason=length}"] == \
+        before.get("infer_graphs_requests_total{finish_reason=length}", 0) + 2
     for name in ("requests_waiting", "kv_blocks_free", "graph_fallbacks_total", "preemptions_total",
                  "steps_total{mode=full}", "steps_total{mode=piecewise}"):
         assert f"infer_graphs_{name}" in after

@@ -138,11 +138,11 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             return StreamingResponse(_stream(stream, builder, req.include_usage, watcher),
                                      media_type="text/event-stream")
         try:
-            out, first = None, True
+            out, num_tokens = None, 0
             while out is None or not out.finished:
                 out = await stream.get()
-                metrics.observe(out, first)
-                first = False
+                metrics.observe(out, first=num_tokens == 0)
+                num_tokens += len(out.new_token_ids)
             _finished(out)
             return JSONResponse(builder.final(out))
         except EngineUnavailable as exc:
@@ -153,10 +153,10 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
 
     async def _stream(stream: Stream, builder: ResponseBuilder, include_usage: bool, watcher: asyncio.Task):
         try:
-            first, num_tokens, out = True, 0, None
+            first, num_tokens, out = True, 0, None  # first: no chunk sent yet
             while out is None or not out.finished:
                 out = await stream.get()
-                metrics.observe(out, first)
+                metrics.observe(out, first=num_tokens == 0)
                 num_tokens += len(out.new_token_ids)
                 if out.new_text or out.finished or first or (builder.return_token_ids and out.new_token_ids):
                     yield _sse(builder.chunk(out.new_text, out.new_token_ids,

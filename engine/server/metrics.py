@@ -73,11 +73,11 @@ class ServerMetrics:
                                 registry=self.registry)
 
     def observe(self, out: Any, first: bool) -> None:
-        """Count one RequestOutput a handler received (`first`: the request's first output)."""
+        """Count one RequestOutput a handler received (`first`: no token of this request seen before)."""
         new = len(out.new_token_ids)
         self.generation_tokens.inc(new)
         h = out.history
-        if first and out.ttft_s is not None:
+        if first and new and out.ttft_s is not None:
             self.ttft.observe(out.ttft_s)
         if h is not None:
             times, n = h.token_times, h.num_output_tokens
