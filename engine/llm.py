@@ -1,4 +1,4 @@
-"""LLM: the user-facing engine. `generate` for a batch, `add_request` / `step` for streaming.
+"""LLM: the user-facing engine. `generate` for a batch, `add_request` / `step` / `abort` for streaming.
 
     llm = LLM("default", max_num_seqs=8, prefill_graphs=True)
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
