@@ -8,6 +8,7 @@ The server requires an API key, so every /v1 call here also checks that the key 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -174,7 +175,6 @@ def test_sse_framing_stop_strings_and_eos_as_stop_over_raw_http(url, reference):
         raw = resp.read().decode()
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]" and all(e.startswith("data: ") for e in events[:-1])
-    import json
     chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == base.text[:base.text.find(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
