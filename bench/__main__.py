@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 1; each is one compile)")
     parser.add_argument("--requests", type=int, help="serving, prefix: number of requests")
     parser.add_argument("--rate", type=float, help="serving, prefix: arrival rate, requests/s")
+    parser.add_argument("--workloads", help="serving: comma-separated (default baseline,continuous_batching,"
+                                            "chunked_prefill,prefix_caching)")
+    parser.add_argument("--url", help="serving: a running server to send the workloads to (default: start one "
+                                      "per configuration)")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode, e2e: seconds after which peers are skipped (noted in the report)")
     args = parser.parse_args(argv)

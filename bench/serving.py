@@ -1,95 +1,321 @@
-"""Suite `serving`: a seeded workload through engine.LLM, graphs off / decode graphs / decode + prefill graphs.
+"""Suite `serving`: the seed's server workloads over real HTTP, graphs off / decode graphs / decode + prefill graphs.
 
-Requests arrive on a Poisson clock (seeded), each with a random prompt and output length
-(ignore_eos, so every run generates exactly the same tokens). The driver adds each request when
-its arrival time has passed and steps the engine; TTFT is arrival -> first token, ITL the gaps
-between a request's tokens. Every configuration compiles with the infer_graphs backend on CUDA
-(the engine's default; each row says so); they differ only in which CUDA graphs they use.
+For each configuration the suite starts `python -m bench.serving --serve MODEL ...` (the engine's own
+server, `engine.server.serve_llm`, over the benchmark model with random weights: they time like real
+ones) on 127.0.0.1, or uses a running server given by `--url`. An async HTTP client (httpx) sends each
+workload as streamed /v1/completions with token-id prompts and ignore_eos, so every run generates the
+same tokens; requests arrive on a seeded Poisson clock, except `baseline` (one request at a time).
+
+Workloads (the phase-9 design's benchmark plan):
+- baseline:            one request at a time (the per-request latency floor of the server)
+- continuous_batching: mixed prompt and output lengths, Poisson arrivals
+- chunked_prefill:     long prompts arriving among many decode-heavy requests
+- prefix_caching:      every prompt starts with one shared system prompt (with --enable-prefix-caching
+                       when the engine has that option)
+Per row: requests sent and completed side by side, output throughput, TTFT / ITL / end-to-end P50 and
+P99 as the client sees them, and the graph memory the server reports on /metrics. Each measured run
+follows an unmeasured warm-up run of the same workload (first-use compilation stays out of it).
+A "(in-process LLM)" row runs the baseline through LLM.add_request / step in this process with the
+same options: the difference to the HTTP baseline row is what serving adds.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from bench.common import build_model, free_device_memory
 from bench.measure import Report
-from bench.workload import make_workload, summarize
+from bench.workload import RequestSpec, make_workload, percentile
 
 CONFIGS = {
-    "graphs off": dict(cuda_graphs=False, prefill_graphs=False),
-    "decode graphs": dict(cuda_graphs=True, prefill_graphs=False),
-    "decode + prefill graphs": dict(cuda_graphs=True, prefill_graphs=True),
+    "graphs off": ["--no-cuda-graphs"],
+    "decode graphs": [],
+    "decode + prefill graphs": ["--prefill-graphs"],
 }
-BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every LLM, so the report's note states what ran
-COLUMNS = ["config", "requests", "output_tokens", "makespan_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-           "itl_p50_ms", "itl_p99_ms", "mode_counts", "compiled"]
+WORKLOADS = ("baseline", "continuous_batching", "chunked_prefill", "prefix_caching")
+BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every server, so the report's note states what ran
+COLUMNS = ["config", "workload", "sent", "completed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+           "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s"]
+READY_TIMEOUT_S = 1800
 
 
-def drive(llm, specs) -> dict:
-    """Run the workload in real time against `llm`; the summary of its latencies."""
-    from engine import SamplingParams
-    pending = list(specs)
-    last: dict[str, object] = {}
-    start = time.perf_counter()
-    next_index = 0
-    while next_index < len(pending) or llm.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while next_index < len(pending) and pending[next_index].arrival_s <= now:
-            spec = pending[next_index]
-            llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
-                            request_id=f"r{next_index}")
-            next_index += 1
-        if not llm.has_unfinished_requests():
-            time.sleep(max(0.0, pending[next_index].arrival_s - (time.perf_counter() - start)))
-            continue
-        for out in llm.step():
-            last[out.request_id] = out
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    makespan = time.perf_counter() - start
-    outs = list(last.values())
-    ttfts = [o.ttft_s for o in outs if o.ttft_s is not None]
-    itls = [x for o in outs for x in o.inter_token_latencies_s]
-    tokens = sum(len(o.token_ids) for o in outs)
-    return summarize(ttfts, itls, tokens, makespan, sum(s.prompt_len for s in specs))
+@dataclass
+class Sizes:
+    """Workload sizes: realistic on CUDA, tiny for the CPU smoke run."""
+    requests: int
+    rate: float
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    long_prompt: tuple[int, int]
+    system_prompt: int
+    max_num_seqs: int
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.long_prompt[1], self.system_prompt + self.prompt[1]) + self.output[1] + 16
 
 
-def run(model: str, requests: int | None = None, rate: float | None = None, configs=None, **_: object) -> Report:
-    from engine import LLM, SamplingParams
+def sizes_for(on_cuda: bool, requests: int | None, rate: float | None) -> Sizes:
+    if on_cuda:
+        return Sizes(requests or 128, rate or 16.0, (64, 768), (32, 256), (1536, 3072), 1024, 32)
+    return Sizes(requests or 6, rate or 50.0, (8, 24), (4, 10), (48, 64), 32, 4)
+
+
+def make(workload: str, s: Sizes, vocab_size: int, warm_up: bool = False) -> tuple[list[RequestSpec], int | None]:
+    """The requests of a workload and its concurrency limit (None: arrivals decide).
+
+    `warm_up`: the same shapes with other random prompts (the shared system prompt stays the same), so
+    a prefix cache warmed by the warm-up run holds what a long-running server would, not the measured
+    run's own prompts."""
+    shift = 100 if warm_up else 0
+    if workload == "baseline":
+        n = max(2, s.requests // 8)
+        prompt = 512 if s.prompt[1] >= 512 else s.prompt[1]
+        return make_workload(n, float("inf"), (prompt, prompt), (s.output[1] // 2,) * 2, vocab_size,
+                             seed=1 + shift), 1
+    if workload == "continuous_batching":
+        return make_workload(s.requests, s.rate, s.prompt, s.output, vocab_size, seed=0 + shift), None
+    if workload == "chunked_prefill":
+        short = make_workload(s.requests, s.rate, (s.prompt[0], s.prompt[0] * 2), s.output, vocab_size,
+                              seed=2 + shift)
+        long = make_workload(max(2, s.requests // 16), s.rate / 16, s.long_prompt, (8, 16), vocab_size,
+                             seed=3 + shift)
+        return sorted(short + long, key=lambda r: r.arrival_s), None
+    if workload == "prefix_caching":
+        rng = random.Random(4)
+        system = tuple(rng.randrange(3, vocab_size) for _ in range(s.system_prompt))
+        specs = make_workload(s.requests, s.rate, (s.prompt[0], s.prompt[0] * 2), s.output, vocab_size,
+                              seed=5 + shift)
+        return [RequestSpec(r.arrival_s, len(system) + r.prompt_len, r.output_len, system + r.prompt_ids)
+                for r in specs], None
+    raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
+
+
+@dataclass
+class Result:
+    sent_s: float
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # (arrival of a chunk, its tokens)
+    tokens: int = 0
+    error: str | None = None
+
+
+async def _one(client, url: str, model: str, spec: RequestSpec) -> Result:
+    result = Result(time.perf_counter())
+    body = {"model": model, "prompt": list(spec.prompt_ids), "max_tokens": spec.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    continue
+                k = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+                if k:
+                    result.token_times.append((time.perf_counter(), k))
+                    result.tokens += k
+    except Exception as exc:  # a lost request is reported, never hides the others
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def send_workload(url: str, model: str, specs: list[RequestSpec], concurrency: int | None) -> tuple[list[Result], float]:
+    """Send every request (at its arrival time, or `concurrency` at a time); (results, makespan)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.perf_counter()
+        if concurrency == 1:
+            results = [await _one(client, url, model, spec) for spec in specs]
+        else:
+            async def at_arrival(spec):
+                await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+                return await _one(client, url, model, spec)
+            results = await asyncio.gather(*(at_arrival(spec) for spec in specs))
+        return list(results), time.perf_counter() - start
+
+
+def summarize(specs: list[RequestSpec], results: list[Result], makespan_s: float) -> dict:
+    done = [r for r, s in zip(results, specs) if r.error is None and r.tokens == s.output_len]
+    ttfts = [r.token_times[0][0] - r.sent_s for r in done]
+    e2es = [r.token_times[-1][0] - r.sent_s for r in done]
+    itls = [(b - a) / k for r in done for (a, _), (b, k) in zip(r.token_times, r.token_times[1:]) for _ in range(k)]
+    tokens = sum(r.tokens for r in done)
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    return {"sent": len(specs), "completed": len(done), "output_tok_per_s": tokens / makespan_s,
+            "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
+            "itl_p50_ms": ms(percentile(itls, 50)), "itl_p99_ms": ms(percentile(itls, 99)),
+            "e2e_p50_ms": ms(percentile(e2es, 50)), "e2e_p99_ms": ms(percentile(e2es, 99)), "makespan_s": makespan_s,
+            "errors": sorted({r.error for r in results if r.error})[:3]}
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics", timeout=60).text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+class ServerProcess:
+    """`python -m bench.serving --serve MODEL` on 127.0.0.1, a free port; stopped with SIGTERM."""
+
+    def __init__(self, model: str, flags: list[str]) -> None:
+        self.log = Path(tempfile.mkstemp(prefix="bench-serving-", suffix=".log")[1])
+        root = Path(__file__).resolve().parents[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench.serving", "--serve", "--model", model,
+                                          "--port", "0", *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not (match := re.search(r"ready: .* at (http://[\d.]+:\d+)/v1", self.log.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        self.url = match.group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run(model: str, requests: int | None = None, rate: float | None = None, configs=None, workloads=None,
+        url: str | None = None, **_: object) -> Report:
+    from bench.configs import load_config
+    from engine.cli_args import ENGINE_OPTIONS
 
     on_cuda = torch.cuda.is_available()
-    num_requests = int(requests or (128 if on_cuda else 6))
-    rate = float(rate or (16.0 if on_cuda else 50.0))
-    prompt_len, output_len = ((64, 768), (32, 256)) if on_cuda else ((8, 40), (4, 12))
-    max_num_seqs = 32 if on_cuda else 4
-    net = build_model(model)
-    specs = make_workload(num_requests, rate, prompt_len, output_len, net.config.vocab_size, seed=0)
-    max_model_len = prompt_len[1] + output_len[1] + 16
-    blocks = 1 + max_num_seqs * -(-max_model_len // BLOCK_SIZE)
+    s = sizes_for(on_cuda, requests, rate)
+    vocab = load_config(model)["vocab_size"]
+    chosen = [w.strip() for w in workloads.split(",")] if isinstance(workloads, str) else list(workloads or WORKLOADS)
+    blocks = 1 + s.max_num_seqs * -(-s.max_model_len // BLOCK_SIZE)
+    engine_flags = ["--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+                    "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", str(blocks), "--max-model-len",
+                    str(s.max_model_len), "--no-progress"]
     report = Report("serving", model, torch.cuda.get_device_name() if on_cuda else "cpu", COLUMNS)
     report.notes.append(
-        f"{num_requests} requests, Poisson arrivals at {rate:g}/s (seed 0), prompt {prompt_len[0]}-{prompt_len[1]} "
-        f"tokens, output {output_len[0]}-{output_len[1]} tokens (ignore_eos), max_num_seqs={max_num_seqs}, "
-        f"max_num_batched_tokens={MAX_NUM_BATCHED_TOKENS}, {blocks} KV blocks of {BLOCK_SIZE}; each measured run follows a warm-up run of the same requests")
-    chosen = list(configs or CONFIGS)
-    for name in chosen:
-        llm = LLM(net, max_num_seqs=max_num_seqs, num_gpu_blocks=blocks, block_size=BLOCK_SIZE,
-                  max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, show_progress=False,
-                  max_model_len=max_model_len, **CONFIGS[name])
-        # warm-up: the same requests all at once, so first-use work (Triton specializations of new
-        # shapes, allocator growth) stays out of the measured run
-        llm.generate([list(s.prompt_ids) for s in specs], [SamplingParams(max_tokens=s.output_len, ignore_eos=True)
-                                                           for s in specs])
-        llm.runtime.block_pool.reset_prefix_cache()  # the measured run must not hit the warm-up's prompts
-        stats_before = dict(llm.runtime.runner.dispatcher.mode_counts)
-        row = drive(llm, specs)
-        modes = {k: v - stats_before.get(k, 0) for k, v in llm.runtime.runner.dispatcher.mode_counts.items()}
-        report.add(config=name, mode_counts=" ".join(f"{k}:{v}" for k, v in sorted(modes.items())), **row)
-        report.rows[-1]["fallbacks"] = llm.runtime.runner.dispatcher.fallbacks
-        report.rows[-1]["compiled"] = llm.config.compile  # the engine's default: on for CUDA only
-        llm.runtime.kv_cache.release()
+        f"over HTTP (httpx, streamed /v1/completions, token-id prompts, ignore_eos); {s.requests} requests per "
+        f"Poisson workload at {s.rate:g}/s, prompt {s.prompt[0]}-{s.prompt[1]}, output {s.output[0]}-{s.output[1]}, "
+        f"long prompts {s.long_prompt[0]}-{s.long_prompt[1]}, shared system prompt {s.system_prompt} tokens; "
+        f"max_num_seqs={s.max_num_seqs}, max_num_batched_tokens={MAX_NUM_BATCHED_TOKENS}, {blocks} KV blocks of "
+        f"{BLOCK_SIZE}; each measured run follows a warm-up run of the same shapes with other prompts (the same system prompt)")
+    prefix_flag = "--enable-prefix-caching" in ENGINE_OPTIONS
+    if "prefix_caching" in chosen and not prefix_flag:
+        report.notes.append("prefix_caching ran WITHOUT a prefix cache: this engine has no --enable-prefix-caching")
+    targets = {"external": None} if url else {name: CONFIGS[name] for name in (configs or CONFIGS)}
+    for name, flags in targets.items():
+        # one server per configuration; prefix_caching gets its own, started with the prefix cache on
+        # (the others run without it: their prompts share nothing, so it would only add bookkeeping)
+        groups = [[w for w in chosen if w != "prefix_caching"], [w for w in chosen if w == "prefix_caching"]]
+        no_cache = ["--no-prefix-caching"] if prefix_flag else []
+        for group, extra in zip(groups, (no_cache, ["--enable-prefix-caching"] if prefix_flag else [])):
+            if not group:
+                continue
+            server = None if url else ServerProcess(model, [*engine_flags, *flags, *extra])
+            try:
+                for workload in group:
+                    _measure(report, name, workload, url or server.url, *make(workload, s, vocab),
+                             warm_up=make(workload, s, vocab, warm_up=True)[0])
+            finally:
+                if server is not None:
+                    server.stop()
+        if not url and "baseline" in chosen:
+            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache], make("baseline", s, vocab)[0],
+                                make("baseline", s, vocab, warm_up=True)[0])
+    return report
+
+
+def _measure(report: Report, config: str, workload: str, url: str, specs: list[RequestSpec],
+             concurrency: int | None, warm_up: list[RequestSpec]) -> None:
+    import httpx
+    served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    asyncio.run(send_workload(url, served, warm_up, concurrency))
+    results, makespan = asyncio.run(send_workload(url, served, specs, concurrency))
+    graph_bytes = _metric(url, "infer_graphs_decode_graph_bytes") + _metric(url, "infer_graphs_piecewise_graph_bytes")
+    row = summarize(specs, results, makespan)
+    errors = row.pop("errors")
+    report.add(config=config, workload=workload, graph_mib=graph_bytes / 2**20, **row)
+    if errors:
+        report.notes.append(f"{config} / {workload}: errors {errors}")
+
+
+def _measure_in_process(report: Report, config: str, model: str, flags: list[str], specs: list[RequestSpec],
+                        warm_up: list[RequestSpec]) -> None:
+    """The baseline through LLM.add_request / step in this process, the same engine options: the
+    reference the HTTP rows are compared with (what HTTP, JSON and the engine loop thread add)."""
+    from bench.common import build_model, free_device_memory
+    from engine import LLM, SamplingParams
+    from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+
+    parser = OneLineErrorParser(prog="bench.serving")
+    add_engine_args(parser)
+    llm = LLM(build_model(model), **engine_config_fields(parser.parse_args(flags)))
+    try:
+        def one_at_a_time(specs):
+            outs, start = [], time.perf_counter()
+            for spec in specs:
+                rid = llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True))
+                while llm.has_unfinished_requests():
+                    outs += [o for o in llm.step() if o.finished and o.request_id == rid]
+            return outs, time.perf_counter() - start
+        one_at_a_time(warm_up)
+        outs, makespan = one_at_a_time(specs)
+    finally:
+        llm.close()
         del llm
         torch._dynamo.reset()
         free_device_memory()
-    return report
+    ttfts = [o.ttft_s for o in outs]
+    e2es = [o.ttft_s + sum(o.inter_token_latencies_s) for o in outs]
+    itls = [x for o in outs for x in o.inter_token_latencies_s]
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    report.add(config=f"{config} (in-process LLM)", workload="baseline", sent=len(specs), completed=len(outs),
+               output_tok_per_s=sum(len(o.token_ids) for o in outs) / makespan,
+               ttft_p50_ms=ms(percentile(ttfts, 50)), ttft_p99_ms=ms(percentile(ttfts, 99)),
+               itl_p50_ms=ms(percentile(itls, 50)), itl_p99_ms=ms(percentile(itls, 99)),
+               e2e_p50_ms=ms(percentile(e2es, 50)), e2e_p99_ms=ms(percentile(e2es, 99)), graph_mib=None,
+               makespan_s=makespan)
+
+
+def _serve_main(argv: list[str]) -> int:
+    """The server child: the benchmark model (random weights) built in-process, served by the engine."""
+    from bench.common import build_model
+    from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+    from engine.llm import LLM
+    from engine.server import serve_llm
+    import logging
+
+    parser = OneLineErrorParser(prog="python -m bench.serving --serve")
+    add_engine_args(parser)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return serve_llm(LLM(build_model(args.model), **engine_config_fields(args)), args.model, port=args.port)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--serve"]:
+        sys.exit("usage: python -m bench.serving --serve --model NAME [engine options] (run the suite with "
+                 "python -m bench serving)")
+    sys.exit(_serve_main(sys.argv[2:]))

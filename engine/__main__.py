@@ -1,78 +1,76 @@
-"""Command line: `python -m engine generate --model PATH|default --prompt TEXT [options]`.
+"""Command line.
 
-Prints the generated text, the throughput and the graph statistics.
+    python -m engine generate --model PATH|default --prompt TEXT [options]   text, throughput, graph stats
+    python -m engine serve --model PATH|default [--host 127.0.0.1] [--port 8000] [options]
+                                                                             an OpenAI-compatible server
+
+Both take every engine option (engine/cli_args.py). A user's mistake (a model path that does not
+exist, an invalid option value, an empty prompt) is one line, `error: ...`, and exit status 2;
+`-v` keeps the traceback.
 """
 from __future__ import annotations
 
-import argparse
 import logging
+import os
 import sys
 import time
 
+from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+API_KEY_ENV = "INFER_GRAPHS_API_KEY"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+def build_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog="python -m engine", description="generate text, or serve the OpenAI API")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one or more prompts")
-    gen.add_argument("--model", default="default", help="HF-format dir, .gguf file, or 'default' (Gemma 3 270M)")
+    add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--seed", type=int, default=None, dest="sampling_seed", help="per-request sampling seed")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                     help="default: bfloat16 on CUDA, float32 on CPU")
-    gen.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--max-num-seqs", type=int, default=None)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=None)
-    gen.add_argument("--num-gpu-blocks", type=int, default=None)
-    gen.add_argument("--kv-memory-fraction", type=float, default=None)
-    gen.add_argument("--no-cuda-graphs", action="store_true", help="no full-decode graphs")
-    gen.add_argument("--prefill-graphs", action="store_true", help="piecewise graphs for prefill / mixed steps")
-    gen.add_argument("--decode-graph-sizes", type=_sizes, default=None, help="e.g. 1,2,4,8,16")
-    gen.add_argument("--prefill-graph-sizes", type=_sizes, default=None, help="e.g. 16,64,256")
-    gen.add_argument("--no-compile", action="store_true", help="eager model (implies no prefill graphs)")
-    gen.add_argument("--piece-compiler", choices=("inductor", "eager"), default=None)
-    gen.add_argument("--enable-prefix-caching", action="store_true", default=None,
-                     help="share the KV blocks of common prompt prefixes (the default)")
-    gen.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    gen.add_argument("-v", "--verbose", action="store_true")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (the ready line says which)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                       help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    import models
+    from engine import ConfigError, InvalidRequestError
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            from engine.server import serve  # FastAPI and uvicorn only for this command
+            return serve(args, engine_config_fields(args))
+        return _generate(args)
+    except (ConfigError, InvalidRequestError, models.ModelLoadError) as exc:
+        if args.verbose:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
     from engine import LLM, SamplingParams
 
-    fields = {name: getattr(args, name) for name in (
-        "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
-        "kv_memory_fraction", "decode_graph_sizes", "prefill_graph_sizes", "piece_compiler",
-        "enable_prefix_caching")
-        if getattr(args, name) is not None}
-    if args.no_cuda_graphs:
-        fields["cuda_graphs"] = False
-    if args.prefill_graphs:
-        fields["prefill_graphs"] = True
-    if args.no_compile:
-        fields["compile"] = False
     start = time.perf_counter()
-    llm = LLM(args.model, **fields)
+    llm = LLM(args.model, **engine_config_fields(args))
     print(f"engine ready in {time.perf_counter() - start:.1f} s on {llm.config.device} ({llm.config.dtype})",
           file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params)
     seconds = time.perf_counter() - start

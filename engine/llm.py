@@ -1,4 +1,4 @@
-"""LLM: the user-facing engine. `generate` for a batch, `add_request` / `step` for streaming.
+"""LLM: the user-facing engine. `generate` for a batch, `add_request` / `step` / `abort` for streaming.
 
     llm = LLM("default", max_num_seqs=8, prefill_graphs=True)
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
@@ -19,8 +19,9 @@ from typing import Any, Sequence, Union
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.detokenizer import OutputTracker
 from engine.request import (
-    InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
+    FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
 )
 from engine.runtime import build_runtime
 from engine.scheduler import Scheduler
@@ -72,6 +73,7 @@ class LLM:
                                    tuple(model.config.eos_token_ids), self.config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
+        self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -82,18 +84,21 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"request {request_id!r}: params must be SamplingParams, got "
                                       f"{type(params).__name__}")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._trackers:  # running, or its end unreported
             raise InvalidRequestError(f"request {request_id!r}: a request with this id is already in flight")
         vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError(f"request {request_id!r}: prompt is empty")
+                raise InvalidRequestError(f"request {request_id!r}: prompt is empty", param="prompt")
             if self.tokenizer is None:
                 raise InvalidRequestError(f"request {request_id!r}: prompt is a string but the engine has no "
                                           "tokenizer; pass token ids or LLM(..., tokenizer=...)")
             prompt = self.tokenizer(prompt)["input_ids"]
         ids = check_prompt(request_id, prompt, vocab, self.config.max_model_len)
         params.check(request_id, vocab)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(f"request {request_id!r}: SamplingParams.stop needs a tokenizer (stop strings "
+                                      "are matched on the text); use stop_token_ids", param="stop")
         return Request(request_id, ids, params)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -105,6 +110,7 @@ class LLM:
 
     def _admit(self, request: Request) -> None:
         self.runtime.sampler.attach(request)
+        self._trackers[request.request_id] = OutputTracker(request, self.tokenizer)
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -137,6 +143,7 @@ class LLM:
         sampling = [c.request for c in out.chunks if c.samples]
         tokens = self.runtime.sampler(result.logits, sampling) if sampling else []
         self.scheduler.update(out, tokens, time.perf_counter())
+        self._detokenize(sampling)
         self.num_steps += 1
         self.num_generated_tokens += len(tokens)
         for request in sampling:
@@ -172,20 +179,32 @@ class LLM:
         return [self._output(r) for r in requests]
 
     def _output(self, request: Request) -> RequestOutput:
-        tokens = request.output_token_ids
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-        times = request.token_times
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            token_ids=list(tokens),
-            text=text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            ttft_s=times[0] - request.arrival_time if times else None,
-            inter_token_latencies_s=[b - a for a, b in zip(times, times[1:])],
-            num_preemptions=request.num_preemptions,
-        )
+        tracker = self._trackers[request.request_id]
+        out = tracker.output(request)
+        if request.is_finished:
+            del self._trackers[request.request_id]
+        return out
+
+    def _detokenize(self, requests: list[Request]) -> None:
+        """Advance each request's text; a stop string in it finishes the request (its blocks go back now)."""
+        for request in requests:
+            if self._trackers[request.request_id].update(request):
+                if request.is_finished:  # max_tokens / EOS in the same token: the stop string decides
+                    request.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(request, FinishReason.STOP)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now: it is not scheduled again, its KV blocks go back to the pool at once,
+        and the next `step()` reports it finished with finish_reason "abort".
+
+        Idempotent: an id that is unknown or already finished is a no-op and returns False."""
+        request = self._requests.pop(str(request_id), None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, FinishReason.ABORT)
+        self._unreported[request.request_id] = request
+        return True
 
     def close(self) -> None:
         """Free the KV pool and the decode graphs now (the layer registry would otherwise keep the pool)."""
@@ -215,8 +234,11 @@ class LLM:
             "fallbacks": runner.dispatcher.fallbacks,
             "fallback_reasons": dict(runner.dispatcher.fallback_counts),
             "preemptions": self.scheduler.num_preemptions,
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
             "kv_blocks": self.runtime.block_pool.num_blocks,
             "prefix_cache": self.runtime.block_pool.prefix_cache_stats(),
+            "kv_blocks_free": self.runtime.block_pool.num_free_blocks,
             "decode_graphs": len(graphs.sizes) if graphs else 0,
             "decode_graph_replays": graphs.replays if graphs else 0,
             "decode_graph_replays_by_size": dict(graphs.replays_by_size) if graphs else {},

@@ -7,6 +7,7 @@ well as the field, and is raised before the request touches the GPU.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,14 @@ import torch
 
 
 class InvalidRequestError(ValueError):
-    """A request (prompt or sampling parameters) the engine refuses; the message names request and field."""
+    """A request (prompt or sampling parameters) the engine refuses; the message names request and field.
+
+    `param` is the field at fault ("prompt", "max_tokens", ...), for callers that report it separately
+    (the HTTP server's error object)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestStatus(enum.Enum):
@@ -28,7 +36,8 @@ class RequestStatus(enum.Enum):
 class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens generated, or the sequence reached max_model_len
     EOS = "eos"        # the model's end-of-sequence token (unless ignore_eos)
-    STOP = "stop"      # one of SamplingParams.stop_token_ids
+    STOP = "stop"      # one of SamplingParams.stop_token_ids, or a SamplingParams.stop string in the text
+    ABORT = "abort"    # LLM.abort: stopped by the caller, its KV blocks returned at once
 
 
 @dataclass(frozen=True)
@@ -42,12 +51,16 @@ class SamplingParams:
     seed: int | None = None  # same seed (and prompt), same output, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Strings that end the request when they appear in the detokenized text; the text stops before
+    # them (they and the stop / EOS token's text are left out unless include_stop_str_in_output).
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def check(self, request_id: str, vocab_size: int) -> None:
         def bad(name: str, allowed: str) -> InvalidRequestError:
             return InvalidRequestError(
                 f"request {request_id!r}: SamplingParams.{name}={getattr(self, name)!r} is invalid: "
-                f"expected {allowed}")
+                f"expected {allowed}", param=name)
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
@@ -64,6 +77,10 @@ class SamplingParams:
             raise bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
+        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "a list of non-empty strings")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "a bool")
 
 
 @dataclass(eq=False)  # identity: a request is itself, whatever its tokens
@@ -100,17 +117,58 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
-@dataclass
+@dataclass(frozen=True)
+class TextHistory:
+    """Cursors into a request's own lists: what an output's cumulative fields hold, read on demand.
+    The lists only grow (tokens, times, text pieces), so a prefix of them never changes."""
+    all_token_ids: list[int]    # prompt + generated (Request.token_ids)
+    num_prompt_tokens: int
+    num_output_tokens: int
+    text_pieces: list[str]
+    num_text_pieces: int
+    token_times: list[float]
+
+
+@dataclass(eq=False)
 class RequestOutput:
+    """One request's state after a step.
+
+    The delta fields (`new_token_ids`, `new_text`) hold what is new since this request's previous
+    output; a stream sends those. The cumulative fields (`token_ids`, `text`,
+    `inter_token_latencies_s`) are built from the request's lists on first access, so making an
+    output costs the same at the 16th and at the 4,096th token.
+    """
+
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]                   # generated tokens (a stop / EOS token included)
-    text: str                              # decoded generated text ("" without a tokenizer)
+    prompt_token_ids: list[int]            # the request's own list, not a copy: do not mutate
+    new_token_ids: list[int]               # generated since the previous output (a stop / EOS token included)
+    new_text: str                          # text since the previous output (held-back text excluded)
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None              # "length" | "eos" | "stop" | "abort"
     ttft_s: float | None                   # arrival -> first generated token
-    inter_token_latencies_s: list[float]   # between consecutive generated tokens
     num_preemptions: int = 0
+    history: TextHistory | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def token_ids(self) -> list[int]:
+        """Every generated token so far (a stop / EOS token included)."""
+        h = self.history
+        if h is None:
+            return list(self.new_token_ids)
+        return h.all_token_ids[h.num_prompt_tokens:h.num_prompt_tokens + h.num_output_tokens]
+
+    @functools.cached_property
+    def text(self) -> str:
+        """The decoded generated text so far ("" without a tokenizer); stop strings and the text of a
+        stop / EOS token are left out unless SamplingParams.include_stop_str_in_output."""
+        h = self.history
+        return self.new_text if h is None else "".join(h.text_pieces[:h.num_text_pieces])
+
+    @functools.cached_property
+    def inter_token_latencies_s(self) -> list[float]:
+        """Seconds between consecutive generated tokens."""
+        times = self.history.token_times[:self.history.num_output_tokens] if self.history else []
+        return [b - a for a, b in zip(times, times[1:])]
 
 
 def check_prompt(request_id: str, prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
@@ -121,19 +179,20 @@ def check_prompt(request_id: str, prompt_token_ids: Sequence[int], vocab_size: i
         ids = list(prompt_token_ids)
     except TypeError:
         raise InvalidRequestError(f"request {request_id!r}: prompt must be a string or a sequence of token "
-                                  f"ids, got {type(prompt_token_ids).__name__}") from None
+                                  f"ids, got {type(prompt_token_ids).__name__}", param="prompt") from None
     if not ids:
-        raise InvalidRequestError(f"request {request_id!r}: prompt is empty")
+        raise InvalidRequestError(f"request {request_id!r}: prompt is empty", param="prompt")
     if not all(_is_int(t) for t in ids):
-        raise InvalidRequestError(f"request {request_id!r}: prompt token ids must be ints")
+        raise InvalidRequestError(f"request {request_id!r}: prompt token ids must be ints", param="prompt")
     if len(ids) > max_model_len:
         raise InvalidRequestError(
-            f"request {request_id!r}: prompt has {len(ids)} tokens, longer than max_model_len ({max_model_len})")
+            f"request {request_id!r}: prompt has {len(ids)} tokens, longer than max_model_len ({max_model_len})",
+            param="prompt")
     out_of_vocab = [t for t in ids if not 0 <= t < vocab_size]
     if out_of_vocab:
         raise InvalidRequestError(
             f"request {request_id!r}: prompt token ids {out_of_vocab[:5]} are outside the vocabulary "
-            f"[0, {vocab_size})")
+            f"[0, {vocab_size})", param="prompt")
     return [int(t) for t in ids]
 
 

@@ -182,6 +182,8 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (its stop condition, or an abort): out of the queues, its block references dropped."""
+        if request.is_finished:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

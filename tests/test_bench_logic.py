@@ -122,14 +122,31 @@ def test_default_results_dir_is_named_for_the_gpu_model():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
-def test_serving_report_states_the_settings_it_ran_with():
+def test_serving_sends_the_workloads_over_http_and_every_request_completes():
+    """The CPU smoke run: one server subprocess, two workloads over HTTP, sent == completed."""
     from bench import serving
-    report = serving.run("tiny-llama", requests=3, configs=["graphs off"])
+    report = serving.run("tiny-llama", requests=3, configs=["graphs off"], workloads="baseline,chunked_prefill")
     assert f"max_num_batched_tokens={serving.MAX_NUM_BATCHED_TOKENS}" in report.notes[0]
     assert f"KV blocks of {serving.BLOCK_SIZE}" in report.notes[0]
-    [row] = report.rows
-    assert row["requests"] == 3 and row["compiled"] is False  # the engine compiles on CUDA only
-    assert row["mode_counts"].startswith("none:")
+    assert [(r["config"], r["workload"]) for r in report.rows] == [
+        ("graphs off", "baseline"), ("graphs off", "chunked_prefill"), ("graphs off (in-process LLM)", "baseline")]
+    for row in report.rows:
+        assert row["sent"] == row["completed"] > 0 and row["output_tok_per_s"] > 0
+        assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0 and not row["graph_mib"]
+    assert "| graphs off (in-process LLM) | baseline |" in report.markdown()
+
+
+def test_serving_workloads_have_their_shape():
+    from bench import serving
+    sizes = serving.sizes_for(True, None, None)
+    baseline, concurrency = serving.make("baseline", sizes, 1000)
+    assert concurrency == 1 and {r.prompt_len for r in baseline} == {512}
+    mixed, _ = serving.make("chunked_prefill", sizes, 1000)
+    assert any(r.prompt_len >= sizes.long_prompt[0] for r in mixed) and [r.arrival_s for r in mixed] == sorted(
+        r.arrival_s for r in mixed)
+    shared, _ = serving.make("prefix_caching", sizes, 1000)
+    assert len({r.prompt_ids[:sizes.system_prompt] for r in shared}) == 1
+    assert all(r.prompt_len + r.output_len <= sizes.max_model_len for r in baseline + mixed + shared)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")

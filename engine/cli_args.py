@@ -1,0 +1,73 @@
+"""The engine's command-line options, defined once for every command (`generate`, `serve`, the bench).
+
+Each option's `dest` is an EngineConfig field and its default is "not given" (argparse.SUPPRESS),
+so `engine_config_fields(args)` passes on exactly what the user typed and EngineConfig keeps its own
+defaults and its own validation. Adding an engine option is one line in ENGINE_OPTIONS.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any, NoReturn
+
+from engine.config import EngineConfig
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _set(field: str, value: Any, help: str) -> tuple[str, dict[str, Any]]:
+    """A switch that sets EngineConfig.`field` to `value`."""
+    return field, dict(action="store_const", const=value, help=help)
+
+
+# flag -> (EngineConfig field, argparse keywords)
+ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--tokenizer": ("tokenizer", dict(help="tokenizer name or path (default: the model's own)")),
+    "--dtype": ("dtype", dict(choices=("float32", "bfloat16", "float16"),
+                              help="default: bfloat16 on CUDA, float32 on CPU")),
+    "--device": ("device", dict(help="default: cuda if available, else cpu")),
+    "--max-model-len": ("max_model_len", dict(type=int)),
+    "--max-num-seqs": ("max_num_seqs", dict(type=int)),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", dict(type=int)),
+    "--block-size": ("block_size", dict(type=int, help="tokens per KV cache block")),
+    "--num-gpu-blocks": ("num_gpu_blocks", dict(type=int)),
+    "--kv-memory-fraction": ("kv_memory_fraction", dict(type=float)),
+    "--no-cuda-graphs": _set("cuda_graphs", False, "no full-decode graphs"),
+    "--prefill-graphs": _set("prefill_graphs", True, "piecewise graphs for prefill / mixed steps"),
+    "--decode-graph-sizes": ("decode_graph_sizes", dict(type=_sizes, help="e.g. 1,2,4,8,16")),
+    "--prefill-graph-sizes": ("prefill_graph_sizes", dict(type=_sizes, help="e.g. 16,64,256")),
+    "--no-compile": _set("compile", False, "eager model (implies no prefill graphs)"),
+    "--piece-compiler": ("piece_compiler", dict(choices=("inductor", "eager"))),
+    "--enable-prefix-caching": _set("enable_prefix_caching", True, "share the KV blocks of common prompt "
+                                    "prefixes (the default)"),
+    "--no-prefix-caching": _set("enable_prefix_caching", False, "no prefix caching"),
+    "--no-progress": _set("show_progress", False, "no progress bar during graph capture"),
+}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage mistake is one line, `error: ...`, and exit status 2 (argparse's status)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="HF-format dir, .gguf file, or 'default' (Gemma 3 270M)")
+    group = parser.add_argument_group("engine options")
+    for flag, (field, kwargs) in ENGINE_OPTIONS.items():
+        group.add_argument(flag, dest=field, default=argparse.SUPPRESS, **kwargs)
+    parser.add_argument("-v", "--verbose", action="store_true", help="INFO logs, and tracebacks on errors")
+
+
+def engine_config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the user gave on the command line (LLM(model, **fields))."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name != "model" and hasattr(args, f.name)}

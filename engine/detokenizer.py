@@ -1,0 +1,141 @@
+"""Text of a request as it grows: incremental detokenization, stop strings, and the delta outputs.
+
+The cost of one step is proportional to the tokens it adds, never to the tokens already generated:
+
+- `IncrementalDetokenizer` decodes only a short window of token ids (vLLM's prefix / read offsets):
+  the new text is decode(window) minus decode(window up to the last emitted token). A window whose text
+  ends in U+FFFD is an incomplete UTF-8 character (a byte-level token split it): it is held back until
+  the next token completes it, so no client ever sees half a character.
+- `OutputTracker` appends each step's text to a list of pieces that is never rewritten, holds back only
+  a suffix that could still become a stop string, and builds each `RequestOutput` from cursors into
+  the request's own lists (the cumulative fields are materialized only when read).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.request import FinishReason, Request, RequestOutput, TextHistory
+
+# Prompt tokens decoded in front of the first output token, so a tokenizer that drops or adds a
+# leading space at the start of a decode does it to the context, not to the output.
+PROMPT_CONTEXT_TOKENS = 5
+# A UTF-8 character has at most 4 bytes; a window that still ends in U+FFFD after this many new tokens
+# holds a genuinely invalid byte sequence, and it is emitted (replacement character included).
+MAX_HELD_TOKENS = 8
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._window = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._read = len(self._window)  # window[:read] is already emitted (or prompt context)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """The text the new tokens complete ("" while a character is still incomplete).
+
+        `final`: no more tokens will come, so held-back bytes are emitted as they decode."""
+        self._window.extend(token_ids)
+        if self._read == len(self._window):
+            return ""
+        prefix = self._decode(self._window[:self._read])
+        full = self._decode(self._window)
+        held = len(self._window) - self._read
+        if not final and held < MAX_HELD_TOKENS and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return ""  # an incomplete character, or only skipped special tokens so far
+        # The next window starts at the first token not yet emitted, keeping the emitted ones before
+        # it only as context for the next decode.
+        del self._window[:self._read]
+        self._read = len(self._window)
+        return full[len(prefix):]
+
+
+class OutputTracker:
+    """What one request's outputs have said so far; `update` after every step that gave it tokens."""
+
+    def __init__(self, request: Request, tokenizer: Any) -> None:
+        params = request.params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if tokenizer else None
+        self.stops = tuple(params.stop)
+        self.include_stop = params.include_stop_str_in_output
+        self.pieces: list[str] = []   # emitted text, append-only: outputs share it
+        self.pending = ""             # decoded text held back because it may start a stop string
+        self.num_seen = 0             # output tokens fed to the detokenizer (or skipped)
+        self.done = False             # the text is final (finished, or a stop string matched)
+        self.num_reported_tokens = 0  # cursors of the previous RequestOutput
+        self.num_reported_pieces = 0
+
+    def update(self, request: Request) -> bool:
+        """Detokenize the tokens the request got since the last call; True if a stop string matched
+        (the caller then finishes the request with FinishReason.STOP)."""
+        if self.done:
+            return False
+        start = request.num_prompt_tokens + self.num_seen
+        new = request.token_ids[start:]  # only the tail: O(new tokens)
+        self.num_seen += len(new)
+        finished = request.is_finished
+        if finished and new and not self.include_stop and request.finish_reason in (
+                FinishReason.EOS, FinishReason.STOP):
+            new = new[:-1]  # the stop / EOS token ended the request: its text is not part of the output
+        if self.detokenizer is None:
+            self.done = finished
+            return False
+        text = self.pending + self.detokenizer.add(new, final=finished)
+        matched = self._emit(text, finished)
+        self.done = finished or matched
+        return matched
+
+    def _emit(self, text: str, finished: bool) -> bool:
+        if self.stops:
+            found = [(i, stop) for stop in self.stops if (i := text.find(stop)) >= 0]
+            if found:
+                index, stop = min(found, key=lambda f: (f[0], -len(f[1])))
+                self._append(text[:index + len(stop)] if self.include_stop else text[:index])
+                self.pending = ""
+                return True
+        keep = 0 if finished else _stop_prefix_len(text, self.stops)
+        self._append(text[:len(text) - keep])
+        self.pending = text[len(text) - keep:]
+        return False
+
+    def _append(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+
+    def output(self, request: Request) -> RequestOutput:
+        """The request's state now; the delta fields hold what is new since its previous output."""
+        if request.is_finished and not self.done:  # aborted, or finished between updates
+            self.update(request)
+        num_tokens = request.num_tokens - request.num_prompt_tokens
+        start = request.num_prompt_tokens + self.num_reported_tokens
+        new_text = "".join(self.pieces[self.num_reported_pieces:])
+        times = request.token_times
+        out = RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            new_token_ids=request.token_ids[start:],
+            new_text=new_text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            ttft_s=times[0] - request.arrival_time if times else None,
+            num_preemptions=request.num_preemptions,
+            history=TextHistory(request.token_ids, request.num_prompt_tokens, num_tokens, self.pieces,
+                                len(self.pieces), times),
+        )
+        self.num_reported_tokens = num_tokens
+        self.num_reported_pieces = len(self.pieces)
+        return out
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,245 @@
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Handlers never call the model: they submit to the EngineLoop and read their request's outputs as
+the engine produces them. Every exit of a handler or of a stream (finished, client gone mid-prefill
+or mid-stream, server shutting down) ends in a `finally` that aborts the request, so its KV blocks
+go back to the pool whatever happened; abort is idempotent, so aborting a finished request is free.
+Prompts are never logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.request import InvalidRequestError
+from engine.server.engine_loop import EngineLoop, EngineUnavailable, Stream
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
+
+logger = logging.getLogger("engine.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+STATS_TIMEOUT_S = 60.0  # a scrape waits for the step in progress, never for ever
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(error_body(message, param, code, type), status_code=status)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20) -> FastAPI:
+    llm = engine.llm
+    tokenizer = llm.tokenizer
+    max_model_len = llm.config.max_model_len
+    metrics = ServerMetrics()
+    app = FastAPI(title="infer_graphs", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), code=str(exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s failed: %r", request.method, request.url.path, exc)
+        return _error(500, f"internal error: {type(exc).__name__}", type="server_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.accepting and engine.is_alive():
+            return JSONResponse({"status": "ok"})
+        return _error(503, "the engine is not running", type="server_error")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        try:
+            stats = await asyncio.wait_for(engine.stats(), STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return _error(503, "the engine loop did not answer", type="server_error")
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "infer_graphs",
+             "max_model_len": max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(request, chat=True)
+
+    def _chat_prompt(req: ChatRequest) -> list[int] | JSONResponse:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            return _error(400, f"model {model_name!r} has no tokenizer chat template: use /v1/completions",
+                          "messages")
+        if not req.messages:
+            return _error(400, "messages is empty", "messages")
+        try:
+            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                                 tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template refuses this conversation (roles, order)
+            return _error(400, f"messages cannot be rendered by the chat template: {exc}", "messages")
+        return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
+
+    async def _serve(request: Request, chat: bool) -> Response:
+        body = await request.body()
+        try:
+            req = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            return _error(400, f"invalid request body: {param or 'body'}: {err['msg']}", param)
+        if req.model != model_name:
+            return _error(400, f"model {req.model!r} does not exist here; this server serves {model_name!r}",
+                          "model", "model_not_found")
+        unsupported = req.unsupported()
+        if unsupported:
+            return _error(400, unsupported[1], unsupported[0])
+        if chat:
+            prompt = _chat_prompt(req)
+            if isinstance(prompt, JSONResponse):
+                return prompt
+            default_max = req.max_completion_tokens or max(1, max_model_len - len(prompt))
+        else:
+            prompt, default_max = req.prompt, DEFAULT_COMPLETION_MAX_TOKENS
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = engine.submit(prompt, req.sampling_params(default_max), request_id)
+        watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+        try:
+            await stream.get()  # ACCEPTED, or the error that refused the request
+        except InvalidRequestError as exc:
+            watcher.cancel()
+            param = "messages" if chat and exc.param == "prompt" else exc.param
+            return _error(400, str(exc), param)
+        except EngineUnavailable as exc:
+            watcher.cancel()
+            return _error(503, str(exc), type="server_error")
+        logger.debug("request %s accepted", request_id)
+        builder = ResponseBuilder(request_id, model_name, chat, req.return_token_ids)
+        if req.stream:
+            return StreamingResponse(_stream(stream, builder, req.include_usage, watcher),
+                                     media_type="text/event-stream")
+        try:
+            out, num_tokens = None, 0
+            while out is None or not out.finished:
+                out = await stream.get()
+                metrics.observe(out, first=num_tokens == 0)
+                num_tokens += len(out.new_token_ids)
+            _finished(out)
+            return JSONResponse(builder.final(out))
+        except EngineUnavailable as exc:
+            return _error(503, str(exc), type="server_error")
+        finally:
+            watcher.cancel()
+            engine.abort(request_id)
+
+    async def _stream(stream: Stream, builder: ResponseBuilder, include_usage: bool, watcher: asyncio.Task):
+        try:
+            first, num_tokens, out = True, 0, None  # first: no chunk sent yet
+            while out is None or not out.finished:
+                out = await stream.get()
+                metrics.observe(out, first=num_tokens == 0)
+                num_tokens += len(out.new_token_ids)
+                if out.new_text or out.finished or first or (builder.return_token_ids and out.new_token_ids):
+                    yield _sse(builder.chunk(out.new_text, out.new_token_ids,
+                                             out.finish_reason if out.finished else None, first=first))
+                    first = False
+            _finished(out)
+            if include_usage:
+                yield _sse(builder.usage_chunk(len(out.prompt_token_ids), num_tokens))
+            yield "data: [DONE]\n\n"
+        except EngineUnavailable as exc:
+            yield _sse(error_body(str(exc), type="server_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            engine.abort(stream.request_id)
+
+    def _finished(out: Any) -> None:
+        metrics.finished(out.finish_reason, len(out.prompt_token_ids), (out.ttft_s or 0.0) + sum(
+            out.inter_token_latencies_s))
+
+    async def _abort_on_disconnect(request: Request, stream: Stream) -> None:
+        """Wait for the client to go away; then abort its request and wake its handler."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        engine.abort(stream.request_id)
+        stream.queue.put_nowait(EngineUnavailable("client disconnected"))
+
+    return Guard(app, api_key, max_request_bytes)
+
+
+class Guard:
+    """ASGI middleware: the API key on every /v1 route (constant-time compare) and the body size limit
+    (Content-Length, or counted while reading a chunked body)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return await _send(send, 401, error_body("missing or wrong API key: send 'Authorization: "
+                                                         "Bearer KEY'", code="invalid_api_key"))
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await _send(send, 400, error_body("Content-Length is not a number"))
+            if int(length) > self.max_request_bytes:
+                return await _send(send, 413, self._too_large())
+            return await self.app(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return await _send(send, 413, self._too_large())
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self) -> dict:
+        return error_body(f"request body larger than {self.max_request_bytes} bytes", code="request_too_large")
+
+
+async def _send(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

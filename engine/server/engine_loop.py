@@ -1,0 +1,182 @@
+"""The one thread that drives the engine: every LLM call (add_request, step, abort, stats) runs here.
+
+HTTP handlers run on the asyncio loop and never touch the LLM: they put commands on a thread-safe
+queue and read their request's outputs from an asyncio queue, which this thread feeds through
+`loop.call_soon_threadsafe` (once per step for all requests, not once per request). While nothing
+runs, the thread blocks on the command queue; while requests run, it drains the commands between
+steps, so a new request or an abort waits at most one step.
+
+A request's stream receives, in order: ACCEPTED (or the InvalidRequestError that refused it), then
+RequestOutputs until one is finished, or an EngineUnavailable error (the engine failed a step, or the
+server is shutting down). One bad request or one failed step never ends the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any
+
+from engine.llm import LLM
+from engine.request import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger("engine.server")
+
+ACCEPTED = object()
+
+
+class EngineUnavailable(RuntimeError):
+    """The request cannot finish: the server is shutting down, or the engine failed a step."""
+
+
+class Stream:
+    """One request's outputs, on the asyncio side."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def get(self) -> Any:
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a signal handler
+        self._streams: dict[str, Stream] = {}   # engine thread only
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.accepting = True
+        self.failed_steps = 0
+
+    # -- the asyncio side -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str) -> Stream:
+        stream = Stream(request_id, asyncio.get_running_loop())
+        if not self.accepting or not self.is_alive():
+            stream.queue.put_nowait(EngineUnavailable("the server is shutting down" if not self.accepting
+                                                      else "the engine loop is not running"))
+        else:
+            self._commands.put((self._add, (prompt, params, stream)))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; a finished or unknown one is left alone)."""
+        self._commands.put((self._abort, (request_id,)))
+
+    async def stats(self) -> dict[str, Any]:
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put((self._stats, (future,)))
+        return await future
+
+    def shutdown(self) -> None:
+        """Refuse new requests and abort the running ones (their streams end with EngineUnavailable).
+        Safe to call from a signal handler."""
+        self.accepting = False
+        self._commands.put((self._abort_all, ("the server is shutting down",)))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.shutdown()
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                command = self._commands.get(block=not self.llm.has_unfinished_requests())
+            except queue.Empty:
+                command = ()
+            while command != ():
+                if command is None:
+                    return
+                method, args = command
+                try:
+                    method(*args)
+                except Exception:  # a command must never end the loop
+                    logger.exception("engine loop: %s failed", method.__name__)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = ()
+            if self.llm.has_unfinished_requests():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.llm.step()
+        except Exception:
+            self.failed_steps += 1
+            logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
+            self._abort_all("the engine failed a step (see the server log)")
+            return
+        batch = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted by its client: nobody listens
+                continue
+            batch.append((stream, out))
+            if out.finished:
+                del self._streams[out.request_id]
+        self._deliver(batch)
+
+    def _add(self, prompt: Any, params: SamplingParams, stream: Stream) -> None:
+        try:
+            self.llm.add_request(prompt, params, request_id=stream.request_id)
+        except InvalidRequestError as exc:
+            self._deliver([(stream, exc)])
+            return
+        except Exception as exc:  # e.g. the tokenizer failed on this prompt
+            logger.exception("request %s could not be added", stream.request_id)
+            self._deliver([(stream, EngineUnavailable(f"the request could not be added: {exc}"))])
+            return
+        self._streams[stream.request_id] = stream
+        self._deliver([(stream, ACCEPTED)])
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.llm.abort(request_id)
+
+    def _abort_all(self, reason: str) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id in streams:
+            self.llm.abort(request_id)
+        self._deliver([(s, EngineUnavailable(reason)) for s in streams.values()])
+
+    def _stats(self, future: asyncio.Future) -> None:
+        stats = self.llm.stats()
+        future.get_loop().call_soon_threadsafe(_set_result, future, stats)
+
+    @staticmethod
+    def _deliver(batch: list[tuple[Stream, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
+        for stream, item in batch:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: the server is gone
+                pass
+
+
+def _put_all(items: list[tuple[Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+

@@ -1,0 +1,94 @@
+"""Prometheus metrics: what the handlers see per request (latencies, tokens) and the engine's counters.
+
+Latency histograms and token counters are observed by the handlers from the outputs they receive.
+The engine's own totals (steps by mode, fallbacks, preemptions, KV blocks, prefix cache) are read
+from one `LLM.stats()` snapshot, taken on the engine thread when /metrics is scraped, and exported as
+they are (a custom collector), so no number is counted twice.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "infer_graphs"
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                      0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _EngineStats:
+    """A prometheus collector over the latest LLM.stats() snapshot."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self):
+        s = self.snapshot
+        if not s:
+            return
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        yield gauge("requests_running", "requests scheduled in the running batch", s["requests_running"])
+        yield gauge("requests_waiting", "requests queued, waiting for a slot or KV blocks", s["requests_waiting"])
+        used = s["kv_blocks"] - 1 - s["kv_blocks_free"]  # block 0 is the scratch block
+        yield gauge("kv_blocks_used", "KV cache blocks held by requests", used)
+        yield gauge("kv_blocks_free", "KV cache blocks free", s["kv_blocks_free"])
+        steps = CounterMetricFamily(f"{PREFIX}_steps", "engine steps by runtime mode", labels=["mode"])
+        for mode in ("full", "piecewise", "none"):
+            steps.add_metric([mode], s["modes"].get(mode, 0))
+        yield steps
+        yield counter("graph_fallbacks", "steps that ran without the graph they could have used", s["fallbacks"])
+        yield counter("preemptions", "requests preempted (recomputed later) for lack of KV blocks",
+                      s["preemptions"])
+        yield gauge("decode_graph_bytes", "memory of the full-decode CUDA graphs", s.get("decode_graph_bytes", 0))
+        yield gauge("piecewise_graph_bytes", "memory of the piecewise CUDA graphs (the backend's pool growth)",
+                    (s.get("backend") or {}).get("graph_pool_bytes", 0))
+        for key, value in (s.get("prefix_cache") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield gauge(f"prefix_cache_{key}", f"LLM.stats()['prefix_cache']['{key}']", value)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = _EngineStats()
+        self.registry.register(self.engine)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "arrival -> first generated token",
+                              buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "between consecutive generated tokens",
+                             buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "arrival -> finished",
+                             buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of accepted requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated",
+                                         registry=self.registry)
+        self.requests = Counter(f"{PREFIX}_requests", "requests ended, by finish reason", ["finish_reason"],
+                                registry=self.registry)
+
+    def observe(self, out: Any, first: bool) -> None:
+        """Count one RequestOutput a handler received (`first`: no token of this request seen before)."""
+        new = len(out.new_token_ids)
+        self.generation_tokens.inc(new)
+        h = out.history
+        if first and new and out.ttft_s is not None:
+            self.ttft.observe(out.ttft_s)
+        if h is not None:
+            times, n = h.token_times, h.num_output_tokens
+            for i in range(max(1, n - new), n):
+                self.itl.observe(times[i] - times[i - 1])
+
+    def finished(self, reason: str, num_prompt_tokens: int, e2e_s: float) -> None:
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.e2e.observe(e2e_s)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        self.engine.snapshot = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,141 @@
+"""The OpenAI wire format: request bodies, response objects, stream chunks and error objects.
+
+The request models check only the shape of a body (types, which fields exist); the values are
+checked once, by SamplingParams.check and the engine's prompt check, whose InvalidRequestError
+names the field that the 400 reports. Unknown fields are ignored, as OpenAI's own server does;
+fields this server does not implement (n > 1, best_of, echo, logprobs) are refused by name.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from engine.request import SamplingParams
+
+# the engine's finish reasons as OpenAI names them ("eos" is a stop; "abort" has no OpenAI name)
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: Optional[int] = None
+    echo: bool = False
+    logprobs: Union[bool, int, None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) for a feature this server does not implement, else None."""
+        if self.n != 1:
+            return "n", f"n={self.n} is not supported: only n=1"
+        if self.best_of not in (None, 1):
+            return "best_of", f"best_of={self.best_of} is not supported"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.logprobs not in (None, False):
+            return "logprobs", "logprobs are not supported"
+        return None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self) -> str:
+        """The content as text: a string, or the text parts of a list of content parts."""
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               type: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+class ResponseBuilder:
+    """The response objects of one request, completions or chat."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool) -> None:
+        self.id, self.model, self.chat = request_id, model, chat
+        self.created = int(time.time())
+        self.return_token_ids = return_token_ids
+
+    def _object(self, kind: str, choices: list, **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def final(self, out: Any) -> dict[str, Any]:
+        reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
+        if self.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+        return self._object("chat.completion" if self.chat else "text_completion", [choice],
+                            usage=usage(len(out.prompt_token_ids), len(out.token_ids)))
+
+    def chunk(self, text: str, token_ids: list[int] | None, finish_reason: str | None,
+              first: bool = False) -> dict[str, Any]:
+        reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if self.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, num_prompt: int, num_completion: int) -> dict[str, Any]:
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [],
+                            usage=usage(num_prompt, num_completion))

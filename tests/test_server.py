@@ -1,0 +1,402 @@
+"""`python -m engine serve` end to end: one server subprocess per module, on 127.0.0.1 and a free port,
+driven by the official `openai` client and by raw HTTP (httpx) where the client hides something.
+
+The model is a tiny random-weight Llama with a real byte-level BPE tokenizer (tests/tiny_tokenizer.py);
+the reference for every greedy output is `LLM.generate` on the same model directory in this process.
+The server requires an API key, so every /v1 call here also checks that the key is accepted.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import LLM, SamplingParams
+from engine.__main__ import main as cli_main
+from engine.cli_args import ENGINE_OPTIONS
+from engine.config import EngineConfig
+from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-123"
+NAME = "tiny"
+ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_gpu_blocks=1025)
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]
+STARTUP_TIMEOUT_S = 120
+
+
+def _flags(engine: dict) -> list[str]:
+    return [a for k, v in engine.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def start_server(model_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start the server, wait for its ready line; (process, base URL)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("INFER_GRAPHS_API_KEY", None)
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--port", "0",
+                                 "--served-model-name", NAME, *extra], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        match = re.search(r"ready: .* at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-served"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server-log") / "stderr.txt"
+    proc, url = start_server(model_dir, log, "--device", "cpu", "--api-key", KEY, "--max-request-bytes", "65536",
+                             *_flags(ENGINE))
+    yield proc, url, log
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[1]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> LLM:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(str(model_dir), device="cpu", **ENGINE)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=60, max_retries=0)
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def _chat_prompt_ids(reference: LLM, messages) -> list[int]:
+    tok = reference.tokenizer
+    return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+# -- outputs equal the engine's ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", [PROMPT, [2, 40, 41, 42, 43]], ids=["text", "token_ids"])
+def test_completions_greedy_equal_llm_generate_streamed_and_not(client, reference, prompt):
+    [expected] = reference.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+    choice = resp.choices[0]
+    assert choice.text == expected.text and choice.model_extra["token_ids"] == expected.token_ids
+    assert choice.finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
+    text, ids, reasons, usage = "", [], [], None
+    for chunk in client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body=extra):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.text
+            ids += c.model_extra.get("token_ids") or []
+            reasons.append(c.finish_reason)
+    assert text == expected.text and ids == expected.token_ids
+    assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
+    assert usage.completion_tokens == 12
+
+
+def test_chat_greedy_equals_llm_generate_on_the_chat_template(client, reference):
+    [expected] = reference.generate([_chat_prompt_ids(reference, MESSAGES)],
+                                    SamplingParams(max_tokens=10, ignore_eos=True))
+    resp = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert resp.object == "chat.completion" and resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text and resp.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sse_framing_stop_strings_and_eos_as_stop_over_raw_http(url, reference):
+    """What the SDK hides: each event is 'data: ...' and a blank line, the stream ends with [DONE]."""
+    [base] = reference.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True))
+    stop = base.text[6:9]
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True, "stop": [stop],
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=_auth(), timeout=30) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]" and all(e.startswith("data: ") for e in events[:-1])
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == base.text[:base.text.find(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+def test_32_concurrent_streams_with_different_lengths_and_sampling_all_finish(url):
+    async def one(client, i):
+        max_tokens = 1 + (i * 7) % 24
+        sampling = {"temperature": 0} if i % 3 == 0 else {"temperature": 0.8, "top_p": 0.9, "seed": i}
+        extra = {"ignore_eos": True, "return_token_ids": True, "top_k": 20 * (i % 2)}
+        n_tokens, usage = 0, None
+        stream = await client.completions.create(
+            model=NAME, prompt=PROMPT if i % 2 else [2] + list(range(30, 30 + i + 1)), max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True},
+            extra_body=extra, **sampling)
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            n_tokens += sum(len(c.model_extra.get("token_ids") or []) for c in chunk.choices)
+        return max_tokens, n_tokens, usage.completion_tokens
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=60, max_retries=0) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 120)
+
+    results = asyncio.run(all_of_them())
+    assert all(want == got == used for want, got, used in results), results
+    metrics = _metrics(url)
+    assert metrics["infer_graphs_kv_blocks_used"] == 0 and metrics["infer_graphs_requests_running"] == 0
+
+
+def test_disconnected_clients_are_aborted_and_their_blocks_come_back_while_others_finish(url):
+    before = _metrics(url)
+    long = {"model": NAME, "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+
+    async def leave_mid_stream(client):
+        async with client.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break  # first token seen: leave
+
+    async def leave_mid_request(client):
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{url}/v1/completions", json=long, timeout=httpx.Timeout(30, read=0.1))
+
+    async def stay(client):
+        resp = await client.post(f"{url}/v1/completions", json={**long, "max_tokens": 8}, timeout=60)
+        return resp.json()["usage"]["completion_tokens"]
+
+    async def run():
+        async with httpx.AsyncClient(headers=_auth(), timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(
+                *(leave_mid_stream(client) for _ in range(3)), *(leave_mid_request(client) for _ in range(2)),
+                *(stay(client) for _ in range(3))), 60)
+
+    results = asyncio.run(run())
+    assert results[-3:] == [8, 8, 8]
+    deadline = time.monotonic() + 30
+    while (m := _metrics(url))["infer_graphs_kv_blocks_used"] != 0 or m["infer_graphs_requests_running"] != 0:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    # five requests of 500 tokens that ran to the end would need >= 500 decode steps; aborted, far fewer
+    steps = m['infer_graphs_steps_total{mode=none}'] - before['infer_graphs_steps_total{mode=none}']
+    assert steps < 400, steps
+
+
+# -- bad input, keys, limits -------------------------------------------------------------------------
+
+BAD = [
+    ("completions", b'{"model": "tiny", "prompt": ', None),
+    ("completions", {"model": NAME, "prompt": ""}, "prompt"),
+    ("completions", {"model": NAME, "prompt": [5] * 600}, "prompt"),
+    ("completions", {"model": NAME, "prompt": [5, 10_000]}, "prompt"),
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": -1}, "temperature"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_p": 2}, "top_p"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 2}, "n"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [10_000]}, "stop_token_ids"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
+    ("completions", {"model": NAME}, "prompt"),
+    ("chat/completions", {"model": NAME, "messages": []}, "messages"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x " * 1000}]}, "messages"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "n": 3, "stream": True}, "n"),
+]
+
+
+@pytest.mark.parametrize("route,body,param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(url, route, body, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    resp = httpx.post(f"{url}/v1/{route}", headers={**_auth(), "content-type": "application/json"}, timeout=30,
+                      **kwargs)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param or (param and error["param"].startswith(param)), error
+    ok = httpx.post(f"{url}/v1/completions", headers=_auth(), timeout=30,
+                    json={"model": NAME, "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_the_sdk_sees_an_openai_error_object(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, n=2)
+    assert info.value.param == "n"
+
+
+def test_a_missing_or_wrong_api_key_is_401_on_every_v1_route_and_health_needs_none(url):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, route in (("GET", "models"), ("POST", "completions"), ("POST", "chat/completions")):
+            resp = httpx.request(method, f"{url}/v1/{route}", headers=headers, timeout=30,
+                                 json={"model": NAME, "prompt": PROMPT, "messages": MESSAGES})
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    models = httpx.get(f"{url}/v1/models", headers=_auth(), timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+
+
+def test_a_body_over_the_limit_is_413_with_or_without_content_length(url):
+    big = b'{"model": "tiny", "prompt": "' + b"a" * 70_000 + b'"}'
+    resp = httpx.post(f"{url}/v1/completions", headers=_auth(), content=big, timeout=30)
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(f"{url}/v1/completions", headers=_auth(), content=iter([big[:40_000], big[40_000:]]),
+                         timeout=30)
+    assert chunked.status_code == 413
+
+
+def test_metrics_parse_as_prometheus_text_and_counters_move(url, client):
+    before = _metrics(url)
+    client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True}))
+    after = _metrics(url)
+    assert after["infer_graphs_generation_tokens_total"] - before["infer_graphs_generation_tokens_total"] == 10
+    assert after["infer_graphs_prompt_tokens_total"] > before["infer_graphs_prompt_tokens_total"]
+    assert after["infer_graphs_steps_total{mode=none}"] >= before["infer_graphs_steps_total{mode=none}"] + 10
+    assert after["infer_graphs_time_to_first_token_seconds_count"] == \
+        before["infer_graphs_time_to_first_token_seconds_count"] + 2
+    assert after["infer_graphs_inter_token_latency_seconds_count"] == \
+        before["infer_graphs_inter_token_latency_seconds_count"] + 8
+    assert after["infer_graphs_requests_total{finish_reason=length}"] == \
+        before.get("infer_graphs_requests_total{finish_reason=length}", 0) + 2
+    for name in ("requests_waiting", "kv_blocks_free", "graph_fallbacks_total", "preemptions_total",
+                 "steps_total{mode=full}", "steps_total{mode=piecewise}"):
+        assert f"infer_graphs_{name}" in after
+
+
+def test_prompts_are_not_logged(server):
+    assert "capital of France" not in server[2].read_text()
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+def test_every_engine_option_is_an_engine_config_field():
+    fields = {f for f in EngineConfig.__dataclass_fields__}
+    assert {field for field, _ in ENGINE_OPTIONS.values()} <= fields
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "/nonexistent/model", "--prompt", "hi"],
+    ["serve", "--model", "/nonexistent/model"],
+    ["serve", "--model", "MODEL", "--device", "cpu", "--max-num-seqs", "0"],
+    ["generate", "--model", "MODEL", "--device", "cpu", "--prompt", ""],
+    ["generate", "--model", "MODEL", "--max-num-seqs", "many", "--prompt", "hi"],
+    ["serve", "--model", "MODEL", "--dtype", "int3"],
+], ids=["missing-model", "serve-missing-model", "bad-config", "empty-prompt", "not-an-int", "bad-choice"])
+def test_a_users_mistake_is_one_error_line_and_status_2(argv, model_dir, capsys):
+    argv = [str(model_dir) if a == "MODEL" else a for a in argv]
+    try:
+        status = cli_main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) >= 1 and err[-1].startswith("error: ")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_generate_takes_the_shared_engine_options(model_dir, capsys):
+    assert cli_main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "3", "--ignore-eos",
+                     "--device", "cpu", "--max-model-len", "64", "--block-size", "8", "--max-num-seqs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT) and "[3 tokens, finish: length" in out
+
+
+# -- shutdown (last: it stops the module's server) ----------------------------------------------------
+
+def test_sigterm_aborts_running_streams_and_exits(server, url):
+    proc = server[0]
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=_auth(), timeout=30) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "shutting down" in rest[-2]
+    assert proc.wait(30) is not None
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_server_on_cuda_with_decode_and_prefill_graphs_equals_the_engine(model_dir, tmp_path):
+    engine = dict(ENGINE)
+    flags = ["--device", "cuda", "--dtype", "float32", "--prefill-graphs", "--no-progress", *_flags(engine)]
+    proc, url = start_server(model_dir, tmp_path / "stderr.txt", *flags)
+    try:
+        reference = LLM(str(model_dir), device="cuda", dtype="float32", prefill_graphs=True, **engine)
+        prompts = [PROMPT, "Hello world! How are you today?", [2] + list(range(30, 90))]
+        # one at a time, as the client sends them: the same batch shapes, so the same kernels
+        expected = [reference.generate([p], SamplingParams(max_tokens=16, ignore_eos=True))[0] for p in prompts]
+        reference.close()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        for prompt, want in zip(prompts, expected):
+            resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert resp.choices[0].model_extra["token_ids"] == want.token_ids
+            assert resp.choices[0].text == want.text
+        metrics = _metrics(url)
+        assert metrics["infer_graphs_steps_total{mode=full}"] > 0
+        assert metrics["infer_graphs_steps_total{mode=piecewise}"] > 0
+        assert metrics["infer_graphs_graph_fallbacks_total"] == 0
+    finally:
+        stop_server(proc)
