@@ -22,8 +22,7 @@ import torch
 
 from bench.common import build_model, free_device_memory
 from bench.measure import Report
-from bench.serving import drive
-from bench.workload import RequestSpec
+from bench.workload import RequestSpec, drive
 
 BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024
 COLUMNS = ["workload", "caching", "arrivals", "requests", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",

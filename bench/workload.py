@@ -61,3 +61,36 @@ def summarize(ttfts_s: list[float], itls_s: list[float], output_tokens: int, mak
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
+
+
+def drive(llm, specs: list[RequestSpec]) -> dict:
+    """Run a workload in real time against an in-process `engine.LLM`: each request is added when its
+    arrival time has passed, the engine steps while work exists; the summary of its latencies."""
+    import time
+
+    import torch
+
+    from engine import SamplingParams
+    last: dict[str, object] = {}
+    start = time.perf_counter()
+    next_index = 0
+    while next_index < len(specs) or llm.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while next_index < len(specs) and specs[next_index].arrival_s <= now:
+            spec = specs[next_index]
+            llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
+                            request_id=f"r{next_index}")
+            next_index += 1
+        if not llm.has_unfinished_requests():
+            time.sleep(max(0.0, specs[next_index].arrival_s - (time.perf_counter() - start)))
+            continue
+        for out in llm.step():
+            last[out.request_id] = out
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    makespan = time.perf_counter() - start
+    outs = list(last.values())
+    ttfts = [o.ttft_s for o in outs if o.ttft_s is not None]
+    itls = [x for o in outs for x in o.inter_token_latencies_s]
+    tokens = sum(len(o.token_ids) for o in outs)
+    return summarize(ttfts, itls, tokens, makespan, sum(s.prompt_len for s in specs))

@@ -313,8 +313,9 @@ def test_e2e_latencies_keep_only_the_intervals_where_every_request_decodes():
     from engine.request import RequestOutput
 
     def out(ttft_s, gaps):
-        return RequestOutput("r", [1], [5] * (len(gaps) + 1), "", True, "length", ttft_s=ttft_s,
-                             inter_token_latencies_s=gaps)
+        output = RequestOutput("r", [1], [5] * (len(gaps) + 1), "", True, "length", ttft_s=ttft_s)
+        output.__dict__["inter_token_latencies_s"] = gaps  # what the cached property would have built
+        return output
     # request a starts decoding at 10 ms, b only at 40 ms (its prefill came later)
     a = out(0.010, [0.020, 0.020, 0.020, 0.004])  # tokens at 10, 30, 50, 70, 74 ms
     b = out(0.040, [0.004])                       # tokens at 40, 44 ms
