@@ -61,6 +61,7 @@ class EngineConfig:
     prefill_graphs: bool = False           # piecewise graphs for prefill and mixed steps
     prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: default_prefill_graph_sizes
     seed: int = 0                          # for requests that give no seed of their own
+    async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/overlap.py)
     show_progress: bool = True             # tqdm bar during graph capture
 
     def __post_init__(self) -> None:
@@ -89,6 +90,7 @@ class EngineConfig:
         _check(self.piece_compiler in _PIECE_COMPILERS, "piece_compiler", self.piece_compiler,
                f"one of {', '.join(_PIECE_COMPILERS)}")
         _check_int("seed", self.seed, 0)
+        _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):
             sizes = getattr(self, name)
             if sizes is None:
