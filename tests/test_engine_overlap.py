@@ -1,0 +1,162 @@
+"""Async scheduling (engine/overlap.py) gives exactly the synchronous loop's tokens.
+
+The host runs one step ahead: tokens stay on the device and reach the next step's input ids there,
+stop conditions are applied one step late and the token a finished request sampled after its end is
+discarded. Each test runs the same requests through the synchronous loop (async_scheduling=False)
+and the async one on a tiny float32 Llama on the CPU, across chunked prefill mixed with decodes,
+preemption, stop tokens, EOS, max_tokens, FULL / PIECEWISE dispatch and seeded sampling.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.dispatch import Dispatcher
+from engine.overlap import TokenSlots
+from engine.request import PLACEHOLDER_TOKEN, FinishReason, Request
+from tests.hf_helpers import random_hf_model
+from tests.test_engine_generate import ARCHS, COMMON, PROMPTS, SMALL, _EagerDecodeGraphs
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    config_cls, kwargs = ARCHS["llama"]
+    path = tmp_path_factory.mktemp("overlap_llama")
+    random_hf_model(config_cls(**COMMON, **kwargs), seed=11).save_pretrained(path)
+    return path
+
+
+def _both(path, params, prompts=PROMPTS, **fields):
+    """(sync outputs, async outputs, async engine) for the same requests."""
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(path), **{**SMALL, **fields, "async_scheduling": async_scheduling})
+        results.append((llm.generate(prompts, params), llm))
+    (sync, _), (overlapped, llm) = results
+    return sync, overlapped, llm
+
+
+def _same(sync, overlapped):
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
+    assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in sync]
+    for out in overlapped:
+        assert PLACEHOLDER_TOKEN not in out.token_ids and out.finished
+        assert len(out.inter_token_latencies_s) == len(out.token_ids) - 1
+
+
+def test_greedy_with_chunked_prefill_max_tokens_and_stop_tokens_equals_the_synchronous_loop(llama_dir):
+    greedy = LLM(str(llama_dir), **SMALL, async_scheduling=False).generate(PROMPTS, SamplingParams(max_tokens=12))
+    # A stop token taken from the middle of two outputs, so those requests end early and their
+    # extra in-flight token must be discarded; max_tokens of 1 ends a request at its prefill.
+    params = [SamplingParams(max_tokens=12, stop_token_ids=(greedy[0].token_ids[4],)),
+              SamplingParams(max_tokens=1), SamplingParams(max_tokens=7),
+              SamplingParams(max_tokens=12, stop_token_ids=(greedy[3].token_ids[2],)),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    sync, overlapped, llm = _both(llama_dir, params)
+    _same(sync, overlapped)
+    assert [o.finish_reason for o in overlapped][:4] == ["stop", "length", "length", "stop"]
+    assert len(overlapped[1].token_ids) == 1 and len(overlapped[2].token_ids) == 7
+    stats = llm.stats()
+    assert stats["async_scheduling"] and stats["async_overlapped_steps"] > 0
+    assert stats["async_discarded_tokens"] >= 2  # the two stopped requests each sampled once more
+    assert stats["generated_tokens"] == sum(len(o.token_ids) for o in overlapped)
+    assert not llm.has_unfinished_requests() and llm.runtime.block_pool.num_free_blocks == \
+        llm.runtime.block_pool.num_usable_blocks
+
+
+def test_preemption_under_async_scheduling_equals_the_synchronous_loop(llama_dir):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    sync, overlapped, llm = _both(llama_dir, params, max_num_batched_tokens=32, num_gpu_blocks=18)
+    _same(sync, overlapped)
+    assert llm.stats()["preemptions"] > 0 and any(o.num_preemptions for o in overlapped)
+
+
+def test_seeded_sampling_draws_the_same_noise_as_the_synchronous_loop(llama_dir):
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=5),
+              SamplingParams(max_tokens=10, temperature=0.7, top_k=5, seed=6),
+              SamplingParams(max_tokens=10, temperature=1.3, top_p=0.8, seed=7),
+              SamplingParams(max_tokens=10),
+              SamplingParams(max_tokens=10, temperature=1.0, top_k=3, top_p=0.9, seed=8)]
+    sync, overlapped, _ = _both(llama_dir, params)
+    _same(sync, overlapped)
+    unseeded = LLM(str(llama_dir), **SMALL).generate(PROMPTS, SamplingParams(max_tokens=6, temperature=1.0,
+                                                                            ignore_eos=True))
+    assert all(len(o.token_ids) == 6 and all(0 <= t < COMMON["vocab_size"] for t in o.token_ids)
+               for o in unseeded)
+
+
+@pytest.mark.parametrize("decode_sizes,piece_sizes", [((2, 4), (3, 8)), ((1, 2, 4), ())])
+def test_full_and_piecewise_steps_read_their_input_ids_from_the_device(llama_dir, decode_sizes, piece_sizes):
+    """FULL steps replay the (here eager) decode graph over the static input_ids buffer: the device
+    gather must write the previous step's tokens there before the replay."""
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(llama_dir), **SMALL, async_scheduling=async_scheduling)
+        runner = llm.runtime.runner
+        runner.decode_graphs = _EagerDecodeGraphs(runner, decode_sizes)
+        runner.dispatcher = Dispatcher(decode_sizes, piece_sizes, decode_graphs_wanted=True,
+                                       piecewise_graphs_wanted=bool(piece_sizes))
+        outs.append(llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True)))
+        assert llm.stats()["modes"]["full"] > 0
+    _same(*outs)
+
+
+def test_streamed_outputs_report_every_token_once_and_never_one_past_the_end(llama_dir):
+    sync = LLM(str(llama_dir), **SMALL, async_scheduling=False).generate(PROMPTS[:3], SamplingParams(max_tokens=8))
+    stop = sync[0].token_ids[3]
+    llm = LLM(str(llama_dir), **SMALL)
+    ids = [llm.add_request(p, SamplingParams(max_tokens=8, stop_token_ids=(stop,))) for p in PROMPTS[:3]]
+    seen = {rid: [] for rid in ids}
+    steps = 0
+    while llm.has_unfinished_requests():
+        steps += 1
+        assert steps < 100
+        for out in llm.step():
+            assert out.token_ids[:len(seen[out.request_id])] == seen[out.request_id]
+            assert len(out.token_ids) == len(seen[out.request_id]) + 1  # one new token per report
+            seen[out.request_id] = out.token_ids
+    want = [o.token_ids[:o.token_ids.index(stop) + 1] if stop in o.token_ids else o.token_ids for o in sync]
+    assert [seen[rid] for rid in ids] == want
+
+
+def test_a_request_finished_while_its_token_is_in_flight_reports_no_more_tokens(llama_dir):
+    """What LLM.abort relies on: the scheduler finishes a request whose token is in flight; the next
+    step discards that token, and the request's placeholder, slot and blocks are gone."""
+    llm = LLM(str(llama_dir), **SMALL)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    keep, gone = llm.add_request(PROMPTS[0], params), llm.add_request(PROMPTS[2], params)
+    for _ in range(4):
+        llm.step()
+    request = llm._requests[gone]
+    assert request.token_ids[-1] == PLACEHOLDER_TOKEN and PLACEHOLDER_TOKEN not in request.output_token_ids
+    reported = list(request.output_token_ids)
+    llm.scheduler.finish(request, FinishReason.STOP)  # as an abort does
+    finished = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.request_id != gone
+            finished[out.request_id] = out
+    assert list(finished) == [keep] and len(finished[keep].token_ids) == 8
+    assert request.token_ids == request.prompt_token_ids + reported
+    assert llm.stats()["async_discarded_tokens"] >= 1 and not llm._overlap.slots._slots
+    assert llm.runtime.block_pool.num_free_blocks == llm.runtime.block_pool.num_usable_blocks
+
+
+def test_token_slots_grow_without_losing_tokens():
+    slots = TokenSlots(2, torch.device("cpu"))
+    requests = [Request(str(i), [1], SamplingParams()) for i in range(5)]
+    for i, request in enumerate(requests):
+        slot = slots.slot(request)  # may grow the buffer: index the new one
+        slots.tokens[slot] = 10 + i
+    assert slots.tokens.numel() >= 5
+    assert [int(slots.tokens[slots.slot(r)]) for r in requests] == [10, 11, 12, 13, 14]
+    assert len({slots.slot(r) for r in requests}) == 5
