@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-graph-sizes", type=_sizes, default=None, help="e.g. 16,64,256")
     gen.add_argument("--no-compile", action="store_true", help="eager model (implies no prefill graphs)")
     gen.add_argument("--piece-compiler", choices=("inductor", "eager"), default=None)
+    gen.add_argument("--no-async-scheduling", action="store_true",
+                     help="synchronous step loop: the host reads each step's tokens before scheduling the next")
     gen.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         fields["prefill_graphs"] = True
     if args.no_compile:
         fields["compile"] = False
+    if args.no_async_scheduling:
+        fields["async_scheduling"] = False
     start = time.perf_counter()
     llm = LLM(args.model, **fields)
     print(f"engine ready in {time.perf_counter() - start:.1f} s on {llm.config.device} ({llm.config.dtype})",
