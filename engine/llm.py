@@ -247,6 +247,9 @@ class LLM:
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
+        stats["full_graph_compile"] = self.config.full_graph_compile if self.runtime.full_backend else "piecewise"
+        if self.runtime.full_backend is not None:
+            stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
         return stats
 
 
