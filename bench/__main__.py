@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", choices=("all", "eager", "none"), help="decode/prefill: which peers to run")
     parser.add_argument("--requests", type=int, help="serving: number of requests")
     parser.add_argument("--rate", type=float, help="serving: arrival rate, requests/s")
+    parser.add_argument("--full-graph-compile", choices=("unsplit", "piecewise"),
+                        help="decode: what the engine's decode graphs record (EngineConfig.full_graph_compile)")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode: seconds after which compiled peers are skipped (noted in the report)")
     args = parser.parse_args(argv)
