@@ -205,6 +205,8 @@ class LLM:
 
     def close(self) -> None:
         """Free the KV pool and the decode graphs now (the layer registry would otherwise keep the pool)."""
+        if self._overlap is not None:
+            self._overlap.drain()  # no graph or pool is freed under a step still running
         runner = self.runtime.runner
         if runner.decode_graphs is not None:
             runner.decode_graphs.release()

@@ -118,6 +118,15 @@ class OverlapLoop:
         self.num_overlapped_steps += 1
         return True, self._resolve(previous)
 
+    def drain(self) -> list[Request]:
+        """Read the in-flight step now, if any, and wait for the device (before the engine frees what
+        that step runs on: a step with no sampling row has no read-back to wait for)."""
+        previous, self._inflight = self._inflight, None
+        resolved = self._resolve(previous) if previous is not None else []
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return resolved
+
     def forget(self, request: Request) -> None:
         """Drop a finished or aborted request's in-flight tokens and slot (idempotent)."""
         while request.token_ids and request.token_ids[-1] == PLACEHOLDER:

@@ -74,3 +74,22 @@ def test_full_graph_compile_names_its_choices():
     with pytest.raises(ConfigError, match="EngineConfig.full_graph_compile='split' is invalid: expected one of "
                                           "unsplit, piecewise"):
         LLM(torch.nn.Linear(2, 2), full_graph_compile="split")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_gpu_unsplit_decode_graphs_give_the_tokens_of_the_piecewise_ones(tmp_path, arch):
+    from tests.test_engine_gpu import WORKLOAD, _build_hf, _engine, _run_workload
+    _build_hf(arch).save_pretrained(tmp_path)
+    results = {}
+    for variant in ("piecewise", "unsplit"):
+        llm = _engine(tmp_path, cuda_graphs=True, full_graph_compile=variant)
+        results[variant] = _run_workload(llm, WORKLOAD)
+        stats = llm.stats()
+        assert stats["full_graph_compile"] == variant and stats["modes"]["full"] > 0
+        if variant == "unsplit":
+            full = stats["full_backend"]
+            assert full["graphs_compiled"] == 1 and full["splitting_pieces"] == 0 and full["full_steps"] > 0
+            assert stats["backend"]["full_steps"] == 0  # the split pieces never ran a FULL step
+        llm.close()
+    assert results["unsplit"] == results["piecewise"]

@@ -160,3 +160,55 @@ def test_token_slots_grow_without_losing_tokens():
     assert slots.tokens.numel() >= 5
     assert [int(slots.tokens[slots.slot(r)]) for r in requests] == [10, 11, 12, 13, 14]
     assert len({slots.slot(r) for r in requests}) == 5
+
+
+# -- GPU: decode graphs (unsplit and piecewise compiles), prefill graphs, no graphs ------------------
+
+def _mixed_workload(llm: LLM) -> dict[str, tuple[list[int], str]]:
+    """Staggered arrivals; greedy, seeded top-k / top-p sampling, stop tokens and EOS; the finished
+    outputs by request id."""
+    from tests.test_engine_gpu import WORKLOAD
+    pending = list(enumerate(WORKLOAD))
+    results: dict[str, tuple[list[int], str]] = {}
+    step = 0
+    while pending or llm.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, max_tokens) = pending.pop(0)
+            if i % 3 == 0:
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            elif i % 3 == 1:
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, top_p=0.9, seed=i)
+            else:
+                params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(prompt[-1], 17, 33))
+            llm.add_request(prompt, params, request_id=str(i))
+        for out in llm.step():
+            if out.finished:
+                results[out.request_id] = (out.token_ids, out.finish_reason)
+        step += 1
+        assert step < 5000
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [
+    dict(cuda_graphs=True, prefill_graphs=False),                                   # FULL (unsplit) + NONE
+    dict(cuda_graphs=True, prefill_graphs=True, full_graph_compile="piecewise"),    # FULL (pieces) + PIECEWISE
+    dict(cuda_graphs=False, prefill_graphs=False),                                  # NONE only
+], ids=["decode_graphs_unsplit", "decode_and_prefill_graphs_piecewise", "graphs_off"])
+def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path, graphs):
+    from tests.test_engine_gpu import _build_hf, _engine
+    _build_hf("llama").save_pretrained(tmp_path)
+    results, stats = {}, {}
+    for async_scheduling in (False, True):
+        llm = _engine(tmp_path, async_scheduling=async_scheduling, **graphs)
+        results[async_scheduling] = _mixed_workload(llm)
+        stats[async_scheduling] = llm.stats()
+        llm.close()
+    assert results[True] == results[False]
+    assert {reason for _, reason in results[True].values()} >= {"length"}
+    overlapped = stats[True]
+    assert overlapped["async_overlapped_steps"] > overlapped["steps"] // 2
+    if graphs["cuda_graphs"]:
+        assert overlapped["modes"]["full"] > 0
+    if graphs["prefill_graphs"]:
+        assert overlapped["modes"]["piecewise"] > 0
