@@ -112,7 +112,13 @@ class OverlapLoop:
             # blocks and sequence slots that finishing requests hold): the device idles meanwhile.
             self.num_drains += 1
             return False, self._resolve(previous)
-        self._inflight = self._launch(out)
+        try:
+            self._inflight = self._launch(out)
+        except BaseException:
+            # Nothing of `out` was advanced: the scheduler plans it again, and the step still in
+            # flight keeps its tokens.
+            self._inflight = previous
+            raise
         if previous is None:
             return True, []
         self.num_overlapped_steps += 1
