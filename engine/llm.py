@@ -249,7 +249,8 @@ class LLM:
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
-        stats["full_graph_compile"] = self.config.full_graph_compile if self.runtime.full_backend else "piecewise"
+        # what the decode graphs recorded: the unsplit variant, or the split pieces passing through
+        stats["full_graph_compile"] = "unsplit" if self.runtime.full_backend is not None else "piecewise"
         if self.runtime.full_backend is not None:
             stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
         return stats

@@ -64,6 +64,7 @@ def test_unsplit_full_variant_decodes_like_the_split_pieces_with_out_written_in_
     summary = backend.split_summary()
     assert summary.num_compute_pieces == 1 and summary.num_splitting_pieces == 0
     assert backend.stats.graphs_compiled == 1 and backend.stats.full_steps == both.steps
+    assert llm.stats()["backend"]["graphs_compiled"] == 1  # two compiles of one model, one trace each
     # Inductor reinplaced the attention op's `out` (a clone would cost a copy per layer)
     assert ReinplaceCounters.get_total_missed() == 0
     runner.decode_graphs = None  # the stand-in has no graphs to release
