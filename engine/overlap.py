@@ -9,11 +9,14 @@ debugging and as the reference the tests compare against.
 Invariants:
 - Every sampled token stays on the device: the step that samples it scatters it into its request's
   slot of `TokenSlots.tokens` (one slot per request, held until it finishes; not a ring, which
-  wraps onto live requests under load). Until the host reads it back, `request.token_ids` holds
-  PLACEHOLDER at its position (only trailing positions are ever placeholders: steps resolve in
-  order), so `num_tokens` counts it and the scheduler plans the next chunk as usual. A step's input
-  id at a placeholder position is gathered from the slot on the device, after the static buffers
-  are loaded and before the forward (a decode graph reads the static input_ids buffer).
+  wraps onto live requests under load). A step's input id at the position of a token not read
+  back yet is gathered from that slot on the device, after the static buffers are loaded and
+  before the forward (a decode graph reads the static input_ids buffer).
+- Between calls, `request.token_ids` holds only tokens the host has read, exactly as after a
+  synchronous step (outputs, stop strings, abort and the prefix cache see nothing else), while
+  `num_computed_tokens` already counts the in-flight step. Inside a call the in-flight token is a
+  PLACEHOLDER appended at its position, so `num_tokens` counts it and the scheduler plans the next
+  chunk as usual; only trailing positions are ever placeholders (steps resolve in order).
 - A step advances `num_computed_tokens` and appends its placeholders when it is launched. A
   request whose new token reaches max_tokens or max_model_len leaves the running list then, so it
   is never scheduled past its length (that limit never lags). EOS and stop tokens are known only
@@ -34,9 +37,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.request import PLACEHOLDER_TOKEN as PLACEHOLDER, FinishReason, Request
+from engine.request import FinishReason, Request
 from engine.sampler import host_to_device
 from engine.scheduler import Scheduler, SchedulerOutput
+
+PLACEHOLDER = -1  # an in-flight token on the host, inside a call; out of vocabulary: a missed gather fails loudly
 
 
 class TokenSlots:
@@ -101,6 +106,48 @@ class OverlapLoop:
 
     def step(self) -> tuple[bool, list[Request]]:
         """(whether a step was launched, the requests whose token was read: the previous step's)."""
+        self._show_inflight()
+        try:
+            return self._step()
+        finally:
+            self._hide_inflight()
+
+    def drain(self) -> list[Request]:
+        """Read the in-flight step now, if any, and wait for the device (before the engine frees what
+        that step runs on: a step with no sampling row has no read-back to wait for)."""
+        previous, self._inflight = self._inflight, None
+        self._show_inflight()
+        try:
+            resolved = self._resolve(previous) if previous is not None else []
+        finally:
+            self._hide_inflight()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return resolved
+
+    def forget(self, request: Request) -> None:
+        """Drop a finished request's in-flight token and slot (idempotent)."""
+        while request.token_ids and request.token_ids[-1] == PLACEHOLDER:
+            request.token_ids.pop()
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        self._pending.pop(request, None)
+        self.slots.release(request)
+
+    def _show_inflight(self) -> None:
+        for request, position in self._pending.items():
+            if request.is_finished:  # aborted or stopped between calls: its token will be discarded
+                continue
+            if position != request.num_tokens:
+                raise RuntimeError(f"request {request.request_id!r}: its in-flight token is at position {position} "
+                                   f"but it has {request.num_tokens} tokens (token_ids changed between steps)")
+            request.token_ids.append(PLACEHOLDER)
+
+    def _hide_inflight(self) -> None:
+        for request in self._pending:
+            while request.token_ids and request.token_ids[-1] == PLACEHOLDER:
+                request.token_ids.pop()
+
+    def _step(self) -> tuple[bool, list[Request]]:
         out = self.scheduler.schedule()
         previous, self._inflight = self._inflight, None
         if out.is_empty:
@@ -123,23 +170,6 @@ class OverlapLoop:
             return True, []
         self.num_overlapped_steps += 1
         return True, self._resolve(previous)
-
-    def drain(self) -> list[Request]:
-        """Read the in-flight step now, if any, and wait for the device (before the engine frees what
-        that step runs on: a step with no sampling row has no read-back to wait for)."""
-        previous, self._inflight = self._inflight, None
-        resolved = self._resolve(previous) if previous is not None else []
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return resolved
-
-    def forget(self, request: Request) -> None:
-        """Drop a finished or aborted request's in-flight tokens and slot (idempotent)."""
-        while request.token_ids and request.token_ids[-1] == PLACEHOLDER:
-            request.token_ids.pop()
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-        self._pending.pop(request, None)
-        self.slots.release(request)
 
     # -- one step ------------------------------------------------------------------------------
 

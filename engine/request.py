@@ -15,10 +15,6 @@ from typing import Sequence
 import torch
 
 
-# engine.overlap: a token sampled on the device whose value the host has not read yet (out of vocabulary)
-PLACEHOLDER_TOKEN = -1
-
-
 class InvalidRequestError(ValueError):
     """A request (prompt or sampling parameters) the engine refuses; the message names request and field."""
 
@@ -97,11 +93,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """Generated tokens the host has read (trailing in-flight placeholders are not yet outputs)."""
-        end = len(self.token_ids)
-        while end > self.num_prompt_tokens and self.token_ids[end - 1] == PLACEHOLDER_TOKEN:
-            end -= 1
-        return self.token_ids[self.num_prompt_tokens:end]
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:

@@ -13,8 +13,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.dispatch import Dispatcher
-from engine.overlap import TokenSlots
-from engine.request import PLACEHOLDER_TOKEN, FinishReason, Request
+from engine.overlap import PLACEHOLDER, TokenSlots
+from engine.request import FinishReason, Request
 from tests.hf_helpers import random_hf_model
 from tests.test_engine_generate import ARCHS, COMMON, PROMPTS, SMALL, _EagerDecodeGraphs
 
@@ -49,7 +49,7 @@ def _same(sync, overlapped):
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
     assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in sync]
     for out in overlapped:
-        assert PLACEHOLDER_TOKEN not in out.token_ids and out.finished
+        assert PLACEHOLDER not in out.token_ids and out.finished
         assert len(out.inter_token_latencies_s) == len(out.token_ids) - 1
 
 
@@ -124,20 +124,24 @@ def test_streamed_outputs_report_every_token_once_and_never_one_past_the_end(lla
             assert out.token_ids[:len(seen[out.request_id])] == seen[out.request_id]
             assert len(out.token_ids) == len(seen[out.request_id]) + 1  # one new token per report
             seen[out.request_id] = out.token_ids
+        # between steps a request looks as after a synchronous step: only tokens read back
+        assert all(PLACEHOLDER not in r.token_ids for r in llm._requests.values())
     want = [o.token_ids[:o.token_ids.index(stop) + 1] if stop in o.token_ids else o.token_ids for o in sync]
     assert [seen[rid] for rid in ids] == want
 
 
 def test_a_request_finished_while_its_token_is_in_flight_reports_no_more_tokens(llama_dir):
-    """What LLM.abort relies on: the scheduler finishes a request whose token is in flight; the next
-    step discards that token, and the request's placeholder, slot and blocks are gone."""
+    """What LLM.abort relies on: between steps a request holds only the tokens read back (its
+    in-flight step already counted as computed); the scheduler finishes it, and the next step
+    discards the token in flight and frees its slot and blocks."""
     llm = LLM(str(llama_dir), **SMALL)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     keep, gone = llm.add_request(PROMPTS[0], params), llm.add_request(PROMPTS[2], params)
     for _ in range(4):
         llm.step()
     request = llm._requests[gone]
-    assert request.token_ids[-1] == PLACEHOLDER_TOKEN and PLACEHOLDER_TOKEN not in request.output_token_ids
+    assert PLACEHOLDER not in request.token_ids and llm._overlap._pending[request] == request.num_tokens
+    assert request.num_computed_tokens == request.num_tokens  # the in-flight step computed its last token
     reported = list(request.output_token_ids)
     llm.scheduler.finish(request, FinishReason.STOP)  # as an abort does
     finished = {}
