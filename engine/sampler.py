@@ -80,6 +80,6 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> to
     """A small host list on `device` without a host wait: pinned staging + a non_blocking copy (the
     caching host allocator keeps the pinned block until the copy has run)."""
     host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
+    if device.type != "cuda" or not values:
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
