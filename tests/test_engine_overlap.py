@@ -216,3 +216,39 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path, graphs):
         assert overlapped["modes"]["full"] > 0
     if graphs["prefill_graphs"]:
         assert overlapped["modes"]["piecewise"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", ["greedy", "seeded_top_k_top_p"])
+@pytest.mark.parametrize("step_kind", ["full_decode", "piecewise_mixed"])
+def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampling, step_kind):
+    """Nothing on the launch path waits for the device (a pageable copy to CUDA, a .tolist(), an
+    .item() would): with a long sleep queued ahead of a step, step() returns before it has run."""
+    from tests.test_engine_gpu import _build_hf, _engine
+    _build_hf("llama").save_pretrained(tmp_path)
+    llm = _engine(tmp_path, cuda_graphs=True, prefill_graphs=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **(
+        {} if sampling == "greedy" else dict(temperature=0.8, top_k=5, top_p=0.9, seed=1)))
+    llm.add_request([1, 5, 9, 13, 17], params)
+    for _ in range(4):  # prefill, then decodes: every path warm
+        llm.step()
+    if step_kind == "piecewise_mixed":
+        llm.add_request([1, 7, 8, 9], params)  # the next step mixes a prefill with the decode
+    execute = llm.runtime.runner.execute
+    modes_before = dict(llm.stats()["modes"])
+
+    def behind_a_sleep(*args, **kwargs):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the step
+        return execute(*args, **kwargs)
+
+    llm.runtime.runner.execute = behind_a_sleep
+    llm.step()
+    inflight = llm._overlap._inflight
+    assert inflight is not None and inflight.ready is not None
+    assert not inflight.ready.query(), "step() waited for the device"
+    mode = "full" if step_kind == "full_decode" else "piecewise"
+    assert llm.stats()["modes"][mode] == modes_before.get(mode, 0) + 1
+    llm.runtime.runner.execute = execute
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.close()
