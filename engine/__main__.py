@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-graph-sizes", type=_sizes, default=None, help="e.g. 16,64,256")
     gen.add_argument("--no-compile", action="store_true", help="eager model (implies no prefill graphs)")
     gen.add_argument("--piece-compiler", choices=("inductor", "eager"), default=None)
+    gen.add_argument("--full-graph-compile", choices=("unsplit", "piecewise"), default=None,
+                     help="what the decode graphs record: one unsplit Inductor graph, or the split pieces")
     gen.add_argument("--no-async-scheduling", action="store_true",
                      help="synchronous step loop: the host reads each step's tokens before scheduling the next")
     gen.add_argument("-v", "--verbose", action="store_true")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fields = {name: getattr(args, name) for name in (
         "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
-        "kv_memory_fraction", "decode_graph_sizes", "prefill_graph_sizes", "piece_compiler")
+        "kv_memory_fraction", "decode_graph_sizes", "prefill_graph_sizes", "piece_compiler", "full_graph_compile")
         if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         fields["cuda_graphs"] = False
