@@ -155,6 +155,35 @@ def test_a_request_finished_while_its_token_is_in_flight_reports_no_more_tokens(
     assert llm.runtime.block_pool.num_free_blocks == llm.runtime.block_pool.num_usable_blocks
 
 
+def test_a_request_preempted_with_its_token_in_flight_is_readmitted_with_that_token(llama_dir):
+    """Its recompute prefill covers the position of the token still in flight: that input id comes
+    from the device slot, and the outputs are those of a run without preemption."""
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(llama_dir), **SMALL, async_scheduling=False).generate(PROMPTS[:3], params)]
+    llm = LLM(str(llama_dir), **SMALL)
+    ids = [llm.add_request(p, params) for p in PROMPTS[:3]]
+    for _ in range(5):
+        llm.step()
+    request = llm._requests[ids[2]]
+    in_flight = llm._overlap._pending[request]
+    assert in_flight == request.num_tokens  # its next token is in flight
+    llm.scheduler.running.remove(request)
+    llm.scheduler._preempt(request)  # as the scheduler does when blocks run short
+    launch, refills = llm._overlap._launch, []
+
+    def spy(out):
+        refills.extend(c for c in out.chunks if c.request is request and c.start <= in_flight < c.start + c.num_tokens)
+        return launch(out)
+
+    llm._overlap._launch = spy
+    outputs = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            outputs[out.request_id] = out.token_ids
+    assert refills and refills[0].num_tokens > 1  # the in-flight token was an input of its recompute prefill
+    assert [outputs[i] for i in ids] == expected and request.num_preemptions == 1
+
+
 def test_token_slots_grow_without_losing_tokens():
     slots = TokenSlots(2, torch.device("cpu"))
     requests = [Request(str(i), [1], SamplingParams()) for i in range(5)]
