@@ -34,12 +34,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.request import FinishReason, Request
 from engine.sampler import host_to_device
 from engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.runtime import Runtime
 
 PLACEHOLDER = -1  # an in-flight token on the host, inside a call; out of vocabulary: a missed gather fails loudly
 
@@ -89,7 +93,7 @@ class _InFlight:
 
 
 class OverlapLoop:
-    def __init__(self, scheduler: Scheduler, runtime) -> None:  # runtime: engine.runtime.Runtime
+    def __init__(self, scheduler: Scheduler, runtime: Runtime) -> None:
         self.scheduler = scheduler
         self.runtime = runtime
         self.device = runtime.runner.device
