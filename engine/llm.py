@@ -249,8 +249,9 @@ class LLM:
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
-        # what the decode graphs recorded: the unsplit variant, or the split pieces passing through
-        stats["full_graph_compile"] = "unsplit" if self.runtime.full_backend is not None else "piecewise"
+        # what the decode graphs recorded: the unsplit variant, or the split pieces (None: no graphs)
+        stats["full_graph_compile"] = ("unsplit" if self.runtime.full_backend is not None
+                                       else "piecewise" if graphs else None)
         if self.runtime.full_backend is not None:
             stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
         return stats
