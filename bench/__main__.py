@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "chunked_prefill,prefix_caching)")
     parser.add_argument("--url", help="serving: a running server to send the workloads to (default: start one "
                                       "per configuration)")
+    parser.add_argument("--full-graph-compile", choices=("unsplit", "piecewise"),
+                        help="decode: what the engine's decode graphs record (EngineConfig.full_graph_compile)")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode, e2e: seconds after which peers are skipped (noted in the report)")
     args = parser.parse_args(argv)

@@ -74,8 +74,9 @@ def graph_replay_ms(runner, vocab_size: int, batch: int, context: int, iters: in
 
 
 def run(model: str, batches=None, contexts=None, peers: str | None = None, iters: int = 30,
-        time_budget_s: float | None = None) -> Report:
-    """peers: "all" (default), "eager" (transformers eager only) or "none"."""
+        time_budget_s: float | None = None, full_graph_compile: str | None = None) -> Report:
+    """peers: "all" (default), "eager" (transformers eager only) or "none".
+    full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default)."""
     from custom_ops import RuntimeMode, forward_context
     from engine import LLM
 
@@ -110,7 +111,9 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
     # compile=True: the engine's default on CUDA only, and the "compiled" rows must be compiled everywhere.
     llm = LLM(net, max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE, num_gpu_blocks=num_blocks,
               decode_graph_sizes=tuple(sorted({b for b, _ in grid})), show_progress=False,
-              max_num_batched_tokens=max(256, max_batch), compile=True)
+              max_num_batched_tokens=max(256, max_batch), compile=True,
+              **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
+    report.meta["full_graph_compile"] = llm.stats()["full_graph_compile"]
     runner = llm.runtime.runner
     with torch.inference_mode():  # the engine made the pool in inference mode
         for t in llm.runtime.kv_cache.tensors:
@@ -119,6 +122,9 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
               f"max_model_len = {max_context + BLOCK_SIZE} (as the engine serves)"
               if runner.decode_graphs is not None else "no decode graphs (the engine captures them on CUDA only)")
     report.notes.append(f"{graphs}; K/V pool {num_blocks} blocks, each sequence its own blocks, random contents")
+    if runner.decode_graphs is not None:
+        report.notes.append(f"full_graph rows record the {report.meta['full_graph_compile']} compile of the model "
+                            "(EngineConfig.full_graph_compile); 'compiled' rows run the split pieces")
 
     def load(b: int, c: int):
         return load_decode_step(runner, net.config.vocab_size, b, c)

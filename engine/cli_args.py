@@ -47,6 +47,11 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--enable-prefix-caching": _set("enable_prefix_caching", True, "share the KV blocks of common prompt "
                                     "prefixes (the default)"),
     "--no-prefix-caching": _set("enable_prefix_caching", False, "no prefix caching"),
+    "--full-graph-compile": ("full_graph_compile", dict(
+        choices=("unsplit", "piecewise"),
+        help="what the decode graphs record: one unsplit Inductor graph, or the split pieces")),
+    "--no-async-scheduling": _set("async_scheduling", False, "synchronous step loop: the host reads each "
+                                  "step's tokens before scheduling the next (debugging)"),
     "--no-progress": _set("show_progress", False, "no progress bar during graph capture"),
 }
 

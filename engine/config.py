@@ -18,6 +18,7 @@ logger = logging.getLogger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PIECE_COMPILERS = ("inductor", "eager")
+_FULL_GRAPH_COMPILES = ("unsplit", "piecewise")
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,10 @@ class EngineConfig:
     prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: default_prefill_graph_sizes
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
+    async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/overlap.py)
+    # what the decode graphs record when compiled: "unsplit" one Inductor graph with the attention op
+    # inside (fusions cross layers; a second compile of the model), or "piecewise" the split pieces
+    full_graph_compile: str = "unsplit"
     show_progress: bool = True             # tqdm bar during graph capture
 
     def __post_init__(self) -> None:
@@ -92,6 +97,9 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching,
                "a bool")
+        _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
+        _check(self.full_graph_compile in _FULL_GRAPH_COMPILES, "full_graph_compile", self.full_graph_compile,
+               f"one of {', '.join(_FULL_GRAPH_COMPILES)}")
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):
             sizes = getattr(self, name)
             if sizes is None:

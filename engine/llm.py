@@ -20,6 +20,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import OutputTracker
+from engine.overlap import OverlapLoop
 from engine.request import (
     FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
 )
@@ -71,6 +72,8 @@ class LLM:
         self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.max_model_len,
                                    tuple(model.config.eos_token_ids), self.config.enable_prefix_caching)
+        # async scheduling: the host runs one step ahead of the device (engine/overlap.py)
+        self._overlap = OverlapLoop(self.scheduler, self.runtime) if self.config.async_scheduling else None
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output
@@ -116,7 +119,8 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a streamed request's token awaits its step() output."""
-        return self.scheduler.has_unfinished() or bool(self._unreported)
+        return (self.scheduler.has_unfinished() or bool(self._unreported)
+                or (self._overlap is not None and self._overlap.has_pending()))
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -133,7 +137,20 @@ class LLM:
 
     @torch.inference_mode()
     def _step(self) -> list[Request]:
-        """Run one step; the requests that got a token, in chunk order."""
+        """Run one step; the requests that got a token, in chunk order.
+
+        With async scheduling, the step launched now reports its tokens at the next call, and this
+        call reports the previous step's (a call with nothing to launch only reads them).
+        """
+        if self._overlap is not None:
+            launched, sampling = self._overlap.step()
+            self._detokenize(sampling)
+            self.num_steps += launched
+            self.num_generated_tokens += len(sampling)
+            for request in sampling:
+                if request.is_finished:
+                    del self._requests[request.request_id]
+            return sampling
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
@@ -208,6 +225,8 @@ class LLM:
 
     def close(self) -> None:
         """Free the KV pool and the decode graphs now (the layer registry would otherwise keep the pool)."""
+        if self._overlap is not None:
+            self._overlap.drain()  # no graph or pool is freed under a step still running
         runner = self.runtime.runner
         if runner.decode_graphs is not None:
             runner.decode_graphs.release()
@@ -245,10 +264,20 @@ class LLM:
             "decode_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
             "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
             "piecewise_capture_seconds": self.runtime.piecewise_capture_seconds,
+            "async_scheduling": self._overlap is not None,
+            # steps the host could not run ahead of: it read the in-flight tokens with the device idle
+            "async_drains": self._overlap.num_drains if self._overlap else 0,
+            "async_overlapped_steps": self._overlap.num_overlapped_steps if self._overlap else 0,
+            "async_discarded_tokens": self._overlap.num_discarded_tokens if self._overlap else 0,
             **self.runtime.memory,
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
+        # what the decode graphs recorded: the unsplit variant, or the split pieces (None: no graphs)
+        stats["full_graph_compile"] = ("unsplit" if self.runtime.full_backend is not None
+                                       else "piecewise" if graphs else None)
+        if self.runtime.full_backend is not None:
+            stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
         return stats
 
 

@@ -100,6 +100,7 @@ class ModelRunner:
                  mark_dynamic: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.model = model
         self.forward = forward
+        self.full_forward = forward  # what FULL steps (the decode graphs) run: EngineConfig.full_graph_compile
         self.mark_dynamic = mark_dynamic
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -109,11 +110,16 @@ class ModelRunner:
         self.decode_graphs = None  # engine.decode_graphs.DecodeGraphs, once captured
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
 
-    def execute(self, out: SchedulerOutput, pool: BlockPool) -> StepResult:
+    def execute(self, out: SchedulerOutput, pool: BlockPool,
+                write_inputs: Callable[[torch.Tensor], None] | None = None) -> StepResult:
+        """`write_inputs(input_ids)`: called once the static buffers hold the step and before the
+        forward or graph replay, to write input ids that live on the device (engine.overlap)."""
         dispatch = self.dispatcher.dispatch(BatchDescriptor(out.num_tokens, out.is_uniform_decode))
         full = dispatch.mode is RuntimeMode.FULL
         num_padded = dispatch.descriptor.num_tokens
         meta, num_sampling = self._prepare(out, pool, num_padded, full)
+        if write_inputs is not None:
+            write_inputs(self.buffers.input_ids)
         rows = self.buffers.logits_indices[:num_sampling]  # under FULL, a token's row is its chunk's
         if full:
             logits = self.decode_graphs.replay(num_padded, len(out.chunks))
@@ -128,8 +134,9 @@ class ModelRunner:
         ids, positions = self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens]
         if self.mark_dynamic is not None:
             self.mark_dynamic(ids, positions)
+        forward = self.full_forward if mode is RuntimeMode.FULL else self.forward
         with forward_context(meta, mode, num_tokens):
-            return self.forward(ids, positions)
+            return forward(ids, positions)
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
                  full: bool) -> tuple[AttentionMetadata | None, int]:

@@ -51,6 +51,7 @@ class Runtime:
     block_pool: BlockPool
     sampler: Sampler
     backend: InferGraphsBackend | None = None  # the compile backend (for its stats), if compiled
+    full_backend: InferGraphsBackend | None = None  # the unsplit variant's, under full_graph_compile="unsplit"
     memory: dict[str, int] = field(default_factory=dict)  # start-up measurements, bytes
     piecewise_capture_seconds: float = 0.0
 
@@ -59,12 +60,17 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
     device = torch.device(config.device)
     forward, mark_dynamic, backend = model, None, None
     pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+    full_forward, full_backend = None, None
     if config.compile:
         from engine.compile import compile_model
         forward, mark_dynamic, backend = compile_model(model, config, pool)
+        if config.cuda_graphs and config.full_graph_compile == "unsplit":
+            full_forward, _, full_backend = compile_model(model, config, pool, unsplit=True)
     max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
     runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
                          config.max_num_seqs, device, mark_dynamic)
+    if full_forward is not None:
+        runner.full_forward = full_forward
     kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device)
     sampler = Sampler(device, config.seed)
     min_blocks = -(-config.max_model_len // config.block_size) + 1  # one full-length request + scratch
@@ -82,7 +88,8 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
     kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
     memory: dict[str, int] = {}
     memory["activation_peak_bytes"] = _warm_up(runner, sampler, config)
-    rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, memory)
+    rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, full_backend=full_backend,
+                 memory=memory)
     if config.prefill_graphs:
         rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
     decode_graphs = None
@@ -144,10 +151,13 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int
         base = torch.cuda.memory_allocated(runner.device)
     max_tokens = config.max_num_batched_tokens
     num_seqs = min(config.max_num_seqs, max_tokens)
+    # The decode dummy runs as FULL when FULL steps have their own (unsplit) variant: it compiles
+    # now and its peak is counted, as the NONE run does for the pieces.
+    decode_mode = RuntimeMode.FULL if runner.full_forward is not runner.forward else RuntimeMode.NONE
     for tokens, seqs, uniform in ((max_tokens, _dummy_seqs(max_tokens, config), False),
                                   (num_seqs, num_seqs, True)):
         meta = runner.load_dummy(tokens, seqs, uniform)
-        hidden = runner.run_forward(meta, RuntimeMode.NONE, tokens)
+        hidden = runner.run_forward(meta, decode_mode if uniform else RuntimeMode.NONE, tokens)
         rows = runner.buffers.logits_indices[:seqs]
         logits = runner.model.compute_logits(hidden[rows])
         del hidden

@@ -1,10 +1,15 @@
-"""Sampler: next tokens from logits, on the logits' device, one host sync per step.
+"""Sampler: next tokens from logits, on the logits' device, without waiting for the device.
 
 Greedy rows take the argmax. Sampled rows divide by temperature, keep the top_k logits and the
 smallest top_p nucleus, and draw by the exponential race (argmax of probs / E, E ~ Exp(1)), which
 is a draw from probs. A request with a seed owns a torch.Generator on the device and draws its own
 noise row every step, so its tokens depend only on its seed and its logits, never on the batch
 around it; requests without a seed share the engine's generator.
+
+`sample` returns the tokens as a device tensor and never blocks the host: the per-row parameters
+travel through pinned memory with non_blocking copies (a pageable copy to CUDA synchronizes the
+stream, so the host would wait for the step's forward). `__call__` is `sample` read back to a list
+(the synchronous loop's one host sync per step).
 """
 from __future__ import annotations
 
@@ -27,14 +32,18 @@ class Sampler:
             request.generator.manual_seed(params.seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits [N, V] (row i belongs to requests[i]) -> N token ids."""
+        """logits [N, V] (row i belongs to requests[i]) -> N token ids (waits for the device)."""
+        return self.sample(logits, requests).tolist()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
         if all(r.params.temperature == 0 for r in requests):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
+        temperature = host_to_device([r.params.temperature or 1.0 for r in requests], torch.float32, logits.device)
         probs = self._filtered_probs(logits / temperature[:, None], requests)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
@@ -44,8 +53,8 @@ class Sampler:
         # Exp(1) can return 0: a floor keeps 0/0 (NaN, which argmax would pick) out of zero-prob tokens.
         noise.clamp_(min=1e-30)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([r.params.temperature == 0 for r in requests], device=logits.device)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+        is_greedy = host_to_device([r.params.temperature == 0 for r in requests], torch.bool, logits.device)
+        return torch.where(is_greedy, greedy, sampled)
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -56,12 +65,21 @@ class Sampler:
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        k = host_to_device([k if 0 < k < vocab else vocab for k in top_ks], torch.int64, logits.device)
         sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        p = torch.tensor(top_ps, device=logits.device, dtype=sorted_probs.dtype)
+        p = host_to_device(top_ps, sorted_probs.dtype, logits.device)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         # A token stays while the mass ranked above it is < top_p: the top token always stays.
         sorted_probs = sorted_probs.masked_fill(mass_before >= p[:, None], 0.0)
         probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
         return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a host wait: pinned staging + a non_blocking copy (the
+    caching host allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda" or not values:
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -168,15 +168,18 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+    def _finish_reason(self, request: Request, token: int, num_tokens: int | None = None) -> FinishReason | None:
+        """Why `token` ends the request, or None. `num_tokens`: the request's length with that token
+        (default: all of token_ids; engine.overlap passes less while a later token is in flight)."""
         params = request.params
+        num_tokens = request.num_tokens if num_tokens is None else num_tokens
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.EOS
         if token in params.stop_token_ids:
             return FinishReason.STOP
-        if len(request.token_ids) - request.num_prompt_tokens >= params.max_tokens:
+        if num_tokens - request.num_prompt_tokens >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
