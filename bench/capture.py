@@ -32,7 +32,7 @@ def _require_cuda() -> None:
 def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024) -> dict:
     """Run in THIS process: compile + capture every default size; per-size seconds and bytes."""
     _require_cuda()
-    from compile_backend import graph_pool, pool_bytes
+    from compile_backend import pool_bytes
     from custom_ops import RuntimeMode
     from engine.compile import compile_model
     from engine.config import EngineConfig
@@ -54,6 +54,7 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
                          max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs, device, mark)
     kv = KVCache(net.attention_layer_names, config.block_size, config.torch_dtype, device)
     kv.allocate(2)  # dummy steps touch only the scratch block
+    runner.kv_caches = kv.by_layer
 
     def seqs(n: int) -> int:
         return min(n, max(1, -(-n // config.max_model_len)))
@@ -75,11 +76,11 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
             runner.mark_dynamic(ids, positions)
             runner.forward(ids, positions)
 
-        pool = graph_pool() if cuda else None
+        pool = backend.pool if cuda else None  # the backend's own pool; the decode graphs share it
         t0 = time.perf_counter()
         for size in sorted(config.prefill_graph_sizes, reverse=True):
             before = pool_bytes(pool) if cuda else 0
-            backend.capture(fwd, [size], lambda k: runner.load_dummy(k, seqs(k), False))
+            backend.capture(fwd, [size], lambda k: runner.load_dummy(k, seqs(k), False), kv_caches=runner.kv_caches)
             seconds = backend.stats.capture_seconds.get(size, 0.0)
             result["piecewise"].append({"size": size, "capture_s": seconds,
                                         "graph_bytes": (pool_bytes(pool) - before) if cuda else 0})

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from custom_ops import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache, bind_kv_cache, get_attention_layer
+from custom_ops import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache, get_attention_layer
 
 BLOCK_SIZE = 16
 
@@ -21,15 +21,16 @@ def blocks_per_seq(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
 
 @dataclass
 class PagedKV:
-    """The model's layers with a cache bound (the layer registry holds the tensors until `release`)."""
+    """One cache per attention layer; pass `caches` to `forward_context(..., kv_caches=kv.caches)`."""
 
-    layer_names: list[str]
+    caches: dict[str, torch.Tensor]
 
     @classmethod
     def allocate(cls, model: torch.nn.Module, num_blocks: int, block_size: int = BLOCK_SIZE,
                  fill: bool = True) -> "PagedKV":
         """One cache per attention layer, bound to it; random contents (never time on zeros)."""
         names = list(model.attention_layer_names)
+        caches = {}
         dtype = model.model.embed_tokens.weight.dtype
         device = model.model.embed_tokens.weight.device
         for name in names:
@@ -37,12 +38,11 @@ class PagedKV:
             cache = allocate_kv_cache(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype, device)
             if fill:
                 cache.normal_(0.0, 1.0)
-            bind_kv_cache(name, cache)
-        return cls(names)
+            caches[name] = cache
+        return cls(caches)
 
     def release(self) -> None:
-        for name in self.layer_names:
-            bind_kv_cache(name, None)
+        self.caches.clear()
 
 
 def step_metadata(num_seqs: int, context_len: int, query_len: int, device: torch.device | str,

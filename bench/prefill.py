@@ -28,7 +28,7 @@ logger = logging.getLogger("bench")
 
 
 def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_: object) -> Report:
-    from compile_backend import BackendConfig, InferGraphsBackend, graph_pool, mark_token_dim
+    from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
     from custom_ops import RuntimeMode, forward_context
 
     tokens = parse_ints(tokens, TOKENS)
@@ -61,7 +61,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
             ids, pos = step_inputs(1, 0, t, net.config.vocab_size, device, seed=t)
 
             def run_model(fn, mode):
-                with forward_context(meta, mode, t):
+                with forward_context(meta, mode, t, kv.caches):
                     if fn is compiled:
                         mark_token_dim(ids, pos)
                     hidden = fn(ids, pos)
@@ -78,7 +78,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
                     run_model(fn, RuntimeMode.FULL)  # warm-up outside the capture
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=graph_pool()):
+                    with torch.cuda.graph(graph, pool=backend.pool):
                         out = run_model(fn, RuntimeMode.FULL)
                     graphs[(variant, t)] = (graph, out, meta, ids, pos)
                     ms = median_ms(graph.replay, iters=iters)

@@ -3,12 +3,12 @@ capture/replay one CUDA graph per piece per token count, dispatch by the forward
 from compile_backend.backend import InferGraphsBackend
 from compile_backend.config import BackendConfig, default_capture_sizes, pad_to_capture_size
 from compile_backend.context import piecewise_context
-from compile_backend.pool import graph_pool, pool_bytes
+from compile_backend.pool import GraphPool, pool_bytes
 from compile_backend.split import SplitSummary
 from compile_backend.stats import BackendStats
 from compile_backend.tokens import mark_token_dim
 
 __all__ = [
     "InferGraphsBackend", "BackendConfig", "default_capture_sizes", "pad_to_capture_size",
-    "piecewise_context", "graph_pool", "pool_bytes", "SplitSummary", "BackendStats", "mark_token_dim",
+    "piecewise_context", "GraphPool", "pool_bytes", "SplitSummary", "BackendStats", "mark_token_dim",
 ]

@@ -107,6 +107,7 @@ class ModelRunner:
         self.buffers = StaticBuffers(max_tokens, max_seqs, -(-max_model_len // block_size), device)
         self.dispatcher = Dispatcher()
         self.decode_graphs = None  # engine.decode_graphs.DecodeGraphs, once captured
+        self.kv_caches: dict[str, torch.Tensor] = {}  # layer name -> this engine's cache (engine.kv_cache)
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
 
     def execute(self, out: SchedulerOutput, pool: BlockPool) -> StepResult:
@@ -128,7 +129,7 @@ class ModelRunner:
         ids, positions = self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens]
         if self.mark_dynamic is not None:
             self.mark_dynamic(ids, positions)
-        with forward_context(meta, mode, num_tokens):
+        with forward_context(meta, mode, num_tokens, self.kv_caches):
             return self.forward(ids, positions)
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,

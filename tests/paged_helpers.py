@@ -13,25 +13,27 @@ from dataclasses import dataclass, field
 import torch
 
 import custom_ops
-from custom_ops import AttentionMetadata, allocate_kv_cache, bind_kv_cache, forward_context
+from custom_ops import AttentionMetadata, allocate_kv_cache, forward_context
 
 
 @dataclass
 class PagedCache:
-    """KV caches bound to a model's layers plus a scrambled free list of blocks (block 0 is scratch)."""
+    """One KV cache per model layer (`caches`, for the forward context) plus a scrambled free list of
+    blocks (block 0 is scratch)."""
 
     model: torch.nn.Module
     num_blocks: int
     block_size: int
     seed: int = 0
     free_blocks: list[int] = field(init=False)
+    caches: dict[str, torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         cfg = self.model.config
         device = self.model.model.embed_tokens.weight.device
-        for name in self.model.attention_layer_names:
-            bind_kv_cache(name, allocate_kv_cache(
-                self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device))
+        self.caches = {name: allocate_kv_cache(self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                               cfg.dtype, device)
+                       for name in self.model.attention_layer_names}
         blocks = [b for b in range(self.num_blocks) if b != custom_ops.SCRATCH_BLOCK]
         random.Random(self.seed).shuffle(blocks)
         self.free_blocks = blocks
@@ -44,8 +46,7 @@ class PagedCache:
             block_table.append(self.free_blocks.pop())
 
     def release(self) -> None:
-        for name in self.model.attention_layer_names:
-            bind_kv_cache(name, None)
+        self.caches.clear()
 
 
 def build_metadata(
@@ -90,7 +91,7 @@ def paged_step(
     positions = torch.tensor(
         [p for cached, new in zip(cached_lens, new_lens) for p in range(cached, cached + new)],
         dtype=torch.int64, device=device)
-    with forward_context(meta):
+    with forward_context(meta, kv_caches=cache.caches):
         hidden = model(ids, positions)
     return model.compute_logits(hidden)
 

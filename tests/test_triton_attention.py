@@ -312,18 +312,16 @@ def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
 
 @pytest.mark.gpu
 def test_gpu_op_dispatches_to_triton_with_and_without_context():
-    from custom_ops import bind_kv_cache, forward_context, register_attention_layer
+    from custom_ops import forward_context, register_attention_layer
     layer = make_layer(8, 2, 64, 32, None)
     register_attention_layer("test_triton.op", layer)
     q, k, v, cache, meta = make_batch([40, 0], [9, 33], layer, 16, torch.bfloat16, "cuda", pad_tokens=2)
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-    bind_kv_cache("test_triton.op", cache)
     out = torch.full_like(q, float("nan"))
-    with forward_context(meta):
+    with forward_context(meta, kv_caches={"test_triton.op": cache}):
         torch.ops.infer.attention(q, k, v, out, "test_triton.op")
     check_close(out.cpu(), ref, meta.num_actual_tokens, torch.bfloat16)
     dense_out = torch.full_like(q, float("nan"))
     torch.ops.infer.attention(q, k, v, dense_out, "test_triton.op")
     dense_ref = reference.causal_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), layer)
     check_close(dense_out.cpu(), dense_ref, q.shape[0], torch.bfloat16)
-    bind_kv_cache("test_triton.op", None)
