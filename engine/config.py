@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from compile_backend.config import default_capture_sizes
+
 logger = logging.getLogger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,15 +32,6 @@ def default_decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     sizes += list(range(16, max_num_seqs + 1, 8))
     if sizes[-1] != max_num_seqs:  # an off-stride maximum must still be captured
         sizes.append(max_num_seqs)
-    return tuple(sizes)
-
-
-def default_prefill_graph_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Token buckets for piecewise graphs: 1, 2, 4..32 by 4, 48..256 by 16, then 288.. by 32, up to the budget."""
-    sizes = [1, 2] + list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 4097, 32))
-    sizes = [s for s in sizes if s <= max_num_batched_tokens]
-    if not sizes or sizes[-1] != max_num_batched_tokens:
-        sizes.append(max_num_batched_tokens)
     return tuple(sizes)
 
 
@@ -59,7 +52,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None        # full-decode graphs; None: on for CUDA
     decode_graph_sizes: tuple[int, ...] | None = None   # batch buckets; None: default_decode_graph_sizes
     prefill_graphs: bool = False           # piecewise graphs for prefill and mixed steps
-    prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: default_prefill_graph_sizes
+    prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: compile_backend's default_capture_sizes
     seed: int = 0                          # for requests that give no seed of their own
     show_progress: bool = True             # tqdm bar during graph capture
 
@@ -146,7 +139,7 @@ class EngineConfig:
         changes["decode_graph_sizes"] = self.decode_graph_sizes or default_decode_graph_sizes(
             min(self.max_num_seqs, self.max_num_batched_tokens))
         changes["prefill_graph_sizes"] = (self.prefill_graph_sizes
-                                          or default_prefill_graph_sizes(self.max_num_batched_tokens))
+                                          or default_capture_sizes(self.max_num_batched_tokens))
         return dataclasses.replace(self, **changes)
 
     @classmethod
