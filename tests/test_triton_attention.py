@@ -325,3 +325,30 @@ def test_gpu_op_dispatches_to_triton_with_and_without_context():
     torch.ops.infer.attention(q, k, v, dense_out, "test_triton.op")
     dense_ref = reference.causal_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), layer)
     check_close(dense_out.cpu(), dense_ref, q.shape[0], torch.bfloat16)
+
+
+def test_decode_split_scratch_is_one_buffer_per_device_sliced_for_every_shape():
+    """Decodes at several batch sizes and split counts share ONE workspace (no buffer per shape),
+    and still match the reference."""
+    from custom_ops import triton_decode
+    triton_decode._workspaces.clear()
+    layer = make_layer(8, 2, 16)
+    for lens, splits in (([15, 44], 3), ([9], 2), ([3, 20, 7], 3)):
+        q, k, v, cache, meta = make_batch([n - 1 for n in lens], [1] * len(lens), layer, block_size=8,
+                                          dtype=torch.float32, device=DEVICE)
+        ref, _ = reference_paged(q, k, v, cache, meta, layer)
+        check_close(run_paged(q, k, v, cache, meta, layer, num_splits=splits), ref, len(lens), torch.float32)
+    assert len(triton_decode._workspaces) == 1
+    workspace = next(iter(triton_decode._workspaces.values()))
+    assert workspace.buffer.numel() == 3 * 8 * 3 * (16 + 2) and not workspace.retired  # the largest need
+
+
+def test_split_workspace_grows_only_when_needed_and_keeps_what_a_graph_recorded():
+    from custom_ops.triton_decode import _SplitWorkspace
+    cpu = torch.device("cpu")
+    workspace = _SplitWorkspace()
+    first = workspace.take(100, 1000, cpu)
+    assert workspace.take(500, 1000, cpu).data_ptr() == first.data_ptr() and workspace.buffer.numel() == 1000
+    workspace.captured = True  # as if a graph had recorded it: replacing it must keep it alive
+    assert workspace.take(2000, 1000, cpu).numel() == 2000 and workspace.buffer.numel() == 2000
+    assert len(workspace.retired) == 1 and workspace.retired[0].data_ptr() == first.data_ptr()
