@@ -35,6 +35,8 @@ class GraphPool:
         self._keepalive: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._flag.add_(1)  # warm-up: the kernel is loaded before the capture, not inside it
         with torch.cuda.stream(stream), gc_paused():
             self._keepalive.capture_begin(pool=self.handle)
             try:

@@ -96,7 +96,8 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         pool = None
         if cuda:
             from compile_backend.pool import GraphPool
-            pool = GraphPool()
+            with torch.cuda.device(device):
+                pool = GraphPool()
         forward, mark_dynamic, backend, compiled = model, None, None, None
         if config.compile:
             from engine.compile import compile_model

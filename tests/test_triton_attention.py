@@ -331,16 +331,24 @@ def test_decode_split_scratch_is_one_buffer_per_device_sliced_for_every_shape():
     """Decodes at several batch sizes and split counts share ONE workspace (no buffer per shape),
     and still match the reference."""
     from custom_ops import triton_decode
-    triton_decode._workspaces.clear()
+    device = torch.device(DEVICE)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    before = triton_decode._workspaces.get(device)
+    before_floats = before.buffer.numel() if before is not None else 0
     layer = make_layer(8, 2, 16)
     for lens, splits in (([15, 44], 3), ([9], 2), ([3, 20, 7], 3)):
         q, k, v, cache, meta = make_batch([n - 1 for n in lens], [1] * len(lens), layer, block_size=8,
                                           dtype=torch.float32, device=DEVICE)
         ref, _ = reference_paged(q, k, v, cache, meta, layer)
         check_close(run_paged(q, k, v, cache, meta, layer, num_splits=splits), ref, len(lens), torch.float32)
-    assert len(triton_decode._workspaces) == 1
-    workspace = next(iter(triton_decode._workspaces.values()))
-    assert workspace.buffer.numel() == 3 * 8 * 3 * (16 + 2) and not workspace.retired  # the largest need
+    assert set(triton_decode._workspaces) == {device}
+    workspace = triton_decode._workspaces[device]
+    largest_need = 3 * 8 * 3 * (16 + 2)
+    if device.type == "cpu":  # no SM count: sized exactly to the largest need so far
+        assert workspace.buffer.numel() == max(before_floats, largest_need)
+    else:
+        assert workspace.buffer.numel() >= largest_need
 
 
 def test_split_workspace_grows_only_when_needed_and_keeps_what_a_graph_recorded():
