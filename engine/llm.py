@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from typing import Any, Sequence, Union
 
@@ -286,9 +287,18 @@ def _check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:
                           f"{weight.device}: leave device unset for a built model, or move the model first")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                    "tekken.json")
+
+
 def _load_tokenizer(name: str, required: bool) -> Any:
     """The tokenizer `name` names; when not required (the model directory's own), None if it has none."""
     import models
+    if not required and os.path.isdir(name) and not any(
+            os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+        # a weights-only dir (tests, converted checkpoints): asking transformers costs seconds to fail
+        logger.info("no tokenizer files in %s: prompts must be token ids", name)
+        return None
     try:
         return models.load_tokenizer(name)
     except Exception as exc:
