@@ -36,12 +36,13 @@ class InferGraphsBackend:
         self.stats = BackendStats()
         self.graphs: list[CompiledGraph] = []
         self._pool = pool
+        self._owns_pool = False
 
     @property
     def pool(self) -> Any:
         """The allocator handle of this backend's pool."""
         if self._pool is None:
-            self._pool = GraphPool()
+            self._pool, self._owns_pool = GraphPool(), True
         return pool_handle(self._pool)
 
     def release(self) -> None:
@@ -49,9 +50,9 @@ class InferGraphsBackend:
         is this backend's own. Dynamo may still hold this object (its backend registry); after
         release it holds nothing heavy. The owner must also drop the compiled callable."""
         self.graphs.clear()
-        if isinstance(self._pool, GraphPool):
+        if self._owns_pool:
             self._pool.release()
-        self._pool = None
+        self._pool, self._owns_pool = None, False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()

@@ -80,9 +80,14 @@ class LLM:
         self.config = config.resolve(model.config.max_position_embeddings)
         with torch.inference_mode():
             self.runtime = build_runtime(model, self.config, timeline)
-        self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.config.max_model_len,
-                                   tuple(model.config.eos_token_ids))
+        try:
+            self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
+                                       self.config.max_num_batched_tokens, self.config.max_model_len,
+                                       tuple(model.config.eos_token_ids))
+        except BaseException:
+            self.runtime.close()  # a refused configuration leaves nothing behind
+            self.runtime = None
+            raise
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._ids = itertools.count()
@@ -210,7 +215,7 @@ class LLM:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release everything this engine made, now; idempotent. Requests still in flight are dropped.
+        """Release everything this engine made, now; idempotent. Requests still in flight are abandoned.
 
         The model object is kept only if it was handed in (it can then serve a new engine); one the
         engine loaded itself goes with the engine. `stats()` keeps answering with its last values."""
@@ -221,9 +226,12 @@ class LLM:
         runtime, self.runtime = self.runtime, None
         self._requests.clear()
         self._unreported.clear()
-        self.scheduler = None
         self.model = None
+        cuda = runtime.kv_cache.device.type == "cuda"
         runtime.close()
+        del runtime  # the runner's static buffers and the model (if the engine loaded it) go here
+        if cuda:
+            torch.cuda.empty_cache()  # hand the freed blocks (and the graph pool's) back to the device
 
     def _check_open(self) -> None:
         if self._closed:

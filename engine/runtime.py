@@ -83,8 +83,6 @@ class Runtime:
         if self.pool is not None:
             self.pool.release()
             self.pool = None
-        if self.kv_cache.device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline | None = None) -> Runtime:
@@ -116,6 +114,9 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         _build(rt, model, config, timeline)
     except BaseException:
         rt.close()  # a failed start-up leaves nothing behind either
+        del rt
+        if cuda:
+            torch.cuda.empty_cache()
         raise
     return rt
 
