@@ -174,3 +174,17 @@ def test_seeded_sampling_is_the_same_alone_in_any_batch_and_across_preemption(sa
         outputs = tight.generate(PROMPTS, params)
         assert tight.stats()["preemptions"] > 0
     assert [o.token_ids for o in outputs] == alone
+
+
+def test_compile_cache_directory_respects_the_users_choice_and_clears_only_itself(tmp_path, monkeypatch):
+    from engine import compile_cache
+    monkeypatch.setenv("INFER_GRAPHS_CACHE_DIR", str(tmp_path / "ours"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users_triton"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    chosen = compile_cache.configure_compile_cache()
+    assert chosen == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ours" / "inductor"),
+                      "TRITON_CACHE_DIR": str(tmp_path / "users_triton")}
+    (tmp_path / "ours" / "inductor").mkdir(parents=True)
+    (tmp_path / "users_triton").mkdir()
+    assert compile_cache.clear_compile_cache() == tmp_path / "ours"
+    assert not (tmp_path / "ours").exists() and (tmp_path / "users_triton").exists()
