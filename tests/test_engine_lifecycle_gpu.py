@@ -9,7 +9,7 @@ import torch
 
 import models
 from engine import LLM, SamplingParams
-from tests.test_engine_gpu import BASE, WORKLOAD, _run_workload, model_dirs  # noqa: F401 (fixture)
+from tests.test_engine_gpu import BASE, WORKLOAD, model_dirs  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -43,26 +43,39 @@ def test_twenty_build_close_cycles_give_the_gpu_memory_back(model_dirs):
 
 def test_two_engines_over_one_model_replay_decode_graphs_of_their_own_kv_pool(model_dirs):
     """Decode graphs record KV addresses: each engine's must be its own pool (different sizes here),
-    so stepping the two alternately gives exactly what each gives alone without graphs."""
+    so stepping the two alternately gives exactly what each gives alone without graphs (each engine
+    gets the same requests at once in both runs, so its batches are the same)."""
     path = model_dirs["qwen3"]
-    with LLM(str(path), **{**BASE, "cuda_graphs": False}) as reference:
-        expected = _run_workload(reference)
-    model = models.from_pretrained(path, dtype=torch.float32, device="cuda")
-    first = LLM(model, **{**BASE, "num_gpu_blocks": 64})
-    second = LLM(model, **{**BASE, "num_gpu_blocks": 300})
     half = len(WORKLOAD) // 2
-    for i, (_, prompt, max_tokens) in enumerate(WORKLOAD):
-        llm = first if i < half else second
-        llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
-    got: dict[str, list[int]] = {}
-    while first.has_unfinished_requests() or second.has_unfinished_requests():
-        for llm in (first, second):
-            for out in llm.step():
-                if out.finished:
-                    got[out.request_id] = out.token_ids
-    assert got == expected
+    halves = (list(enumerate(WORKLOAD))[:half], list(enumerate(WORKLOAD))[half:])
+
+    def add(llm: LLM, requests) -> None:
+        for i, (_, prompt, max_tokens) in requests:
+            llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
+
+    def drain(*engines: LLM) -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {}
+        while any(llm.has_unfinished_requests() for llm in engines):
+            for llm in engines:
+                for out in llm.step():
+                    if out.finished:
+                        got[out.request_id] = out.token_ids
+        return got
+
+    pools = (64, 300)  # the same pool per half in both runs: the same preemptions, the same batches
+    expected: dict[str, list[int]] = {}
+    for requests, blocks in zip(halves, pools):
+        with LLM(str(path), **{**BASE, "cuda_graphs": False, "num_gpu_blocks": blocks}) as reference:
+            add(reference, requests)
+            expected.update(drain(reference))
+    model = models.from_pretrained(path, dtype=torch.float32, device="cuda")
+    first = LLM(model, **{**BASE, "num_gpu_blocks": pools[0]})
+    second = LLM(model, **{**BASE, "num_gpu_blocks": pools[1]})
+    add(first, halves[0])
+    add(second, halves[1])
+    assert drain(first, second) == expected
     assert first.stats()["modes"]["full"] > 0 and second.stats()["modes"]["full"] > 0
     first.close()
-    with second:  # the other engine's close takes nothing of this one's
-        assert [o.token_ids for o in second.generate([WORKLOAD[0][1]], SamplingParams(
-            max_tokens=WORKLOAD[0][2], ignore_eos=True))] == [expected["0"]]
+    with second:  # the other engine's close takes nothing of this one's: its half again, same tokens
+        add(second, halves[1])
+        assert drain(second) == {str(i): expected[str(i)] for i, _ in halves[1]}
