@@ -136,7 +136,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
             ids, pos = runner.buffers.input_ids[:b], runner.buffers.positions[:b]
 
             def eager():
-                with forward_context(meta, RuntimeMode.NONE, b):
+                with forward_context(meta, RuntimeMode.NONE, b, runner.kv_caches):
                     return net.compute_logits(net(ids, pos))
 
             def compiled():
@@ -165,7 +165,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
                 ids, pos = runner.buffers.input_ids[:b], runner.buffers.positions[:b]
 
                 def reduce_overhead():
-                    with forward_context(meta, RuntimeMode.NONE, b):
+                    with forward_context(meta, RuntimeMode.NONE, b, runner.kv_caches):
                         return step(ids, pos)
                 try:
                     add("ours_reduce_overhead", b, c, median_ms(reduce_overhead, warmup=5, iters=iters))

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from custom_ops import (
-    SCRATCH_BLOCK, AttentionMetadata, RuntimeMode, allocate_kv_cache, bind_kv_cache, forward_context,
-    get_attention_layer,
+    SCRATCH_BLOCK, AttentionMetadata, RuntimeMode, allocate_kv_cache, forward_context, get_attention_layer,
 )
 
 BLOCK_SIZE = 16
@@ -26,17 +25,10 @@ def blocks_per_seq(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-num_tokens // block_size)
 
 
-def bind_kv(caches: dict[str, torch.Tensor | None]) -> None:
-    """Hand each attention layer its K/V cache (None takes it back): with `PagedKV.context`, the only
-    place bench and the tests' helpers tell the attention op where K/V live (the engine does it in
-    engine.kv_cache). Should K/V move into the forward context, this goes and `context` passes them."""
-    for name, cache in caches.items():
-        bind_kv_cache(name, cache)
-
-
 @dataclass
 class PagedKV:
-    """The model's layers with a cache bound (until `release`), and the blocks `grow` hands out."""
+    """One cache per attention layer (handed to attention by `context`, the one place bench and the
+    tests' helpers tell the op where K/V live), and the blocks `grow` hands out."""
 
     caches: dict[str, torch.Tensor]
     block_size: int
@@ -56,7 +48,6 @@ class PagedKV:
             if fill:
                 cache.normal_(0.0, 1.0)
             caches[name] = cache
-        bind_kv(caches)
         blocks = [b for b in range(num_blocks) if b != SCRATCH_BLOCK]
         if seed is not None:
             random.Random(seed).shuffle(blocks)
@@ -66,7 +57,7 @@ class PagedKV:
 
     def context(self, meta: AttentionMetadata, mode: RuntimeMode = RuntimeMode.NONE, num_tokens: int | None = None):
         """The forward context of one step over these caches."""
-        return forward_context(meta, mode, num_tokens)
+        return forward_context(meta, mode, num_tokens, self.caches)
 
     @property
     def layer_names(self) -> list[str]:
@@ -81,7 +72,6 @@ class PagedKV:
             block_table.append(self.free_blocks.pop())
 
     def release(self) -> None:
-        bind_kv(dict.fromkeys(self.caches))
         self.caches = {}
 
 

@@ -28,7 +28,7 @@ logger = logging.getLogger("bench")
 
 
 def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_: object) -> Report:
-    from compile_backend import BackendConfig, InferGraphsBackend, graph_pool, mark_token_dim
+    from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
     from custom_ops import RuntimeMode
 
     tokens = parse_ints(tokens, TOKENS)
@@ -78,7 +78,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
                     run_model(fn, RuntimeMode.FULL)  # warm-up outside the capture
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=graph_pool()):
+                    with torch.cuda.graph(graph, pool=backend.pool):
                         out = run_model(fn, RuntimeMode.FULL)
                     graphs[(variant, t)] = (graph, out, meta, ids, pos)
                     ms = median_ms(graph.replay, iters=iters)

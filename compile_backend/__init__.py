@@ -1,14 +1,35 @@
 """compile_backend: the Dynamo backend "infer_graphs" (split at attention, compile the pieces,
-capture/replay one CUDA graph per piece per token count, dispatch by the forward context's mode)."""
-from compile_backend.backend import InferGraphsBackend
-from compile_backend.config import BackendConfig, default_capture_sizes, pad_to_capture_size
-from compile_backend.context import piecewise_context
-from compile_backend.pool import graph_pool, pool_bytes
-from compile_backend.split import SplitSummary
-from compile_backend.stats import BackendStats
-from compile_backend.tokens import mark_token_dim
+capture/replay one CUDA graph per piece per token count, dispatch by the forward context's mode).
 
-__all__ = [
-    "InferGraphsBackend", "BackendConfig", "default_capture_sizes", "pad_to_capture_size",
-    "piecewise_context", "graph_pool", "pool_bytes", "SplitSummary", "BackendStats", "mark_token_dim",
-]
+Exports load on first use: the backend pulls in torch._dynamo and torch.fx (over a second), which a
+caller that only needs the capture-size rule (engine/config.py) should not pay for."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "InferGraphsBackend": "compile_backend.backend",
+    "BackendConfig": "compile_backend.config",
+    "default_capture_sizes": "compile_backend.config",
+    "pad_to_capture_size": "compile_backend.config",
+    "piecewise_context": "compile_backend.context",
+    "GraphPool": "compile_backend.pool",
+    "pool_bytes": "compile_backend.pool",
+    "SplitSummary": "compile_backend.split",
+    "BackendStats": "compile_backend.stats",
+    "mark_token_dim": "compile_backend.tokens",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'compile_backend' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -17,7 +17,7 @@ import torch.fx
 from compile_backend.compile_pieces import compile_pieces, graph_fake_inputs
 from compile_backend.compiled_graph import CompiledGraph
 from compile_backend.config import BackendConfig
-from compile_backend.pool import gc_frozen, graph_pool
+from compile_backend.pool import GraphPool, gc_frozen, pool_handle
 from compile_backend.split import SplitSummary, split_graph
 from compile_backend.stats import BackendStats
 from custom_ops.forward_context import RuntimeMode, forward_context
@@ -27,21 +27,32 @@ logger = logging.getLogger(__name__)
 
 class InferGraphsBackend:
     def __init__(self, config: BackendConfig | None = None, *, pool: Any = None):
-        """`pool`: a graph pool handle for this backend's captures; default (None) is the process-wide
-        `graph_pool()`. The engine passes its own pool, shared with its decode graphs (engine/runtime.py
-        says why); a separate pool also keeps a measurement's graph memory apart."""
+        """`pool`: the GraphPool (or raw handle) this backend captures into; None makes one of its own on
+        first use (compile_backend/pool.py states the rule). The engine passes its own, shared with its
+        decode graphs."""
         if config is not None and not isinstance(config, BackendConfig):
             raise TypeError(f"InferGraphsBackend expects a BackendConfig, got {type(config).__name__}")
         self.config = config or BackendConfig()
         self.stats = BackendStats()
         self.graphs: list[CompiledGraph] = []
         self._pool = pool
+        self._owns_pool = False
 
     @property
     def pool(self) -> Any:
+        """The allocator handle of this backend's pool."""
         if self._pool is None:
-            self._pool = graph_pool()
-        return self._pool
+            self._pool, self._owns_pool = GraphPool(), True
+        return pool_handle(self._pool)
+
+    def release(self) -> None:
+        """Drop every compiled graph, its captured CUDA graphs and static buffers, and the pool if it
+        is this backend's own. Dynamo may still hold this object (its backend registry); after
+        release it holds nothing heavy. The owner must also drop the compiled callable."""
+        self.graphs.clear()
+        if self._owns_pool:
+            self._pool.release()
+        self._pool, self._owns_pool = None, False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -75,12 +86,13 @@ class InferGraphsBackend:
         return self.stats.captured_sizes
 
     def capture(self, forward_fn: Callable[[int], Any], sizes: Iterable[int] | None = None,
-                attn_metadata_fn: Callable[[int], Any] | None = None) -> dict[int, float]:
+                attn_metadata_fn: Callable[[int], Any] | None = None, kv_caches: Any = None) -> dict[int, float]:
         """Capture the piecewise graphs of every size (default: all capture sizes), largest first.
 
         `forward_fn(n)` runs one forward of exactly n tokens (inputs padded to n, token dim marked);
         it is called inside a PIECEWISE forward context with num_tokens=n and the attention metadata
-        `attn_metadata_fn(n)` (None: the op's no-metadata path). Sizes already captured just replay.
+        `attn_metadata_fn(n)` (None: the op's no-metadata path) and the caller's `kv_caches` (layer name
+        -> paged cache, which metadata needs). Sizes already captured just replay.
         Garbage collection is frozen for the loop and paused inside each capture. On CPU, or with
         cudagraphs=False, the forwards run without graphs (a warm-up). Returns size -> capture seconds.
         """
@@ -92,7 +104,7 @@ class InferGraphsBackend:
         with gc_frozen():
             for n in chosen:
                 meta = attn_metadata_fn(n) if attn_metadata_fn is not None else None
-                with forward_context(meta, RuntimeMode.PIECEWISE, n):
+                with forward_context(meta, RuntimeMode.PIECEWISE, n, kv_caches):
                     forward_fn(n)
                 if torch.cuda.is_available():
                     free, total = torch.cuda.mem_get_info()

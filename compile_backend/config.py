@@ -16,12 +16,15 @@ _OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
 
 def default_capture_sizes(max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> tuple[int, ...]:
-    """Token counts to capture: dense where steps are small (a padded token costs most there), then
-    coarser. 1, 2, 4, 8..256 by 8, 272..512 by 16, 544.. by 32, and always `max_capture_size` itself:
-    an off-stride maximum that is not captured silently sends the largest steps to eager."""
-    if max_capture_size < 1:
-        raise ValueError(f"max_capture_size must be >= 1, got {max_capture_size}")
-    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16), *range(544, max_capture_size + 1, 32)]
+    """THE default token counts to capture, for the backend and the engine (its prefill graph sizes)
+    alike: 1, 2, 4..32 by 4, 48..256 by 16, 288..1024 by 32, 1152.. by 128, and always
+    `max_capture_size` itself: an off-stride maximum that is not captured silently sends the largest
+    steps to eager. Dense where a padded token costs most, coarse where padding is a small fraction;
+    few sizes, because every size is a capture at start-up (48 up to 1024)."""
+    if isinstance(max_capture_size, bool) or not isinstance(max_capture_size, int) or max_capture_size < 1:
+        raise ValueError(f"max_capture_size must be an int >= 1, got {max_capture_size!r}")
+    sizes = [1, 2, *range(4, 33, 4), *range(48, 257, 16), *range(288, 1025, 32),
+             *range(1152, max_capture_size + 1, 128)]
     kept = {s for s in sizes if s <= max_capture_size}
     kept.add(max_capture_size)
     return tuple(sorted(kept))

@@ -1,10 +1,12 @@
-"""The process-wide CUDA graph memory pool (a backend's default) and the hygiene every capture needs.
+"""GraphPool, the one graph-memory policy, and the hygiene every capture needs.
 
-The graphs of one owner capture into ONE private pool: a graph's intermediates and (weakly held)
-outputs are free blocks of that pool once its capture ends, so the next capture (smaller sizes come
-later) reuses them instead of growing memory. This is safe because those graphs replay one at a
-time, in step order. A backend given no pool uses the process-wide one; an engine passes a pool of
-its own, shared by its piecewise and decode graphs (engine/runtime.py says why).
+The rule: every owner of graphs (an engine, or an InferGraphsBackend used on its own) captures all
+its graphs into ONE GraphPool of its own, which lives exactly as long as the owner. An engine makes
+one and hands it to its backend, so its piecewise and decode graphs share it; a backend given none
+makes its own. Within a pool a graph's intermediates and (weakly held) outputs are free blocks once
+its capture ends, so the next capture (smaller sizes come later) reuses them instead of growing
+memory; this is safe because one owner's graphs replay one at a time, in step order. No pool is
+process-wide: a closed engine's graph memory goes back to the allocator with its pool.
 """
 from __future__ import annotations
 
@@ -14,28 +16,42 @@ from typing import Any, Iterator
 
 import torch
 
-_pool: Any = None
-_pool_keepalive: list[Any] = []   # a tiny graph captured into the pool, never released
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def graph_pool() -> Any:
-    """The process-wide graph pool handle: the default pool of an InferGraphsBackend given none.
+class GraphPool:
+    """A private CUDA graph memory pool that stays valid for as long as this object lives.
 
-    A handle from `graph_pool_handle()` does not keep its pool alive: once every graph captured into
-    it is freed (a backend dropped, `torch._dynamo.reset()`), the allocator retires the pool and the
-    next capture with that handle fails an internal assert. One tiny graph captured into it at
-    creation and held for the life of the process keeps the shared pool valid for everyone."""
-    global _pool
-    if _pool is None:
-        handle = torch.cuda.graph_pool_handle()
-        flag = torch.zeros(1, device="cuda")
-        keepalive = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(keepalive, pool=handle):
-            flag.add_(1)
-        _pool_keepalive.extend((keepalive, flag))
-        _pool = handle
-    return _pool
+    A handle from `graph_pool_handle()` alone does not keep its pool alive: once every graph captured
+    into it is freed (a failed capture dropped, a measurement thrown away), the allocator retires the
+    pool and the next capture with that handle fails an internal assert (`use_count > 0`, measured on
+    torch 2.11). A tiny graph captured into it at creation and held here keeps it valid; it records
+    one kernel on a 4-byte tensor allocated outside the pool, so it costs the pool no memory. Drop
+    the object (or `release()`) and the pool goes once its last graph is gone."""
+
+    def __init__(self) -> None:
+        self.handle: Any = torch.cuda.graph_pool_handle()
+        self._flag = torch.zeros(1, device="cuda")
+        self._keepalive: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        stream = capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._flag.add_(1)  # warm-up: the kernel is loaded before the capture, not inside it
+        with torch.cuda.stream(stream), gc_paused():
+            self._keepalive.capture_begin(pool=self.handle)
+            try:
+                self._flag.add_(1)
+            finally:
+                self._keepalive.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def release(self) -> None:
+        self._keepalive = None
+
+
+def pool_handle(pool: Any) -> Any:
+    """The allocator's handle of a GraphPool (a raw handle passes through)."""
+    return pool.handle if isinstance(pool, GraphPool) else pool
 
 
 def capture_stream() -> torch.cuda.Stream:
@@ -73,14 +89,14 @@ def gc_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def pool_bytes(pool: Any = None) -> int:
-    """Bytes of device memory reserved by `pool` (default: the process-wide one), from the allocator's
+def pool_bytes(pool: Any) -> int:
+    """Bytes of device memory reserved by `pool` (a GraphPool or a handle), from the allocator's
     segment list. Costs a memory snapshot: for reports, not for the step path."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or pool is None:
         return 0
-    pool = graph_pool() if pool is None else pool
+    handle = tuple(pool_handle(pool))
     return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+               if tuple(seg.get("segment_pool_id", ())) == handle)
 
 
 def weak_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,13 @@
 from custom_ops.attention import attention, run_attention
 from custom_ops.forward_context import ForwardContext, RuntimeMode, forward_context, get_forward_context
 from custom_ops.layers import (
-    AttentionLayer, bind_kv_cache, get_attention_layer, register_attention_layer, unique_prefix,
+    AttentionLayer, check_kv_cache, get_attention_layer, is_registered, register_attention_layer, unique_prefix,
 )
 from custom_ops.metadata import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache
 
 __all__ = [
     "attention", "run_attention", "ForwardContext", "RuntimeMode", "forward_context",
-    "get_forward_context", "AttentionLayer", "bind_kv_cache", "get_attention_layer",
+    "get_forward_context", "AttentionLayer", "check_kv_cache", "get_attention_layer", "is_registered",
     "register_attention_layer", "unique_prefix", "SCRATCH_BLOCK", "AttentionMetadata",
     "allocate_kv_cache",
 ]

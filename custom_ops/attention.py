@@ -25,15 +25,16 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         else:
             out.copy_(reference.causal_attention(q, k, v, layer).to(out.dtype))
         return
-    if layer.kv_cache is None:
+    kv_cache = context.kv_caches.get(layer_name) if context.kv_caches is not None else None
+    if kv_cache is None:
         raise RuntimeError(
-            f"attention layer {layer_name!r} runs with attention metadata but has no KV cache bound "
-            "(custom_ops.bind_kv_cache)")
+            f"attention layer {layer_name!r} runs with attention metadata but the forward context has no "
+            "KV cache for it (forward_context(..., kv_caches={layer_name: cache}))")
     if q.is_cuda:
         from custom_ops.triton_attention import paged_attention
-        paged_attention(q, k, v, out, layer, layer.kv_cache, meta)
+        paged_attention(q, k, v, out, layer, kv_cache, meta)
     else:
-        reference.paged_attention(q, k, v, out, layer, layer.kv_cache, meta)
+        reference.paged_attention(q, k, v, out, layer, kv_cache, meta)
 
 
 @torch.library.custom_op("infer::attention", mutates_args=("out",))

@@ -2,12 +2,16 @@
 
 The op's signature carries only tensors and a layer name (so Dynamo sees one node per layer and
 the graph stays free of Python constants that would specialize it); everything that is fixed for a
-layer lives here. The engine binds each layer's KV cache here too, because the cache outlives a step.
+layer lives here. The KV cache does NOT: it belongs to an engine (two engines may run one model),
+and reaches the op through the forward context (`forward_context(..., kv_caches={name: tensor})`).
+An entry registered with an `owner` (the model's attention module) is removed when the owner is
+garbage, so a dropped model leaves nothing behind in this registry.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +24,6 @@ class AttentionLayer:
     scale: float
     sliding_window: int | None = None  # key kp is visible to query qp iff qp - kp < window
     logit_softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
-    kv_cache: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -39,8 +42,16 @@ def unique_prefix(stem: str) -> str:
     return f"{stem}{next(_prefix_counter)}"
 
 
-def register_attention_layer(name: str, layer: AttentionLayer) -> None:
+def register_attention_layer(name: str, layer: AttentionLayer, owner: object | None = None) -> None:
+    """Register `layer` under `name`; with an `owner`, the entry goes when the owner is collected."""
     _layers[name] = layer
+    if owner is not None:
+        weakref.finalize(owner, _unregister, name, layer)
+
+
+def _unregister(name: str, layer: AttentionLayer) -> None:
+    if _layers.get(name) is layer:  # a later registration under the same name is not ours to drop
+        del _layers[name]
 
 
 def get_attention_layer(name: str) -> AttentionLayer:
@@ -50,13 +61,16 @@ def get_attention_layer(name: str) -> AttentionLayer:
         raise KeyError(f"attention layer {name!r} is not registered") from None
 
 
-def bind_kv_cache(name: str, kv_cache: torch.Tensor | None) -> None:
+def is_registered(name: str) -> bool:
+    return name in _layers
+
+
+def check_kv_cache(name: str, kv_cache: torch.Tensor) -> None:
+    """Refuse a cache whose shape does not fit layer `name` (checked once, when an owner makes it)."""
     layer = get_attention_layer(name)
-    if kv_cache is not None:
-        expected = (2, layer.num_kv_heads, layer.head_dim)
-        got = (kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4]) if kv_cache.dim() == 5 else None
-        if got != expected:
-            raise ValueError(
-                f"kv cache for layer {name!r} has shape {tuple(kv_cache.shape)}; expected "
-                f"[2, num_blocks, block_size, {layer.num_kv_heads}, {layer.head_dim}]")
-    layer.kv_cache = kv_cache
+    expected = (2, layer.num_kv_heads, layer.head_dim)
+    got = (kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4]) if kv_cache.dim() == 5 else None
+    if got != expected:
+        raise ValueError(
+            f"kv cache for layer {name!r} has shape {tuple(kv_cache.shape)}; expected "
+            f"[2, num_blocks, block_size, {layer.num_kv_heads}, {layer.head_dim}]")

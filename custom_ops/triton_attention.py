@@ -5,7 +5,7 @@
   then decode (``meta.is_uniform_decode``) or prefill/extend attention reading the paged cache.
 
 No host syncs and launch grids from python ints only, so both are CUDA-graph capturable; the split
-scratch of decode is cached per shape and device. Kernels live in `triton_kv_store`,
+scratch of decode is one bounded workspace per device, sliced per launch (triton_decode). Kernels live in `triton_kv_store`,
 `triton_decode`, `triton_prefill`; the KV layout is documented in `custom_ops.metadata`.
 """
 from __future__ import annotations

@@ -153,7 +153,39 @@ def _merge_splits_kernel(
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 128
 _sm_counts: dict[int, int] = {}
-_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+class _SplitWorkspace:
+    """One float32 scratch buffer per device for the split partials, sliced per launch.
+
+    Sized at first use to the largest need the automatic split count can produce for that launch's
+    head group and head size (decode_num_splits keeps programs x splits below ~4 waves: rows <=
+    4 * SMs * group, about 1-2 MiB), and grown only when a launch needs more (an explicit
+    num_splits, a model with wider groups). Bounded, unlike a buffer per (batch, splits) shape.
+    A graph records the buffer's address, so a buffer that a capture used is kept alive when a
+    larger one replaces it; a launch inside a capture never grows it (it takes a temporary from the
+    graph's own pool instead, which the captured graph owns).
+    """
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.captured = False               # the current buffer is recorded in some graph
+        self.retired: list[torch.Tensor] = []  # older buffers that graphs still read
+
+    def take(self, num_floats: int, bound_floats: int, device: torch.device) -> torch.Tensor:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.buffer is None or self.buffer.numel() < num_floats:
+            if capturing:
+                return torch.empty(num_floats, dtype=torch.float32, device=device)
+            if self.buffer is not None and self.captured:
+                self.retired.append(self.buffer)
+            self.buffer = torch.empty(max(num_floats, bound_floats), dtype=torch.float32, device=device)
+            self.captured = False
+        self.captured |= capturing
+        return self.buffer[:num_floats]
+
+
+_workspaces: dict[torch.device, _SplitWorkspace] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -185,17 +217,17 @@ def decode_config(head_dim: int) -> dict:
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
-def _partials(device: torch.device, num_seqs: int, num_heads: int, num_splits: int, block_d: int):
-    """Scratch for split partials, cached per shape and device so replays and eager steps reuse it."""
-    key = (device, num_seqs, num_heads, num_splits, block_d)
-    bufs = _scratch.get(key)
-    if bufs is None:
-        rows = num_seqs * num_heads * num_splits
-        bufs = (torch.empty(rows, block_d, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device))
-        _scratch[key] = bufs
-    return bufs
+def _partials(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int, num_splits: int,
+              block_d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(acc [rows, block_d], max [rows], sum [rows]) for the split partials: views of the device's
+    one workspace (see _SplitWorkspace)."""
+    rows = num_seqs * num_heads * num_splits
+    group = num_heads // num_kv_heads
+    bound_rows = 4 * _sm_count(device) * group if device.type == "cuda" else rows  # CPU: the interpreter
+    workspace = _workspaces.setdefault(device, _SplitWorkspace())
+    flat = workspace.take(rows * (block_d + 2), bound_rows * (block_d + 2), device)
+    return (flat[:rows * block_d].view(rows, block_d), flat[rows * block_d:rows * (block_d + 1)],
+            flat[rows * (block_d + 1):])
 
 
 def launch_decode(
@@ -226,7 +258,7 @@ def launch_decode(
             num_seqs, num_kv_heads, visible, _sm_count(q.device))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
-        part_acc, part_max, part_sum = _partials(q.device, num_seqs, num_heads, num_splits, block_d)
+        part_acc, part_max, part_sum = _partials(q.device, num_seqs, num_heads, num_kv_heads, num_splits, block_d)
     else:
         part_acc = part_max = part_sum = out  # unused under NUM_SPLITS == 1
     if new_kv is not None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from compile_backend.config import default_capture_sizes
+
 logger = logging.getLogger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,15 +36,6 @@ def default_decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def default_prefill_graph_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Token buckets for piecewise graphs: 1, 2, 4..32 by 4, 48..256 by 16, then 288.. by 32, up to the budget."""
-    sizes = [1, 2] + list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 4097, 32))
-    sizes = [s for s in sizes if s <= max_num_batched_tokens]
-    if not sizes or sizes[-1] != max_num_batched_tokens:
-        sizes.append(max_num_batched_tokens)
-    return tuple(sizes)
-
-
 @dataclass
 class EngineConfig:
     model: str = "default"                 # HF-format dir, a name models.resolve_model_path knows, or "default"
@@ -60,7 +53,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None        # full-decode graphs; None: on for CUDA
     decode_graph_sizes: tuple[int, ...] | None = None   # batch buckets; None: default_decode_graph_sizes
     prefill_graphs: bool = False           # piecewise graphs for prefill and mixed steps
-    prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: default_prefill_graph_sizes
+    prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: compile_backend's default_capture_sizes
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
     async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/overlap.py)
@@ -157,7 +150,7 @@ class EngineConfig:
         changes["decode_graph_sizes"] = self.decode_graph_sizes or default_decode_graph_sizes(
             min(self.max_num_seqs, self.max_num_batched_tokens))
         changes["prefill_graph_sizes"] = (self.prefill_graph_sizes
-                                          or default_prefill_graph_sizes(self.max_num_batched_tokens))
+                                          or default_capture_sizes(self.max_num_batched_tokens))
         return dataclasses.replace(self, **changes)
 
     @classmethod

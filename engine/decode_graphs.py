@@ -4,9 +4,19 @@ Each graph reads the runner's static buffers (sliced to its batch size) and writ
 one static `[max batch, V]` buffer allocated outside the graph pool, so the pool only holds a
 graph's intermediates and every smaller graph reuses the memory of the largest: capture goes
 largest-first into the engine's graph pool (shared with its piecewise graphs), with garbage collection
-frozen and disabled (a collection during capture could free a tensor the graph records). The model
-runs under a FULL forward context, so the backend's pieces pass straight through and this capture
-records everything, attention kernels included.
+frozen and paused (a collection during capture could free a tensor the graph records). The model
+runs under a FULL forward context carrying the engine's own KV caches, so the backend's pieces pass
+straight through and this capture records everything, attention kernels and KV addresses included.
+
+Cost (what keeps a capture cheap): the dummy decode metadata is loaded ONCE at the largest batch (the
+rows of a smaller batch hold the same values, so its metadata is a slice); every size gets one eager
+warm-up forward, all queued back to back on the capture stream with no synchronize between them,
+then one synchronize, then the captures, again with none between them. The per-size warm-up stays
+because lazy initialisation is per size: our Triton kernels specialize on values that change with
+the batch (the decode split count is a constexpr; ints equal to 1 or divisible by 16), and compiling
+or loading a kernel inside a capture is not allowed. `torch.cuda.graph` is not used: its entry
+synchronizes and empties the allocator cache for every graph, so each capture would first wait for
+the GPU and then cudaMalloc its memory again.
 """
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from custom_ops import RuntimeMode
+from custom_ops import AttentionMetadata, RuntimeMode
 
 logger = logging.getLogger("engine")
 
@@ -37,7 +47,8 @@ def free_memory_gib(device: torch.device) -> float:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, pool) -> None:  # runner: engine.model_runner.ModelRunner
+    def __init__(self, runner, pool) -> None:  # runner: engine.model_runner.ModelRunner; pool: a handle
+        from compile_backend.pool import capture_stream
         self.runner = runner
         self.pool = pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -46,31 +57,45 @@ class DecodeGraphs:
         self.graph_bytes = 0
         self.replays = 0
         self.replays_by_size: Counter[int] = Counter()
-        self.stream = torch.cuda.Stream(runner.device)  # side stream: capture is illegal on the default one
+        # The backend's one capture stream per device (capture is illegal on the default stream):
+        # a new stream per engine would also get a new cuBLAS workspace that outlives the engine.
+        with torch.cuda.device(runner.device):
+            self.stream = capture_stream()
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.graphs))
 
-    def _record(self, batch_size: int) -> torch.cuda.CUDAGraph:
-        """Warm up once eagerly, then capture the decode forward for batch_size rows."""
-        runner = self.runner
-        meta = runner.load_dummy(batch_size, batch_size, uniform_decode=True)
-        # Warm-up outside capture, on the capture stream: lazy initialisation (kernel autotuning,
-        # Dynamo guards, per-stream cuBLAS workspaces) must exist before the graph, not inside it.
-        self.stream.wait_stream(torch.cuda.current_stream(runner.device))
+    def _metadata(self, batch_sizes: list[int]) -> dict[int, AttentionMetadata]:
+        """Dummy decode metadata per size, from ONE load at the largest size (block 0 only)."""
+        runner, largest = self.runner, max(batch_sizes)
+        runner.load_dummy(largest, largest, uniform_decode=True)
+        return {b: runner.buffers.metadata(b, b, b, 1, runner.max_model_len, True) for b in batch_sizes}
+
+    def _forward(self, meta: AttentionMetadata, batch_size: int) -> torch.Tensor:
+        hidden = self.runner.run_forward(meta, RuntimeMode.FULL, batch_size)
+        return self.runner.model.compute_logits(hidden)
+
+    def _warm_up(self, metas: dict[int, AttentionMetadata]) -> None:
+        """One eager forward per size, queued on the capture stream without waiting in between."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(self.stream):
-            hidden = runner.run_forward(meta, RuntimeMode.FULL, batch_size)
-            logits = runner.model.compute_logits(hidden)
-            if self.logits is None:
-                self.logits = torch.empty((runner.buffers.max_seqs, logits.shape[-1]), dtype=logits.dtype,
-                                          device=logits.device)
-            del hidden, logits
+            for batch_size, meta in metas.items():
+                logits = self._forward(meta, batch_size)
+                if self.logits is None:
+                    self.logits = torch.empty((self.runner.buffers.max_seqs, logits.shape[-1]),
+                                              dtype=logits.dtype, device=logits.device)
+                del logits
         self.stream.synchronize()
+
+    def _record(self, meta: AttentionMetadata, batch_size: int) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            hidden = runner.run_forward(meta, RuntimeMode.FULL, batch_size)
-            self.logits[:batch_size].copy_(runner.model.compute_logits(hidden))
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                self.logits[:batch_size].copy_(self._forward(meta, batch_size))
+            finally:
+                graph.capture_end()
         return graph
 
     def measure(self, batch_size: int) -> int:
@@ -81,9 +106,10 @@ class DecodeGraphs:
         back has to be reserved.
         """
         device = self.runner.device
-        torch.cuda.synchronize(device)
+        metas = self._metadata([batch_size])
         with frozen_gc():
-            graph = self._record(batch_size)
+            self._warm_up(metas)
+            graph = self._record(metas[batch_size], batch_size)
         torch.cuda.synchronize(device)
         free_captured = torch.cuda.mem_get_info(device)[0]
         del graph
@@ -103,10 +129,10 @@ class DecodeGraphs:
             bar = tqdm(total=len(ordered), desc="decode graphs", unit="graph", file=sys.stderr, leave=False)
         try:
             with frozen_gc():
+                metas = self._metadata(ordered)
+                self._warm_up(metas)
                 for batch_size in ordered:
-                    if bar is not None:
-                        bar.set_postfix_str(f"batch {batch_size}, free {free_memory_gib(device):.2f} GiB")
-                    self.graphs[batch_size] = self._record(batch_size)
+                    self.graphs[batch_size] = self._record(metas[batch_size], batch_size)
                     if bar is not None:
                         bar.update(1)
         finally:
@@ -116,7 +142,8 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         line = (f"captured {len(self.graphs)} decode graphs (batch {ordered[-1]}..{ordered[0]}) in "
-                f"{self.capture_seconds:.2f} s, graph memory {self.graph_bytes / 2**20:.1f} MiB")
+                f"{self.capture_seconds:.2f} s ({self.capture_seconds / len(ordered) * 1e3:.0f} ms each), "
+                f"graph memory {self.graph_bytes / 2**20:.1f} MiB, {free_memory_gib(device):.2f} GiB free")
         if show_progress:
             print(line, file=sys.stderr)
         logger.info(line)

@@ -7,12 +7,19 @@ Each step: schedule (decodes + prefill chunks under the token budget) -> run the
 dispatcher picks FULL / PIECEWISE / NONE) -> sample on the device -> update the requests.
 Requests are validated when added, before anything reaches the device; a bad request raises
 InvalidRequestError naming it and leaves the requests in flight untouched.
+
+Lifecycle: `close()`, leaving `with LLM(...) as llm:`, or dropping the last reference releases
+everything the engine made (KV pool, graphs and their pool, compiled code and its Dynamo entries,
+worker processes; engine/runtime.py). close() is idempotent; a closed engine refuses to step, and
+its model (if it was handed in) can be given to a new engine. `stats()["startup"]` is the start-up
+timeline (engine/startup.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from typing import Any, Sequence, Union
 
@@ -26,6 +33,7 @@ from engine.request import (
 )
 from engine.runtime import build_runtime
 from engine.scheduler import Scheduler
+from engine.startup import StartupTimeline
 
 logger = logging.getLogger("engine")
 
@@ -40,6 +48,8 @@ class LLM:
         `tokenizer`: a transformers tokenizer, or the name / path of one to load (EngineConfig.tokenizer,
         which must then load); by default the model directory's own, if it has one.
         """
+        self._closed = True  # until start-up succeeds: __del__ of a half-built engine does nothing
+        timeline = StartupTimeline()
         import models
 
         if isinstance(tokenizer, str):
@@ -55,23 +65,31 @@ class LLM:
         if not isinstance(model, str):
             _check_built_model(weight, config)
         device, dtype = config.device_and_dtype()
+        timeline.device = torch.device(device)
         if isinstance(model, str):
-            load_start = time.perf_counter()
-            model = models.from_pretrained(model, dtype=dtype, device=device)
-            logger.info("loaded %s in %.1f s", name, time.perf_counter() - load_start)
-        if tokenizer is None and config.tokenizer is not None:
-            tokenizer = _load_tokenizer(config.tokenizer, required=True)
-        elif tokenizer is None and model_dir is not None:
-            tokenizer = _load_tokenizer(model_dir, required=False)
+            with timeline.phase("load"):
+                model = models.from_pretrained(model, dtype=dtype, device=device)
+            logger.info("loaded %s", name)
+        if tokenizer is None and (config.tokenizer is not None or model_dir is not None):
+            with timeline.phase("tokenizer"):
+                if config.tokenizer is not None:
+                    tokenizer = _load_tokenizer(config.tokenizer, required=True)
+                else:
+                    tokenizer = _load_tokenizer(model_dir, required=False)
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model.config
         self.config = config.resolve(model.config.max_position_embeddings)
         with torch.inference_mode():
-            self.runtime = build_runtime(model, self.config)
-        self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.config.max_model_len,
-                                   tuple(model.config.eos_token_ids), self.config.enable_prefix_caching)
+            self.runtime = build_runtime(model, self.config, timeline)
+        try:
+            self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
+                                       self.config.max_num_batched_tokens, self.config.max_model_len,
+                                       tuple(model.config.eos_token_ids), self.config.enable_prefix_caching)
+        except BaseException:
+            self.runtime.close()  # a refused configuration leaves nothing behind
+            self.runtime = None
+            raise
         # async scheduling: the host runs one step ahead of the device (engine/overlap.py)
         self._overlap = OverlapLoop(self.scheduler, self.runtime) if self.config.async_scheduling else None
         self._requests: dict[str, Request] = {}
@@ -80,6 +98,10 @@ class LLM:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        timeline.finish()
+        self.startup = timeline
+        self._final_stats: dict[str, Any] | None = None
+        self._closed = False
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -106,6 +128,7 @@ class LLM:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request; it runs from the next `step`. Returns its id."""
+        self._check_open()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         request = self._validated(prompt, params or SamplingParams(), request_id)
         self._admit(request)
@@ -130,6 +153,7 @@ class LLM:
         Requests added with add_request that got tokens while generate() ran are reported here too
         (their latest state), so a stream interleaved with generate() still sees every request finish.
         """
+        self._check_open()
         sampled = self._step()
         late = [r for r in self._unreported.values() if r not in sampled]
         self._unreported.clear()
@@ -171,6 +195,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One output per prompt, in order. Every prompt is validated before any of them runs."""
+        self._check_open()
         if isinstance(prompts, torch.Tensor):  # [T] is one prompt, [B, T] a batch
             prompts = [prompts] if prompts.dim() == 1 else list(prompts)
         elif isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
@@ -223,17 +248,34 @@ class LLM:
         self._unreported[request.request_id] = request
         return True
 
+    # -- lifecycle ------------------------------------------------------------------------------
+
     def close(self) -> None:
-        """Free the KV pool and the decode graphs now (the layer registry would otherwise keep the pool)."""
+        """Release everything this engine made, now; idempotent. Requests still in flight are abandoned.
+
+        The model object is kept only if it was handed in (it can then serve a new engine); one the
+        engine loaded itself goes with the engine. `stats()` keeps answering with its last values."""
+        if self._closed:
+            return
         if self._overlap is not None:
             self._overlap.drain()  # no graph or pool is freed under a step still running
-        runner = self.runtime.runner
-        if runner.decode_graphs is not None:
-            runner.decode_graphs.release()
-            runner.decode_graphs = None
-        self.runtime.kv_cache.release()
-        if self.runtime.kv_cache.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._final_stats = self.stats()
+        self._closed = True
+        runtime, self.runtime = self.runtime, None
+        self._requests.clear()
+        self._unreported.clear()
+        self._overlap = None  # it holds the runtime's token slots
+        self.model = None
+        cuda = runtime.kv_cache.device.type == "cuda"
+        runtime.close()
+        del runtime  # the runner's static buffers and the model (if the engine loaded it) go here
+        if cuda:
+            torch.cuda.empty_cache()  # hand the freed blocks (and the graph pool's) back to the device
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed (LLM.close() or the end of its `with` block); "
+                               "build a new LLM to run more requests")
 
     def __enter__(self) -> LLM:
         return self
@@ -241,9 +283,20 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        # Dropping the last reference releases what close() releases; the Dynamo entries in
+        # particular would otherwise outlive the engine (engine/compile.py says why).
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # at interpreter shutdown torch may already be half torn down
+                pass
+
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        if self._final_stats is not None:
+            return dict(self._final_stats)
         runner = self.runtime.runner
         graphs = runner.decode_graphs
         stats: dict[str, Any] = {
@@ -270,6 +323,7 @@ class LLM:
             "async_overlapped_steps": self._overlap.num_overlapped_steps if self._overlap else 0,
             "async_discarded_tokens": self._overlap.num_discarded_tokens if self._overlap else 0,
             **self.runtime.memory,
+            "startup": self.startup.as_dict(),
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
@@ -294,9 +348,18 @@ def _check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:
                           f"{weight.device}: leave device unset for a built model, or move the model first")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                    "tekken.json")
+
+
 def _load_tokenizer(name: str, required: bool) -> Any:
     """The tokenizer `name` names; when not required (the model directory's own), None if it has none."""
     import models
+    if not required and os.path.isdir(name) and not any(
+            os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+        # a weights-only dir (tests, converted checkpoints): asking transformers costs seconds to fail
+        logger.info("no tokenizer files in %s: prompts must be token ids", name)
+        return None
     try:
         return models.load_tokenizer(name)
     except Exception as exc:

@@ -108,6 +108,7 @@ class ModelRunner:
         self.buffers = StaticBuffers(max_tokens, max_seqs, -(-max_model_len // block_size), device)
         self.dispatcher = Dispatcher()
         self.decode_graphs = None  # engine.decode_graphs.DecodeGraphs, once captured
+        self.kv_caches: dict[str, torch.Tensor] = {}  # layer name -> this engine's cache (engine.kv_cache)
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
 
     def execute(self, out: SchedulerOutput, pool: BlockPool,
@@ -135,7 +136,7 @@ class ModelRunner:
         if self.mark_dynamic is not None:
             self.mark_dynamic(ids, positions)
         forward = self.full_forward if mode is RuntimeMode.FULL else self.forward
-        with forward_context(meta, mode, num_tokens):
+        with forward_context(meta, mode, num_tokens, self.kv_caches):
             return forward(ids, positions)
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,

@@ -40,9 +40,14 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"    # LLM.abort: stopped by the caller, its KV blocks returned at once
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: dividing logits by a smaller one overflows (1e-45 -> inf / nan)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when temperature == 0 (the default); top_k 0 and top_p 1.0 disable those filters."""
+    """Greedy when temperature < 1e-5 (0, the default, included: a smaller positive temperature
+    is made exactly 0, since dividing logits by it overflows); top_k 0 and top_p 1.0 disable those
+    filters."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -56,6 +61,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
 
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if _is_number(t) and 0 < t < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+
     def check(self, request_id: str, vocab_size: int) -> None:
         def bad(name: str, allowed: str) -> InvalidRequestError:
             return InvalidRequestError(
@@ -65,7 +75,7 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
+            raise bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g} = greedy)")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an int >= 0 (0 = off)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

@@ -1,21 +1,27 @@
 """Start-up: from a loaded model to a runner with its KV pool and graphs, in the one safe order.
 
 On CUDA:
-1. compile (optional) and bind a scratch-only KV cache (block 0), enough for dummy steps;
-2. warm-up: a dummy step at the full token budget and a dummy decode at the largest batch, then the
-   sampler on the largest batch of logits; the measured peak is memory every later eager step needs;
+1. compile (optional) and a scratch-only KV cache (block 0), enough for dummy steps;
+2. warm-up: a dummy step at the full token budget (the compile happens here) and a dummy decode at
+   the largest batch, then the sampler on the largest batch of logits; the measured peak is memory
+   every later eager step needs;
 3. piecewise graphs (prefill_graphs), largest size first: they do not record the KV address
    (attention runs between pieces), so they are captured now and their memory is simply resident;
 4. a throwaway capture of the largest decode graph measures the memory the decode graphs will need;
 5. the KV pool takes kv_memory_fraction of what is left (or num_gpu_blocks, checked to fit);
-6. the decode graphs are captured against the final pool, largest first, into the shared pool.
+6. the decode graphs are captured against the final pool, largest first, into the engine's pool.
 On CPU: compile (optional), a pool of num_gpu_blocks (or kv_cache.CPU_KV_BYTES worth), no graphs.
+Every step is a phase of the start-up timeline (engine/startup.py: seconds and memory, logged).
 
-Graph memory: the engine's piecewise graphs (through InferGraphsBackend(pool=...)) and its decode
-graphs share ONE pool, owned by the engine rather than the process-wide compile_backend.graph_pool():
-PyTorch cannot capture into a pool handle again once every graph captured into it has been
-destroyed (a closed engine, torch._dynamo.reset(); the allocator asserts `use_count > 0`, measured
-on torch 2.11), so each engine takes a fresh handle that nothing else can have emptied.
+Graph memory follows compile_backend/pool.py's one rule: the engine owns ONE GraphPool, hands it to
+its backend (piecewise graphs) and captures its decode graphs into it; `Runtime.close()` drops it.
+
+Ownership: everything built here belongs to this engine alone and `Runtime.close()` releases it:
+the KV tensors (handed to attention through the forward context, never a process-wide registry),
+the decode and piecewise graphs, the pool, the compiled code with its Dynamo cache entries
+(engine/compile.py), and whatever `closers` were registered (worker processes register their
+shutdown there). Two engines over one model therefore never share state, and a closed engine's
+model can be handed to a new one.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -36,9 +42,11 @@ from engine.kv_cache import CPU_KV_BYTES, KVCache
 from engine.model_runner import ModelRunner
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
+from engine.startup import StartupTimeline
 
 if TYPE_CHECKING:
     from compile_backend import InferGraphsBackend
+    from engine.compile import CompiledModel
 
 logger = logging.getLogger("engine")
 GRAPH_OVERHEAD_BYTES = 8 * 2**20  # per decode graph, outside the caching allocator (a margin)
@@ -51,81 +59,139 @@ class Runtime:
     block_pool: BlockPool
     sampler: Sampler
     backend: InferGraphsBackend | None = None  # the compile backend (for its stats), if compiled
-    full_backend: InferGraphsBackend | None = None  # the unsplit variant's, under full_graph_compile="unsplit"
     memory: dict[str, int] = field(default_factory=dict)  # start-up measurements, bytes
     piecewise_capture_seconds: float = 0.0
+    compiled: CompiledModel | None = None
+    full_compiled: CompiledModel | None = None  # the unsplit variant FULL steps record (full_graph_compile)
+    pool: Any = None                            # the engine's GraphPool (CUDA)
+    # Run first at close, last registered first: an owner of worker processes (or anything else
+    # that must stop with the engine) appends its shutdown here.
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def full_backend(self) -> InferGraphsBackend | None:
+        """The unsplit variant's backend (for its stats), when FULL steps record one."""
+        return self.full_compiled.backend if self.full_compiled is not None else None
+
+    def close(self) -> None:
+        """Release everything this engine made; the model itself is left as it was."""
+        while self.closers:
+            self.closers.pop()()
+        runner = self.runner
+        if runner.decode_graphs is not None:
+            runner.decode_graphs.release()
+            runner.decode_graphs = None
+        self.kv_cache.release()
+        for compiled in (self.compiled, self.full_compiled):
+            if compiled is not None:
+                compiled.release()
+        runner.forward = runner.full_forward = None
+        self.compiled = self.full_compiled = self.backend = None
+        if self.pool is not None:
+            self.pool.release()
+            self.pool = None
 
 
-def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
+def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline | None = None) -> Runtime:
+    timeline = timeline or StartupTimeline()
     device = torch.device(config.device)
-    forward, mark_dynamic, backend = model, None, None
-    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-    full_forward, full_backend = None, None
-    if config.compile:
-        from engine.compile import compile_model
-        forward, mark_dynamic, backend = compile_model(model, config, pool)
-        if config.cuda_graphs and config.full_graph_compile == "unsplit":
-            full_forward, _, full_backend = compile_model(model, config, pool, unsplit=True)
-    max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-    runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
-                         config.max_num_seqs, device, mark_dynamic)
-    if full_forward is not None:
-        runner.full_forward = full_forward
-    kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device)
-    sampler = Sampler(device, config.seed)
+    timeline.device = device
+    cuda = device.type == "cuda"
+    with timeline.phase("setup"):
+        pool = None
+        if cuda:
+            from compile_backend.pool import GraphPool
+            with torch.cuda.device(device):
+                pool = GraphPool()
+        forward, mark_dynamic, backend, compiled, full_compiled = model, None, None, None, None
+        if config.compile:
+            from engine.compile import compile_model
+            from engine.compile_cache import configure_compile_cache
+            configure_compile_cache()
+            compiled, mark_dynamic, backend = compile_model(model, config, pool)
+            forward = compiled
+            if config.cuda_graphs and config.full_graph_compile == "unsplit":
+                full_compiled, _, _ = compile_model(model, config, pool, unsplit=True)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
+                             config.max_num_seqs, device, mark_dynamic)
+        if full_compiled is not None:
+            runner.full_forward = full_compiled
+        kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device)
+        runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
+        sampler = Sampler(device, config.seed)
+    rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
+                 full_compiled=full_compiled, pool=pool)
+    try:
+        _build(rt, model, config, timeline)
+    except BaseException:
+        rt.close()  # a failed start-up leaves nothing behind either
+        del rt
+        if cuda:
+            torch.cuda.empty_cache()
+        raise
+    return rt
+
+
+def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline) -> None:
+    runner, kv_cache, sampler, backend = rt.runner, rt.kv_cache, rt.sampler, rt.backend
+    device = runner.device
     min_blocks = -(-config.max_model_len // config.block_size) + 1  # one full-length request + scratch
     if device.type != "cuda":
-        num_blocks = config.num_gpu_blocks
-        if num_blocks is None:
-            num_blocks = max(min_blocks, min(kv_cache.blocks_for_memory(CPU_KV_BYTES),
-                                             config.max_num_seqs * (min_blocks - 1) + 1))
-        _check_blocks(num_blocks, min_blocks, config)
-        kv_cache.allocate(num_blocks)
+        with timeline.phase("kv pool"):
+            num_blocks = config.num_gpu_blocks
+            if num_blocks is None:
+                num_blocks = max(min_blocks, min(kv_cache.blocks_for_memory(CPU_KV_BYTES),
+                                                 config.max_num_seqs * (min_blocks - 1) + 1))
+            _check_blocks(num_blocks, min_blocks, config)
+            kv_cache.allocate(num_blocks)
+            rt.block_pool = BlockPool(num_blocks, config.block_size)
         if config.compile:
-            _warm_up(runner, sampler, config)  # compiles now, not in the first request's step
-        return Runtime(runner, kv_cache, BlockPool(num_blocks, config.block_size), sampler, backend)
+            _warm_up(runner, sampler, config, timeline)  # compiles now, not in the first request's step
+        return
 
     kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
-    memory: dict[str, int] = {}
-    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config)
-    rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, full_backend=full_backend,
-                 memory=memory)
+    memory = rt.memory
+    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, timeline)
     if config.prefill_graphs:
-        rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
+        with timeline.phase("piecewise capture"):
+            rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
     decode_graphs = None
     memory["decode_graph_reserve_bytes"] = 0
     if config.cuda_graphs:
-        decode_graphs = DecodeGraphs(runner, pool)
-        memory["decode_graph_reserve_bytes"] = _measure_decode_graphs(runner, config.decode_graph_sizes)
-    torch.cuda.empty_cache()
-    free_bytes = torch.cuda.mem_get_info(device)[0]
-    memory["free_bytes_before_pool"] = free_bytes
-    spare = free_bytes - memory["activation_peak_bytes"] - memory["decode_graph_reserve_bytes"]
-    if config.num_gpu_blocks is not None:
-        num_blocks = config.num_gpu_blocks
-        if num_blocks * kv_cache.bytes_per_block > spare:
-            raise ConfigError(
-                f"EngineConfig.num_gpu_blocks={num_blocks} needs {num_blocks * kv_cache.bytes_per_block / 2**30:.2f} "
-                f"GiB but only {max(spare, 0) / 2**30:.2f} GiB is left after weights, warm-up peak and graphs")
-    else:
-        num_blocks = kv_cache.blocks_for_memory(spare * config.kv_memory_fraction)
-    _check_blocks(num_blocks, min_blocks, config)
-    kv_cache.allocate(num_blocks)
-    memory["kv_pool_bytes"] = kv_cache.pool_bytes
-    rt.block_pool = BlockPool(num_blocks, config.block_size)
+        decode_graphs = DecodeGraphs(runner, rt.pool.handle)
+        with timeline.phase("decode measure"):
+            memory["decode_graph_reserve_bytes"] = _measure_decode_graphs(runner, config.decode_graph_sizes)
+    with timeline.phase("kv pool"):
+        torch.cuda.empty_cache()  # cached-but-free warm-up blocks count as free (near-free after the measure)
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+        memory["free_bytes_before_pool"] = free_bytes
+        spare = free_bytes - memory["activation_peak_bytes"] - memory["decode_graph_reserve_bytes"]
+        if config.num_gpu_blocks is not None:
+            num_blocks = config.num_gpu_blocks
+            if num_blocks * kv_cache.bytes_per_block > spare:
+                raise ConfigError(
+                    f"EngineConfig.num_gpu_blocks={num_blocks} needs {num_blocks * kv_cache.bytes_per_block / 2**30:.2f} "
+                    f"GiB but only {max(spare, 0) / 2**30:.2f} GiB is left after weights, warm-up peak and graphs")
+        else:
+            num_blocks = kv_cache.blocks_for_memory(spare * config.kv_memory_fraction)
+        _check_blocks(num_blocks, min_blocks, config)
+        kv_cache.allocate(num_blocks)
+        memory["kv_pool_bytes"] = kv_cache.pool_bytes
+        rt.block_pool = BlockPool(num_blocks, config.block_size)
     logger.info("KV pool: %d blocks of %d tokens (%.2f GiB); free before pool %.2f GiB, warm-up peak "
                 "%.2f GiB, decode graph reserve %.2f GiB", num_blocks, config.block_size,
                 kv_cache.pool_bytes / 2**30, free_bytes / 2**30, memory["activation_peak_bytes"] / 2**30,
                 memory["decode_graph_reserve_bytes"] / 2**30)
     if decode_graphs is not None:
-        decode_graphs.capture(config.decode_graph_sizes, config.show_progress)
+        with timeline.phase("decode capture"):
+            decode_graphs.capture(config.decode_graph_sizes, config.show_progress)
         runner.decode_graphs = decode_graphs
         memory["decode_graph_bytes"] = decode_graphs.graph_bytes
     runner.dispatcher = Dispatcher(
         decode_graphs.sizes if decode_graphs else (),
         config.prefill_graph_sizes if config.prefill_graphs else (),
         decode_graphs_wanted=config.cuda_graphs, piecewise_graphs_wanted=config.prefill_graphs)
-    return rt
 
 
 def _check_blocks(num_blocks: int, min_blocks: int, config: EngineConfig) -> None:
@@ -142,8 +208,13 @@ def _dummy_seqs(num_tokens: int, config: EngineConfig) -> int:
     return min(num_tokens, config.max_num_seqs, max(1, -(-num_tokens // config.max_model_len)))
 
 
-def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int:
-    """Run the largest steps once (compiling if needed); the activation peak in bytes (0 on CPU)."""
+def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig,
+             timeline: StartupTimeline | None = None) -> int:
+    """Run the largest steps once (compiling if needed); the activation peak in bytes (0 on CPU).
+
+    The first step is the "compile" phase of the timeline when the model is compiled (Dynamo and
+    the backend run inside it), the rest "warm-up"."""
+    timeline = timeline or StartupTimeline()
     cuda = runner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(runner.device)
@@ -151,21 +222,25 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> int
         base = torch.cuda.memory_allocated(runner.device)
     max_tokens = config.max_num_batched_tokens
     num_seqs = min(config.max_num_seqs, max_tokens)
-    # The decode dummy runs as FULL when FULL steps have their own (unsplit) variant: it compiles
-    # now and its peak is counted, as the NONE run does for the pieces.
-    decode_mode = RuntimeMode.FULL if runner.full_forward is not runner.forward else RuntimeMode.NONE
-    for tokens, seqs, uniform in ((max_tokens, _dummy_seqs(max_tokens, config), False),
-                                  (num_seqs, num_seqs, True)):
-        meta = runner.load_dummy(tokens, seqs, uniform)
-        hidden = runner.run_forward(meta, decode_mode if uniform else RuntimeMode.NONE, tokens)
-        rows = runner.buffers.logits_indices[:seqs]
-        logits = runner.model.compute_logits(hidden[rows])
-        del hidden
-    # The sampler's largest working set: sorting and filtering a full batch of logits.
-    fake = [Request(f"warm-up-{i}", [0], SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
-            for i in range(logits.shape[0])]
-    sampler(logits, fake)
-    del logits
+    # The decode dummy runs as FULL when FULL steps have their own (unsplit) variant: that variant
+    # compiles now (its own timeline phase) and its peak is counted, as the first run does for the pieces.
+    unsplit = runner.full_forward is not runner.forward
+    steps = ((max_tokens, _dummy_seqs(max_tokens, config), False), (num_seqs, num_seqs, True))
+    for i, (tokens, seqs, uniform) in enumerate(steps):
+        phase = "compile" if i == 0 and config.compile else "compile full graph" if unsplit else "warm-up"
+        with timeline.phase(phase):
+            meta = runner.load_dummy(tokens, seqs, uniform)
+            mode = RuntimeMode.FULL if uniform and unsplit else RuntimeMode.NONE
+            hidden = runner.run_forward(meta, mode, tokens)
+            rows = runner.buffers.logits_indices[:seqs]
+            logits = runner.model.compute_logits(hidden[rows])
+            del hidden
+            if i == len(steps) - 1:
+                # The sampler's largest working set: sorting and filtering a full batch of logits.
+                fake = [Request(f"warm-up-{j}", [0], SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
+                        for j in range(logits.shape[0])]
+                sampler(logits, fake)
+            del logits
     if not cuda:
         return 0
     torch.cuda.synchronize(runner.device)
@@ -192,7 +267,8 @@ def _capture_piecewise(runner: ModelRunner, backend: InferGraphsBackend, config:
             bar.update(1)
 
     try:
-        backend.capture(forward, sizes, lambda n: runner.load_dummy(n, _dummy_seqs(n, config), False))
+        backend.capture(forward, sizes, lambda n: runner.load_dummy(n, _dummy_seqs(n, config), False),
+                        kv_caches=runner.kv_caches)
     finally:
         if bar is not None:
             bar.close()
@@ -209,7 +285,7 @@ def _capture_piecewise(runner: ModelRunner, backend: InferGraphsBackend, config:
 
 def _measure_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> int:
     """Memory to reserve for the decode graphs, measured by a throwaway capture of the largest one."""
-    probe = DecodeGraphs(runner, torch.cuda.graph_pool_handle())
+    probe = DecodeGraphs(runner, torch.cuda.graph_pool_handle())  # a pool of its own, dropped with it
     released = probe.measure(max(sizes))
     # Every graph also holds a little device memory outside the allocator (its instantiated
     # executable): a fixed margin per graph keeps the real capture from running out.

@@ -58,7 +58,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         # A fresh prefix per instance: two models in one process never share an attention layer's
-        # registry entry (and its bound KV cache).
+        # registry entry (its constants; KV caches belong to engines and travel in the forward context).
         self.layer_prefix = unique_prefix(self.name_stem)
         self.model = self.build_decoder(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(
@@ -72,7 +72,7 @@ class CausalLM(nn.Module):
 
     @property
     def attention_layer_names(self) -> list[str]:
-        """One name per attention layer, in layer order; the engine binds a KV cache to each."""
+        """One name per attention layer, in layer order; an engine keeps one KV cache per name."""
         return [layer.self_attn.layer_name for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

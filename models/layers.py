@@ -126,7 +126,7 @@ class Attention(nn.Module):
         register_attention_layer(layer_name, AttentionLayer(
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             scale=config.attention_scale, sliding_window=sliding_window,
-            logit_softcap=config.attn_logit_softcap))
+            logit_softcap=config.attn_logit_softcap), owner=self)  # the entry goes with this module
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]

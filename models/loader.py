@@ -64,6 +64,8 @@ def from_pretrained(
     model_dir = Path(resolve_model_path(path))
     # Parsing the config fails on an unknown architecture before any weight is read.
     config = ModelConfig.from_hf(read_config(model_dir), dtype)
+    eos_ids = tuple(dict.fromkeys(config.eos_token_ids + generation_eos_ids(model_dir)))
+    config = dataclasses.replace(config, eos_token_ids=eos_ids)
     model = build_model(config, device)
     load_weights(model, iter_checkpoint(model_dir))
     return model.eval()
@@ -77,6 +79,23 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise ModelPathError(f"cannot read {config_path}: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise ModelPathError(f"{config_path} is not valid JSON: {exc}") from exc
+
+
+def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, if the directory has one. Instruction-tuned checkpoints
+    often list their end-of-turn token only there (Llama 3 Instruct: <|eot_id|>), so the engine stops
+    on the union of these and config.json's, as transformers' generate() does."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise ModelPathError(f"{path} is not a readable JSON object: {exc}") from exc
+    values = eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelPathError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(values)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:

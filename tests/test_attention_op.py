@@ -44,12 +44,8 @@ def test_opcheck_with_paged_cache(heads, kv_heads, window, softcap):
     meta = build_metadata(block_size, [[3, 1], [5]], cached_lens=[5, 2], new_lens=[3, 1])
     kv = custom_ops.allocate_kv_cache(8, block_size, kv_heads, 16, torch.float32, "cpu")
     kv.normal_()  # the cached prefix: arbitrary but fixed keys and values
-    custom_ops.bind_kv_cache(name, kv)
-    try:
-        with custom_ops.forward_context(meta):
-            torch.library.opcheck(torch.ops.infer.attention.default, (*_inputs(4, heads, kv_heads), name))
-    finally:
-        custom_ops.bind_kv_cache(name, None)
+    with custom_ops.forward_context(meta, kv_caches={name: kv}):
+        torch.library.opcheck(torch.ops.infer.attention.default, (*_inputs(4, heads, kv_heads), name))
 
 
 def _plain_attention(q, k, v, q_pos, k_pos, window, softcap):
@@ -91,12 +87,8 @@ def test_op_with_paged_cache_matches_plain_torch_over_the_whole_sequence(heads, 
     k = torch.cat([seq_k[c:] for seq_k, c in zip(keys, cached)])
     v = torch.cat([seq_v[c:] for seq_v, c in zip(values, cached)])
     out = torch.full_like(q, float("nan"))
-    custom_ops.bind_kv_cache(name, kv)
-    try:
-        with custom_ops.forward_context(build_metadata(block_size, tables, cached, new)):
-            torch.ops.infer.attention(q, k, v, out, name)
-    finally:
-        custom_ops.bind_kv_cache(name, None)
+    with custom_ops.forward_context(build_metadata(block_size, tables, cached, new), kv_caches={name: kv}):
+        torch.ops.infer.attention(q, k, v, out, name)
     start = 0
     for table, c, n, seq_k, seq_v in zip(tables, cached, new, keys, values):
         expected = _plain_attention(q[start:start + n], seq_k, seq_v, torch.arange(c, c + n),

@@ -10,11 +10,19 @@ from custom_ops import RuntimeMode, get_forward_context
 
 def test_default_capture_sizes_are_dense_at_small_sizes_and_include_the_max():
     sizes = BackendConfig().capture_sizes
-    assert sizes[:6] == (1, 2, 4, 8, 16, 24)
+    assert sizes[:6] == (1, 2, 4, 8, 12, 16)
     assert sizes[-1] == 512 == BackendConfig().max_capture_size
     assert list(sizes) == sorted(set(sizes))
     steps = {b - a for a, b in zip(sizes, sizes[1:]) if a >= 256}
-    assert steps == {16}
+    assert steps == {32}
+    assert len(default_capture_sizes(1024)) == 48  # the engine's default budget: 48 piecewise captures
+
+
+def test_engine_and_backend_share_one_default_capture_size_rule():
+    from engine.config import EngineConfig
+    config = EngineConfig(device="cpu", max_num_batched_tokens=2048).resolve()
+    assert config.prefill_graph_sizes == default_capture_sizes(2048) == BackendConfig(max_capture_size=2048).capture_sizes
+    assert default_capture_sizes(2048)[-3:] == (1792, 1920, 2048)
 
 
 @pytest.mark.parametrize("max_size", [1, 3, 100, 300, 513, 1000])
@@ -61,7 +69,7 @@ def test_pad_to_capture_size_rounds_up_or_gives_none_past_the_max():
     config = BackendConfig(capture_sizes=(1, 2, 4, 8, 24))
     assert [pad_to_capture_size(n, config) for n in (1, 3, 5, 8, 9, 24)] == [1, 4, 8, 8, 24, 24]
     assert pad_to_capture_size(25, config) is None
-    assert pad_to_capture_size(257) == 272 and pad_to_capture_size(512) == 512
+    assert pad_to_capture_size(257) == 288 and pad_to_capture_size(512) == 512
     assert pad_to_capture_size(513) is None
     with pytest.raises(ValueError, match="num_tokens"):
         pad_to_capture_size(0)

@@ -11,7 +11,7 @@ import torch
 
 import models
 from compile_backend import (
-    BackendConfig, InferGraphsBackend, graph_pool, pad_to_capture_size, piecewise_context, pool_bytes,
+    BackendConfig, InferGraphsBackend, pad_to_capture_size, piecewise_context, pool_bytes,
 )
 from custom_ops import RuntimeMode, forward_context
 from tests.test_backend_helpers import ARCHS, TinyLM, hf_config, random_inputs, run_marked
@@ -177,7 +177,7 @@ def test_full_mode_passes_through_to_an_outer_capture():
         with forward_context(None, RuntimeMode.FULL, 16):
             run_marked(compiled, ids, positions)          # compile and warm up outside the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool()), forward_context(None, RuntimeMode.FULL, 16):
+        with torch.cuda.graph(graph, pool=backend.pool), forward_context(None, RuntimeMode.FULL, 16):
             out = run_marked(compiled, ids, positions)
         ids.copy_(torch.randint(0, 100, (16,), device=CUDA))
         graph.replay()

@@ -198,6 +198,6 @@ def test_split_matches_packet_and_default_overload_targets():
 
 
 def test_exports():
-    for name in ("InferGraphsBackend", "BackendConfig", "mark_token_dim", "graph_pool",
+    for name in ("InferGraphsBackend", "BackendConfig", "mark_token_dim", "GraphPool",
                  "pad_to_capture_size", "piecewise_context", "SplitSummary", "BackendStats"):
         assert hasattr(compile_backend, name)

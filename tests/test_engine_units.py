@@ -292,6 +292,21 @@ def test_sampler_greedy_is_argmax():
     assert Sampler(torch.device("cpu"), 0)(logits, requests) == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-6, 9.99e-6])
+def test_a_temperature_below_1e_minus_5_is_greedy(temperature):
+    """vLLM's rule: dividing logits by 1e-45 overflows to inf/nan and sampled token 0 every step."""
+    params = SamplingParams(temperature=temperature, seed=3)
+    params.check("r", vocab_size=50)
+    assert params.temperature == 0.0
+    logits = torch.randn(4, 50) * 3
+    requests = [Request(str(i), [1], params) for i in range(4)]
+    sampler = Sampler(torch.device("cpu"), 0)
+    for r in requests:
+        sampler.attach(r)
+    assert sampler(logits, requests) == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # from 1e-5 on it samples
+
+
 def test_same_seed_same_tokens_whatever_the_batch():
     sampler = Sampler(torch.device("cpu"), 0)
     logits = torch.randn(1, 1000)

@@ -262,3 +262,16 @@ def test_half_precision_matches_transformers_in_same_dtype(arch, dtype, tmp_path
     # The two round at the same places except inside attention (the reference op accumulates in
     # float32, transformers' eager path rounds scores and probabilities to the dtype).
     torch.testing.assert_close(got.float(), expected, atol=TOL[dtype], rtol=0)
+
+
+def test_eos_ids_are_the_union_of_config_and_generation_config(llama_dir, tmp_path):
+    """An instruct checkpoint lists its end-of-turn token only in generation_config.json."""
+    config = json.loads((llama_dir / "config.json").read_text())
+    config_eos = config.get("eos_token_id") or 2
+    config_eos = config_eos if isinstance(config_eos, list) else [config_eos]
+    path = _copy_with(llama_dir, tmp_path / "instruct")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [config_eos[0], 7, 9]}))
+    assert models.from_pretrained(path).config.eos_token_ids == (*config_eos, 7, 9)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "seven"}))
+    with pytest.raises(models.ModelPathError, match="generation_config.json"):
+        models.from_pretrained(path)

@@ -44,7 +44,8 @@ def _flags(engine: dict) -> list[str]:
 
 def start_server(model_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """Start the server, wait for its ready line; (process, base URL)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
     env.pop("INFER_GRAPHS_API_KEY", None)
     with open(log, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--port", "0",

@@ -312,18 +312,51 @@ def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
 
 @pytest.mark.gpu
 def test_gpu_op_dispatches_to_triton_with_and_without_context():
-    from custom_ops import bind_kv_cache, forward_context, register_attention_layer
+    from custom_ops import forward_context, register_attention_layer
     layer = make_layer(8, 2, 64, 32, None)
     register_attention_layer("test_triton.op", layer)
     q, k, v, cache, meta = make_batch([40, 0], [9, 33], layer, 16, torch.bfloat16, "cuda", pad_tokens=2)
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-    bind_kv_cache("test_triton.op", cache)
     out = torch.full_like(q, float("nan"))
-    with forward_context(meta):
+    with forward_context(meta, kv_caches={"test_triton.op": cache}):
         torch.ops.infer.attention(q, k, v, out, "test_triton.op")
     check_close(out.cpu(), ref, meta.num_actual_tokens, torch.bfloat16)
     dense_out = torch.full_like(q, float("nan"))
     torch.ops.infer.attention(q, k, v, dense_out, "test_triton.op")
     dense_ref = reference.causal_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), layer)
     check_close(dense_out.cpu(), dense_ref, q.shape[0], torch.bfloat16)
-    bind_kv_cache("test_triton.op", None)
+
+
+def test_decode_split_scratch_is_one_buffer_per_device_sliced_for_every_shape():
+    """Decodes at several batch sizes and split counts share ONE workspace (no buffer per shape),
+    and still match the reference."""
+    from custom_ops import triton_decode
+    device = torch.device(DEVICE)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    before = triton_decode._workspaces.get(device)
+    before_floats = before.buffer.numel() if before is not None else 0
+    layer = make_layer(8, 2, 16)
+    for lens, splits in (([15, 44], 3), ([9], 2), ([3, 20, 7], 3)):
+        q, k, v, cache, meta = make_batch([n - 1 for n in lens], [1] * len(lens), layer, block_size=8,
+                                          dtype=torch.float32, device=DEVICE)
+        ref, _ = reference_paged(q, k, v, cache, meta, layer)
+        check_close(run_paged(q, k, v, cache, meta, layer, num_splits=splits), ref, len(lens), torch.float32)
+    assert set(triton_decode._workspaces) == {device}
+    workspace = triton_decode._workspaces[device]
+    largest_need = 3 * 8 * 3 * (16 + 2)
+    if device.type == "cpu":  # no SM count: sized exactly to the largest need so far
+        assert workspace.buffer.numel() == max(before_floats, largest_need)
+    else:
+        assert workspace.buffer.numel() >= largest_need
+
+
+def test_split_workspace_grows_only_when_needed_and_keeps_what_a_graph_recorded():
+    from custom_ops.triton_decode import _SplitWorkspace
+    cpu = torch.device("cpu")
+    workspace = _SplitWorkspace()
+    first = workspace.take(100, 1000, cpu)
+    assert workspace.take(500, 1000, cpu).data_ptr() == first.data_ptr() and workspace.buffer.numel() == 1000
+    workspace.captured = True  # as if a graph had recorded it: replacing it must keep it alive
+    assert workspace.take(2000, 1000, cpu).numel() == 2000 and workspace.buffer.numel() == 2000
+    assert len(workspace.retired) == 1 and workspace.retired[0].data_ptr() == first.data_ptr()

@@ -1,0 +1,67 @@
+"""Where compiled artifacts persist across processes, and how to clear them.
+
+Directory: `$INFER_GRAPHS_CACHE_DIR`, else `$XDG_CACHE_HOME/infer_graphs/compile`, else
+`~/.cache/infer_graphs/compile`. Inductor's FX-graph / AOTAutograd caches go to `<dir>/inductor`
+(TORCHINDUCTOR_CACHE_DIR) and Triton's kernel binaries to `<dir>/triton` (TRITON_CACHE_DIR), each only
+if the user has not set that variable. Torch's own default puts Inductor's cache under /tmp, which a
+reboot or a fresh container empties: here a second start-up finds its kernels.
+
+Staleness: nothing here keys anything; the keys are Inductor's and Triton's own, and they already
+cover what can change. Inductor's FX-graph key (torch/_inductor/codecache.py, FxGraphHashDetails)
+hashes the graph's code and every input's shape, dtype and stride (so a changed model config is a
+different key: its sizes are constants of the traced graph; weights are inputs, not constants), the
+hash of torch's own source files (`torch_key`), the Triton, CUDA/HIP versions and the device, and
+the Inductor config. Triton's key hashes the kernel source, its specialization, the Triton version
+and the target GPU. A stale artifact is never reused.
+
+Clear it with `python -m engine.compile_cache --clear` (or delete the directory).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+CACHE_DIR_ENV = "INFER_GRAPHS_CACHE_DIR"
+
+
+def compile_cache_dir() -> Path:
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "infer_graphs" / "compile"
+
+
+def configure_compile_cache() -> dict[str, str]:
+    """Point Inductor and Triton at the cache directory unless the user chose their own; the
+    directories in effect. Call before the first compile (Inductor reads its variable once)."""
+    root = compile_cache_dir()
+    chosen = {}
+    for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        if not os.environ.get(env):
+            os.environ[env] = str(root / sub)
+        chosen[env] = os.environ[env]
+    return chosen
+
+
+def clear_compile_cache() -> Path:
+    """Delete this project's cache directory (never a directory the user set through TORCHINDUCTOR_CACHE_DIR
+    or TRITON_CACHE_DIR). Takes effect for the next process: one running keeps what it loaded."""
+    root = compile_cache_dir()
+    shutil.rmtree(root, ignore_errors=True)
+    return root
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.compile_cache", description=__doc__.split("\n")[0])
+    parser.add_argument("--clear", action="store_true", help="delete the compile cache directory")
+    args = parser.parse_args(argv)
+    if args.clear:
+        print(f"removed {clear_compile_cache()}")
+    else:
+        print(compile_cache_dir())
+
+
+if __name__ == "__main__":
+    main()

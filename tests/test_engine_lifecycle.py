@@ -1,0 +1,190 @@
+"""Engines that own their state and give it back: KV caches per engine, close / with / drop, many
+compiled engines in one process, the start-up timeline, and sampling that does not depend on the
+batch or on preemption. CPU, tiny random models; references are transformers' greedy generate."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import transformers
+
+import models
+from custom_ops import is_registered
+from engine import LLM, SamplingParams
+from tests.hf_helpers import random_hf_model
+
+COMMON = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2)
+PROMPTS = [[1, 5, 9, 13], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+           [1, 7], [1, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [1, 60, 61, 62, 63, 64, 65, 66, 67]]
+MAX_TOKENS = 8
+SMALL = dict(device="cpu", block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
+             show_progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _greedy(hf, prompt, max_new_tokens=MAX_TOKENS):
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """arch -> (model dir, transformers' greedy continuation of each prompt, ignoring EOS)."""
+    out = {}
+    for arch, config in (("llama", transformers.LlamaConfig(**COMMON)),
+                         ("qwen3", transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=False))):
+        hf = random_hf_model(config, seed=11)
+        hf.generation_config.eos_token_id = None  # the references run past EOS, as ignore_eos does
+        path = tmp_path_factory.mktemp(arch)
+        hf.save_pretrained(path)
+        (path / "generation_config.json").unlink(missing_ok=True)
+        out[arch] = (path, [_greedy(hf, p) for p in PROMPTS], hf)
+    return out
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def test_twelve_compiled_engines_built_used_and_closed_one_after_another_all_generate_correctly(saved):
+    """Each compiled engine used to add a Dynamo entry to the model class's forward: the 9th raised
+    FailOnRecompileLimitHit and closed engines stayed referenced. Now each engine's compiled code,
+    backend and KV tensors die with it."""
+    path, expected, _ = saved["llama"]
+    for i in range(12):
+        llm = LLM(str(path), **SMALL, compile=True, piece_compiler="eager")
+        outputs = llm.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outputs] == expected[:2], f"engine {i}"
+        assert llm.stats()["backend"]["graphs_compiled"] == 1
+        backend = weakref.ref(llm.runtime.backend)
+        forward = weakref.ref(llm.runtime.compiled.forward)
+        kv = [weakref.ref(t) for t in llm.runtime.kv_cache.tensors]
+        names = list(llm.runtime.kv_cache.layer_names)
+        llm.close()
+        del llm, outputs
+        gc.collect()
+        assert backend() is None and forward() is None and all(r() is None for r in kv), f"engine {i}"
+        assert not any(is_registered(n) for n in names)  # the model it loaded went with it
+
+
+def test_close_is_idempotent_and_a_closed_engine_refuses_work_but_keeps_its_stats(saved):
+    path, expected, _ = saved["llama"]
+    with LLM(str(path), **SMALL) as llm:
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == expected[0]
+    steps = llm.stats()["steps"]
+    assert steps > 0 and llm.stats()["startup"]["phases"]
+    llm.close()
+    for call in (lambda: llm.generate(PROMPTS[0]), llm.step, lambda: llm.add_request(PROMPTS[0])):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    assert llm.stats()["steps"] == steps
+
+
+def test_dropping_the_last_reference_releases_the_engine(saved):
+    path, expected, _ = saved["llama"]
+    llm = LLM(str(path), **SMALL, compile=True, piece_compiler="eager")
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == expected[0]
+    backend, kv = weakref.ref(llm.runtime.backend), weakref.ref(llm.runtime.kv_cache.tensors[0])
+    del llm
+    gc.collect()
+    assert backend() is None and kv() is None
+
+
+def test_two_engines_over_one_model_are_isolated_and_one_closing_leaves_the_other_working(saved):
+    """Stepped alternately with different prompts and different pool sizes (17 and 200 blocks), each
+    engine's greedy output equals transformers'; then one closes and the other still works."""
+    path, expected, _ = saved["llama"]
+    model = models.from_pretrained(path)
+    small = LLM(model, **{**SMALL, "num_gpu_blocks": 17})
+    large = LLM(model, **{**SMALL, "num_gpu_blocks": 200})
+    a = [small.add_request(PROMPTS[i], GREEDY) for i in (0, 2)]
+    b = [large.add_request(PROMPTS[i], GREEDY) for i in (1, 3, 4)]
+    tokens: dict[tuple[str, str], list[int]] = {}
+    for _ in range(200):
+        if not (small.has_unfinished_requests() or large.has_unfinished_requests()):
+            break
+        for name, llm in (("small", small), ("large", large)):
+            if llm.has_unfinished_requests():
+                for out in llm.step():
+                    tokens[(name, out.request_id)] = out.token_ids
+    assert [tokens[("small", r)] for r in a] == [expected[0], expected[2]]
+    assert [tokens[("large", r)] for r in b] == [expected[1], expected[3], expected[4]]
+    small.close()
+    assert [o.token_ids for o in large.generate(PROMPTS[:2], GREEDY)] == expected[:2]
+    large.close()
+    # the model outlives both engines (it was handed in) and serves a third
+    assert all(is_registered(n) for n in model.attention_layer_names)
+    with LLM(model, **SMALL) as third:
+        assert third.generate(PROMPTS[3], GREEDY)[0].token_ids == expected[3]
+
+
+def test_two_engines_on_two_different_models_live_side_by_side(saved):
+    (llama_path, llama_expected, _), (qwen_path, qwen_expected, _) = saved["llama"], saved["qwen3"]
+    llama, qwen = LLM(str(llama_path), **SMALL), LLM(str(qwen_path), **SMALL)
+    for _ in range(2):
+        assert [o.token_ids for o in llama.generate(PROMPTS[:3], GREEDY)] == llama_expected[:3]
+        assert [o.token_ids for o in qwen.generate(PROMPTS[:3], GREEDY)] == qwen_expected[:3]
+    llama.close()
+    qwen.close()
+
+
+def test_startup_timeline_is_reported_and_its_phases_add_up_to_the_total(saved):
+    path, _, _ = saved["llama"]
+    with LLM(str(path), **SMALL, compile=True, piece_compiler="eager") as llm:
+        startup = llm.stats()["startup"]
+    names = [p["name"] for p in startup["phases"]]
+    assert names[:2] == ["load", "tokenizer"] and "setup" in names and "compile" in names and "kv pool" in names
+    assert all(p["seconds"] >= 0 for p in startup["phases"])
+    total, phases = startup["total_seconds"], startup["phases_seconds"]
+    assert phases == pytest.approx(sum(p["seconds"] for p in startup["phases"]))
+    assert 0.9 * total <= phases <= total, startup
+
+
+def test_a_prompt_of_exactly_max_model_len_gets_its_one_token(saved):
+    path, _, hf = saved["llama"]
+    prompt = [1] + [(7 * i) % 90 + 3 for i in range(31)]
+    with LLM(str(path), **{**SMALL, "max_model_len": 32}) as llm:
+        out = llm.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert out.token_ids == _greedy(hf, prompt, 1) and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_the_same_alone_in_any_batch_and_across_preemption(saved):
+    path, _, _ = saved["llama"]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    with LLM(str(path), **SMALL) as llm:
+        alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
+        batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        reordered = [o.token_ids for o in llm.generate(PROMPTS[::-1], params[::-1])][::-1]
+    assert batched == alone and reordered == alone
+    assert len({t for tokens in alone for t in tokens}) > len(PROMPTS)  # it does sample
+    with LLM(str(path), **{**SMALL, "max_num_batched_tokens": 32, "num_gpu_blocks": 18}) as tight:
+        outputs = tight.generate(PROMPTS, params)
+        assert tight.stats()["preemptions"] > 0
+    assert [o.token_ids for o in outputs] == alone
+
+
+def test_compile_cache_directory_respects_the_users_choice_and_clears_only_itself(tmp_path, monkeypatch):
+    from engine import compile_cache
+    monkeypatch.setenv("INFER_GRAPHS_CACHE_DIR", str(tmp_path / "ours"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users_triton"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    chosen = compile_cache.configure_compile_cache()
+    assert chosen == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ours" / "inductor"),
+                      "TRITON_CACHE_DIR": str(tmp_path / "users_triton")}
+    (tmp_path / "ours" / "inductor").mkdir(parents=True)
+    (tmp_path / "users_triton").mkdir()
+    assert compile_cache.clear_compile_cache() == tmp_path / "ours"
+    assert not (tmp_path / "ours").exists() and (tmp_path / "users_triton").exists()
