@@ -62,6 +62,7 @@ class EngineConfig:
     prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: default_prefill_graph_sizes
     seed: int = 0                          # for requests that give no seed of their own
     show_progress: bool = True             # tqdm bar during graph capture
+    tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.tp
 
     def __post_init__(self) -> None:
         self._validate()
@@ -89,6 +90,7 @@ class EngineConfig:
         _check(self.piece_compiler in _PIECE_COMPILERS, "piece_compiler", self.piece_compiler,
                f"one of {', '.join(_PIECE_COMPILERS)}")
         _check_int("seed", self.seed, 0)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):
             sizes = getattr(self, name)
             if sizes is None:

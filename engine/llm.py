@@ -50,12 +50,17 @@ class LLM:
             config_fields.setdefault("dtype", str(weight.dtype).removeprefix("torch."))
             config_fields.setdefault("device", str(weight.device))
         config = EngineConfig.from_kwargs(name, **config_fields)
+        self.tp = None  # engine.tp.Leader under tensor parallelism (this process is rank 0)
+        if config.tensor_parallel_size > 1:
+            from engine.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
+            self.tp, config = launch(config, model)
         if not isinstance(model, str):
             _check_built_model(weight, config)
         device, dtype = config.device_and_dtype()
         if isinstance(model, str):
             load_start = time.perf_counter()
-            model = models.from_pretrained(model, dtype=dtype, device=device)
+            model = models.from_pretrained(model, dtype=dtype, device=device,
+                                           **({"tp": self.tp.parallel} if self.tp else {}))
             logger.info("loaded %s in %.1f s", name, time.perf_counter() - load_start)
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = _load_tokenizer(config.tokenizer, required=True)
@@ -66,7 +71,9 @@ class LLM:
         self.model_config = model.config
         self.config = config.resolve(model.config.max_position_embeddings)
         with torch.inference_mode():
-            self.runtime = build_runtime(model, self.config)
+            self.runtime = build_runtime(model, self.config, self.tp.min_over_ranks if self.tp else None)
+        if self.tp:
+            self.tp.attach(self.runtime)
         self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.max_model_len,
                                    tuple(model.config.eos_token_ids))
@@ -189,6 +196,8 @@ class LLM:
 
     def close(self) -> None:
         """Free the KV pool and the decode graphs now (the layer registry would otherwise keep the pool)."""
+        if self.tp is not None:
+            self.tp.close()
         runner = self.runtime.runner
         if runner.decode_graphs is not None:
             runner.decode_graphs.release()
@@ -226,6 +235,8 @@ class LLM:
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
+        if self.tp is not None:
+            stats["ranks"] = self.tp.rank_stats()  # graph counts and fallbacks of every rank
         return stats
 
 

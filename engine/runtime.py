@@ -23,7 +23,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -55,7 +55,10 @@ class Runtime:
     piecewise_capture_seconds: float = 0.0
 
 
-def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
+def build_runtime(model: torch.nn.Module, config: EngineConfig,
+                  min_over_ranks: Callable[[int], int] | None = None) -> Runtime:
+    """`min_over_ranks`: under tensor parallelism, the minimum of a value over the ranks, so every
+    rank's KV pool has the same number of blocks (the block tables are shared)."""
     device = torch.device(config.device)
     forward, mark_dynamic, backend = model, None, None
     pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -73,6 +76,8 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
         if num_blocks is None:
             num_blocks = max(min_blocks, min(kv_cache.blocks_for_memory(CPU_KV_BYTES),
                                              config.max_num_seqs * (min_blocks - 1) + 1))
+        if min_over_ranks is not None:
+            num_blocks = min_over_ranks(num_blocks)
         _check_blocks(num_blocks, min_blocks, config)
         kv_cache.allocate(num_blocks)
         if config.compile:
@@ -102,6 +107,8 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig) -> Runtime:
                 f"GiB but only {max(spare, 0) / 2**30:.2f} GiB is left after weights, warm-up peak and graphs")
     else:
         num_blocks = kv_cache.blocks_for_memory(spare * config.kv_memory_fraction)
+    if min_over_ranks is not None:
+        num_blocks = min_over_ranks(num_blocks)
     _check_blocks(num_blocks, min_blocks, config)
     kv_cache.allocate(num_blocks)
     memory["kv_pool_bytes"] = kv_cache.pool_bytes

@@ -1,0 +1,343 @@
+"""Tensor parallelism: one process per rank, rank 0 schedules, every rank runs the same forward.
+
+Launch. `LLM(..., tensor_parallel_size=N)` calls `launch`: under torchrun (RANK / WORLD_SIZE /
+MASTER_ADDR set) each of torchrun's processes is a rank; otherwise the caller is rank 0 and spawns
+ranks 1..N-1 (always spawn: fork after CUDA initialisation breaks CUDA). Either way every rank then
+does the same: join the process group (NCCL on CUDA, with device_id so NCCL initialises before any
+graph capture; gloo on the CPU), load only its shards (models.from_pretrained(tp=...)), build the
+same runtime (warm-up, compile and graph capture run their collectives in lockstep), and agree on
+the KV pool size (the minimum over ranks: block tables are shared). Rank 0 returns to the caller;
+every other rank follows steps until told to stop (a torchrun rank then exits its process).
+
+One step. Rank 0's ModelRunner stages the step into its static buffers, then `Leader.send_step`
+broadcasts a small header (its dispatch, metadata bounds and sizes) on a gloo control group and the
+staged buffer slices on the compute group; each follower receives them straight into its own static
+buffers and calls the same `ModelRunner.run_staged`, so it replays the same graphs (the all-reduces
+inside them pair up rank by rank). Logits are gathered on every rank; only rank 0 samples.
+
+Errors, not hangs. Collectives on the compute group time out after COLLECTIVE_TIMEOUT_S; the control
+group waits longer, because a follower legitimately waits there while the engine is idle. Rank 0
+checks before every step that each spawned worker is alive, and a worker that raises reports its
+traceback and exits, so the caller gets a TensorParallelError naming the rank instead of a hang.
+`close()` stops the workers (joined with a deadline, then terminated) and leaves the process group.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from custom_ops import RuntimeMode
+from engine.config import ConfigError, EngineConfig
+from engine.dispatch import BatchDescriptor, Dispatch
+
+logger = logging.getLogger("engine")
+
+COLLECTIVE_TIMEOUT_S = 300.0  # a step, or start-up's compile of one rank while the others wait
+CONTROL_TIMEOUT = datetime.timedelta(days=7)  # followers wait here for the next step of an idle engine
+JOIN_TIMEOUT_S = 30.0
+_STOP, _STEP, _STATS = 0, 1, 2
+_MODES = list(RuntimeMode)
+# header: op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
+#         num_sampling, num_chunks
+_HEADER_LEN = 11
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed (died, raised, or a collective timed out); the engine is unusable."""
+
+
+def launch(config: EngineConfig, model: Any) -> tuple[Leader, EngineConfig]:
+    """Start (or join) the ranks; on rank 0, return its Leader and its config (device cuda:0 on
+    CUDA). On any other torchrun rank, serve the steps and exit the process when rank 0 closes."""
+    n = config.tensor_parallel_size
+    if not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={n} needs a model path (an HF-format dir or "
+                          "a .gguf file) so each rank loads its own shards; got a built model")
+    check_model_fits(str(model), n)
+    device, _ = config.device_and_dtype()
+    cuda = torch.device(device).type == "cuda"
+    if cuda and n > torch.cuda.device_count():
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={n} exceeds the {torch.cuda.device_count()} "
+                          "visible GPU(s) (one rank per GPU)")
+    if {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != n:
+            raise ConfigError(f"EngineConfig.tensor_parallel_size={n} but torchrun started WORLD_SIZE={world} "
+                              "processes; they must match")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        _init_group(rank, n, local_rank, cuda, store=None)
+        rank_config = _rank_config(config, local_rank, cuda)
+        if rank != 0:
+            follow(rank_config, str(model), rank)
+            sys.exit(0)
+        leader = Leader(rank_config, processes=[], errors=None)
+        atexit.register(leader.close)
+        return leader, rank_config
+    import torch.multiprocessing as mp
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    processes = []
+    for rank in range(1, n):
+        process = ctx.Process(target=_spawned_rank, name=f"tp-rank-{rank}", daemon=True,
+                              args=(rank, n, store.port, config, str(model), errors))
+        process.start()
+        processes.append(process)
+    leader = Leader(_rank_config(config, 0, cuda), processes, errors)
+    atexit.register(leader.close)  # an engine never closed still stops its workers at exit
+    try:
+        _init_group(0, n, 0, cuda, store)
+    except Exception as exc:
+        leader.close()
+        raise TensorParallelError(f"tensor-parallel start-up failed: {exc}{leader.worker_report()}") from exc
+    return leader, leader.config
+
+
+def check_model_fits(model_path: str, n: int) -> None:
+    """N must divide the attention heads and the intermediate size (KV heads are split or replicated)."""
+    import models
+    from models.config import ModelConfig
+    from models.loader import read_config
+    from pathlib import Path
+    config = ModelConfig.from_hf(read_config(Path(models.resolve_model_path(model_path))))
+    for what, size in (("num_attention_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
+        if size % n:
+            raise ConfigError(f"EngineConfig.tensor_parallel_size={n} does not divide the model's {what} "
+                              f"({size}): every rank must hold the same share")
+    if n > config.num_kv_heads and n % config.num_kv_heads:
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={n} exceeds the model's num_key_value_heads "
+                          f"({config.num_kv_heads}) and is not a multiple of it: KV heads cannot be replicated evenly")
+    if n <= config.num_kv_heads and config.num_kv_heads % n:
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={n} does not divide the model's "
+                          f"num_key_value_heads ({config.num_kv_heads})")
+
+
+def _rank_config(config: EngineConfig, local_rank: int, cuda: bool) -> EngineConfig:
+    device = f"cuda:{local_rank}" if cuda else "cpu"
+    return dataclasses.replace(config, device=device, show_progress=config.show_progress and local_rank == 0)
+
+
+def _init_group(rank: int, world: int, local_rank: int, cuda: bool, store: Any) -> None:
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    kwargs: dict[str, Any] = {"backend": "nccl" if cuda else "gloo", "rank": rank, "world_size": world,
+                              "timeout": timeout}
+    if store is not None:
+        kwargs["store"] = store
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)  # NCCL initialises now, not inside a capture
+    dist.init_process_group(**kwargs)
+
+
+def _spawned_rank(rank: int, world: int, port: int, config: EngineConfig, model: str, errors: Any) -> None:
+    """Entry point of a spawned worker process."""
+    try:
+        cuda = torch.device(config.device_and_dtype()[0]).type == "cuda"
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        _init_group(rank, world, rank, cuda, store)
+        follow(_rank_config(config, rank, cuda), model, rank)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+class _Group:
+    """What every rank shares: the compute group (the model's collectives, the staged buffers),
+    the control group (step headers, stats) and the header tensor."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import models.parallel
+        self.config = config
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD)
+        self.header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        self.runtime = None
+
+    def load_model(self, model_path: str) -> torch.nn.Module:
+        import models
+        device, dtype = self.config.device_and_dtype()
+        return models.from_pretrained(model_path, dtype=dtype, device=device, tp=self.parallel)
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int) -> None:
+        """Rank 0's staged step into every rank's static buffers (in place, at their fixed addresses)."""
+        b = self.runtime.runner.buffers
+        for tensor in (b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
+                       b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs],
+                       b.logits_indices[:num_sampling]):
+            if tensor.numel():
+                dist.broadcast(tensor, src=0)
+
+    def local_stats(self) -> dict[str, Any]:
+        """This rank's graph counts and fallbacks (LLM.stats()['ranks'])."""
+        runner = self.runtime.runner
+        graphs = runner.decode_graphs
+        stats: dict[str, Any] = {
+            "rank": self.rank,
+            "device": str(runner.device),
+            "modes": dict(runner.dispatcher.mode_counts),
+            "fallbacks": runner.dispatcher.fallbacks,
+            "fallback_reasons": dict(runner.dispatcher.fallback_counts),
+            "kv_blocks": self.runtime.kv_cache.num_blocks,
+            "decode_graphs": len(graphs.sizes) if graphs else 0,
+            "decode_graph_replays": graphs.replays if graphs else 0,
+        }
+        if self.runtime.backend is not None:
+            stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
+        return stats
+
+
+def follow(config: EngineConfig, model_path: str, rank: int) -> None:
+    """A rank other than 0: build the same runtime as rank 0, then run each step it sends."""
+    from engine.runtime import build_runtime
+    group = _Group(config)
+    model = group.load_model(model_path)
+    config = config.resolve(model.config.max_position_embeddings)
+    with torch.inference_mode():
+        group.runtime = build_runtime(model, config, group.min_over_ranks)
+        runner = group.runtime.runner
+        header = group.header
+        while True:
+            dist.broadcast(header, src=0, group=group.control)
+            (op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
+             num_sampling, num_chunks) = header.tolist()
+            if op == _STOP:
+                break
+            if op == _STATS:
+                dist.gather_object(group.local_stats(), None, dst=0, group=group.control)
+                continue
+            dispatch = runner.dispatcher.dispatch(BatchDescriptor(num_tokens, bool(uniform)))
+            if dispatch.mode is not _MODES[mode] or dispatch.descriptor.num_tokens != num_padded:
+                raise TensorParallelError(
+                    f"rank {rank} dispatched a {num_tokens}-token step to {dispatch.mode.value} at "
+                    f"{dispatch.descriptor.num_tokens} tokens, rank 0 to {_MODES[mode].value} at {num_padded}: "
+                    "the ranks' graph sizes differ")
+            group.broadcast_buffers(num_padded, num_seqs, num_sampling)
+            meta = None
+            if dispatch.mode is not RuntimeMode.FULL:
+                meta = runner.buffers.metadata(num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
+                                               bool(uniform))
+            runner.run_staged(dispatch, meta, num_sampling, num_chunks)
+    dist.destroy_process_group()
+
+
+class Leader:
+    """Rank 0's handle on the group: sends each staged step, gathers stats, checks and stops workers."""
+
+    def __init__(self, config: EngineConfig, processes: list[Any], errors: Any) -> None:
+        self.config = config
+        self.processes = processes  # spawned ranks 1..N-1 (empty under torchrun)
+        self.errors = errors
+        self.group: _Group | None = None
+        self.failure: str | None = None
+        self.closed = False
+
+    @property
+    def parallel(self):  # models.parallel.TensorParallel of rank 0
+        return self._group().parallel
+
+    def _group(self) -> _Group:
+        if self.group is None:
+            self.group = _Group(self.config)
+        return self.group
+
+    def min_over_ranks(self, value: int) -> int:
+        return self._group().min_over_ranks(value)
+
+    def attach(self, runtime: Any) -> None:
+        """Start sending rank 0's staged steps (runtime: engine.runtime.Runtime, built on every rank)."""
+        self._group().runtime = runtime
+        runtime.runner.on_staged = self.send_step
+
+    def send_step(self, batch: BatchDescriptor, dispatch: Dispatch, meta: Any, num_sampling: int,
+                  num_chunks: int) -> None:
+        group = self._group()
+        self.check_workers()
+        if meta is None:  # FULL: the decode graph reads num_padded one-token rows
+            num_seqs = num_actual = max_query_len = max_seq_len = 0
+            num_seqs = dispatch.descriptor.num_tokens
+        else:
+            num_seqs, num_actual = meta.seq_lens.shape[0], meta.num_actual_tokens
+            max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
+        group.header.copy_(torch.tensor([
+            _STEP, batch.num_tokens, int(batch.uniform_decode), _MODES.index(dispatch.mode),
+            dispatch.descriptor.num_tokens, num_seqs, num_actual, max_query_len, max_seq_len, num_sampling,
+            num_chunks]))
+        try:
+            dist.broadcast(group.header, src=0, group=group.control)
+            group.broadcast_buffers(dispatch.descriptor.num_tokens, num_seqs, num_sampling)
+        except RuntimeError as exc:
+            self._fail(f"sending a step failed: {exc}")
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        """Every rank's graph counts and fallbacks, rank 0 first."""
+        group = self._group()
+        self.check_workers()
+        group.header.zero_()
+        group.header[0] = _STATS
+        gathered: list[Any] = [None] * group.world_size
+        try:
+            dist.broadcast(group.header, src=0, group=group.control)
+            dist.gather_object(group.local_stats(), gathered, dst=0, group=group.control)
+        except RuntimeError as exc:
+            self._fail(f"gathering stats failed: {exc}")
+        return gathered
+
+    def worker_report(self) -> str:
+        """What failed workers reported (their tracebacks), as text to append to an error."""
+        lines = []
+        while self.errors is not None and not self.errors.empty():
+            rank, text = self.errors.get_nowait()
+            lines.append(f"\n--- tensor-parallel rank {rank} raised:\n{text}")
+        return "".join(lines)
+
+    def check_workers(self) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        dead = [p for p in self.processes if not p.is_alive()]
+        if dead:
+            self._fail("; ".join(f"rank {p.name.removeprefix('tp-rank-')} (pid {p.pid}) exited with code "
+                                 f"{p.exitcode}" for p in dead))
+
+    def _fail(self, what: str) -> None:
+        self.failure = f"tensor-parallel worker failed: {what}{self.worker_report()}"
+        raise TensorParallelError(self.failure)
+
+    def close(self) -> None:
+        """Stop every worker (a stop header, then a join deadline, then terminate) and leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        group = self.group
+        if group is not None and self.failure is None and all(p.is_alive() for p in self.processes):
+            try:
+                group.header.zero_()
+                dist.broadcast(group.header, src=0, group=group.control)
+            except RuntimeError as exc:
+                logger.warning("tensor parallelism: could not send stop to the workers: %s", exc)
+        for process in self.processes:
+            process.join(JOIN_TIMEOUT_S if self.failure is None else 1.0)
+            if process.is_alive():
+                process.terminate()
+                process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
