@@ -90,7 +90,7 @@ def launch(config: EngineConfig, model: Any) -> tuple[Leader, EngineConfig]:
     processes = []
     for rank in range(1, n):
         process = ctx.Process(target=_spawned_rank, name=f"tp-rank-{rank}", daemon=True,
-                              args=(rank, n, store.port, config, str(model), errors))
+                              args=(rank, n, store.port, config, str(model), errors, torch.get_num_threads()))
         process.start()
         processes.append(process)
     leader = Leader(_rank_config(config, 0, cuda), processes, errors)
@@ -139,8 +139,10 @@ def _init_group(rank: int, world: int, local_rank: int, cuda: bool, store: Any) 
     dist.init_process_group(**kwargs)
 
 
-def _spawned_rank(rank: int, world: int, port: int, config: EngineConfig, model: str, errors: Any) -> None:
-    """Entry point of a spawned worker process."""
+def _spawned_rank(rank: int, world: int, port: int, config: EngineConfig, model: str, errors: Any,
+                  num_threads: int) -> None:
+    """Entry point of a spawned worker process (intra-op threads as many as rank 0 uses)."""
+    torch.set_num_threads(num_threads)
     try:
         cuda = torch.device(config.device_and_dtype()[0]).type == "cuda"
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
@@ -163,6 +165,7 @@ class _Group:
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD)
         self.header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        self.packed: torch.Tensor | None = None  # the staged buffers of one step, flat
         self.runtime = None
 
     def load_model(self, model_path: str) -> torch.nn.Module:
@@ -175,14 +178,29 @@ class _Group:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
-    def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int) -> None:
-        """Rank 0's staged step into every rank's static buffers (in place, at their fixed addresses)."""
+    def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int) -> list[torch.Tensor]:
         b = self.runtime.runner.buffers
-        for tensor in (b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
-                       b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs],
-                       b.logits_indices[:num_sampling]):
-            if tensor.numel():
-                dist.broadcast(tensor, src=0)
+        return [b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
+                b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs].view(-1),
+                b.logits_indices[:num_sampling]]
+
+    def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int) -> None:
+        """Rank 0's staged step into every rank's static buffers, packed into one broadcast (each
+        collective costs a round trip; the buffers keep their fixed addresses)."""
+        b = self.runtime.runner.buffers
+        if self.packed is None:
+            size = 3 * b.max_tokens + 3 * b.max_seqs + 1 + b.max_seqs * b.max_blocks_per_seq
+            self.packed = torch.empty(size, dtype=torch.int64, device=b.input_ids.device)
+        staged = self._staged(num_tokens, num_seqs, num_sampling)
+        packed = self.packed[:sum(t.numel() for t in staged)]
+        if self.rank == 0:
+            torch.cat(staged, out=packed)
+        dist.broadcast(packed, src=0)
+        if self.rank != 0:
+            offset = 0
+            for tensor in staged:
+                tensor.copy_(packed[offset:offset + tensor.numel()])
+                offset += tensor.numel()
 
     def local_stats(self) -> dict[str, Any]:
         """This rank's graph counts and fallbacks (LLM.stats()['ranks'])."""

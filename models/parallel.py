@@ -50,7 +50,9 @@ class TensorParallel:
             return x
         from torch.distributed import _functional_collectives as funcol
         rows, cols = x.shape
-        gathered = funcol.all_gather_tensor(x.contiguous(), 0, self.group)  # [world * N, C]
+        # all_gather_single is the newer name (torch 2.13 deprecates all_gather_tensor, 2.11 lacks it)
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        gathered = gather(x.contiguous(), 0, self.group)  # [world * N, C]
         return gathered.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, self.world_size * cols)
 
 
