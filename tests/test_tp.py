@@ -1,0 +1,144 @@
+"""Tensor parallelism on the CPU: 2 ranks over gloo give the same greedy tokens as one rank.
+
+Each architecture is a tiny random float32 transformers model saved with save_pretrained; the TP
+engine (rank 0 here, rank 1 a spawned process) loads its shards from that directory. The configs
+cover the three ways a weight is split: KV heads split (2 over 2 ranks) and replicated (1 KV head on
+2 ranks), a vocabulary that 2 does not divide (the last shard is padded), and biases on the
+row-parallel o_proj (added once, after the all-reduce). The engine's token budget and KV pool are so
+small that prefills are chunked and requests are preempted and recomputed. Spawning costs seconds
+on a small machine, so each architecture builds one TP engine for the module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, ConfigError, SamplingParams
+from engine.tp import TensorParallelError
+from tests.hf_helpers import random_hf_model
+
+COMMON = dict(max_position_embeddings=128, initializer_range=0.5, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+ARCHS = {
+    # one KV head: both ranks keep it (replicated); a vocabulary 2 does not divide; o_proj bias
+    "llama": (transformers.LlamaConfig, dict(vocab_size=97, num_hidden_layers=2, num_key_value_heads=1,
+                                             attention_bias=True)),
+    "qwen3": (transformers.Qwen3Config, dict(vocab_size=96, num_hidden_layers=2, num_key_value_heads=2,
+                                             head_dim=16, tie_word_embeddings=False)),
+    "gemma3": (transformers.Gemma3TextConfig, dict(vocab_size=96, num_hidden_layers=3, num_key_value_heads=2,
+                                                   head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                                                   sliding_window_pattern=2, final_logit_softcapping=30.0)),
+}
+PROMPTS = [[1, 5, 9, 13], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+           [1, 7], [1, 60, 61, 62, 63, 64, 65, 66, 67]]
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+# 8-token budget: the longer prompts are chunked; 11 usable blocks of 4 tokens cannot hold all four
+# requests as they grow, so some are preempted.
+SMALL = dict(device="cpu", block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8,
+             num_gpu_blocks=12)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for arch, (config_cls, kwargs) in ARCHS.items():
+        path = tmp_path_factory.mktemp(arch)
+        random_hf_model(config_cls(**COMMON, **kwargs), seed=11).save_pretrained(path)
+        out[arch] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_two_ranks_generate_the_same_greedy_tokens_as_one(saved, arch):
+    one = LLM(saved[arch], **SMALL)
+    expected = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
+    assert one.stats()["preemptions"] > 0
+    one.close()
+    # Llama also runs compiled: the all-reduces must stay inside the pieces (split only at attention).
+    extra = dict(compile=True, piece_compiler="eager") if arch == "llama" else {}
+    if extra:
+        torch._dynamo.reset()
+    llm = LLM(saved[arch], **SMALL, tensor_parallel_size=2, **extra)
+    try:
+        outputs = llm.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in outputs] == expected
+        stats = llm.stats()
+        assert stats["preemptions"] > 0
+        ranks = stats["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        # every rank ran every step, in the same mode
+        assert ranks[0]["modes"] == ranks[1]["modes"] == stats["modes"]
+        assert ranks[0]["kv_blocks"] == ranks[1]["kv_blocks"] == 12
+        if extra:
+            num_layers = ARCHS[arch][1]["num_hidden_layers"]
+            for rank in ranks:
+                assert rank["backend"]["graphs_compiled"] == 1
+                assert rank["backend"]["splitting_pieces"] == num_layers  # attention only
+                assert rank["backend"]["compute_pieces"] == num_layers + 1
+        processes = list(llm.tp.processes)
+    finally:
+        llm.close()
+    assert all(not p.is_alive() for p in processes)
+
+
+def test_a_worker_that_dies_makes_the_engine_raise_and_close_still_returns(saved):
+    llm = LLM(saved["qwen3"], **SMALL, tensor_parallel_size=2)
+    try:
+        worker = llm.tp.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate([PROMPTS[0]], PARAMS)
+        assert time.monotonic() - start < 10
+    finally:
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 10
+
+
+def _config_only(tmp_path, **overrides) -> str:
+    """A model dir with just config.json: the size checks run before any weight is read."""
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 96, "num_hidden_layers": 1,
+                                         "num_key_value_heads": 2, **overrides})
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    return str(tmp_path)
+
+
+def test_a_size_that_does_not_divide_the_heads_or_the_intermediate_size_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide the model's "
+                                          r"num_attention_heads \(4\)"):
+        LLM(_config_only(tmp_path), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the model's "
+                                          r"intermediate_size \(90\)"):
+        LLM(_config_only(tmp_path, intermediate_size=90), device="cpu", tensor_parallel_size=4)
+
+
+def test_more_ranks_than_visible_gpus_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 exceeds the 1 visible GPU"):
+        LLM(_config_only(tmp_path), device="cuda", tensor_parallel_size=2)
+
+
+def test_a_built_model_cannot_be_split_and_the_size_must_be_positive(saved):
+    import models
+    model = models.from_pretrained(saved["qwen3"])
+    with pytest.raises(ConfigError, match="needs a model path"):
+        LLM(model, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=0"):
+        LLM(saved["qwen3"], device="cpu", tensor_parallel_size=0)
