@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-graph-sizes", type=_sizes, default=None, help="e.g. 16,64,256")
     gen.add_argument("--no-compile", action="store_true", help="eager model (implies no prefill graphs)")
     gen.add_argument("--piece-compiler", choices=("inductor", "eager"), default=None)
+    gen.add_argument("--tensor-parallel-size", type=int, default=None,
+                     help="ranks (GPUs) to split the model over; spawned, or torchrun's processes")
     gen.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     fields = {name: getattr(args, name) for name in (
         "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
-        "kv_memory_fraction", "decode_graph_sizes", "prefill_graph_sizes", "piece_compiler")
+        "kv_memory_fraction", "decode_graph_sizes", "prefill_graph_sizes", "piece_compiler",
+        "tensor_parallel_size")
         if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         fields["cuda_graphs"] = False
