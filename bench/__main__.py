@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-SUITES = ("floor", "decode", "prefill", "capture", "serving")
+SUITES = ("floor", "decode", "prefill", "capture", "serving", "tp")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>)")
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128)")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096)")
-    parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048)")
+    parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"), help="decode/prefill: which peers to run")
     parser.add_argument("--requests", type=int, help="serving: number of requests")
     parser.add_argument("--rate", type=float, help="serving: arrival rate, requests/s")
