@@ -65,15 +65,15 @@ def launch(config: EngineConfig, model: Any) -> tuple[Leader, EngineConfig]:
     check_model_fits(str(model), n)
     device, _ = config.device_and_dtype()
     cuda = torch.device(device).type == "cuda"
-    if cuda and n > torch.cuda.device_count():
-        raise ConfigError(f"EngineConfig.tensor_parallel_size={n} exceeds the {torch.cuda.device_count()} "
-                          "visible GPU(s) (one rank per GPU)")
     if {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != n:
             raise ConfigError(f"EngineConfig.tensor_parallel_size={n} but torchrun started WORLD_SIZE={world} "
                               "processes; they must match")
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if cuda and local_rank >= torch.cuda.device_count():  # ranks may span nodes: count this node's
+            raise ConfigError(f"EngineConfig.tensor_parallel_size={n}: local rank {local_rank} has no GPU "
+                              f"(this node has {torch.cuda.device_count()} visible)")
         _init_group(rank, n, local_rank, cuda, store=None)
         rank_config = _rank_config(config, local_rank, cuda)
         if rank != 0:
@@ -82,6 +82,9 @@ def launch(config: EngineConfig, model: Any) -> tuple[Leader, EngineConfig]:
         leader = Leader(rank_config, processes=[], errors=None)
         atexit.register(leader.close)
         return leader, rank_config
+    if cuda and n > torch.cuda.device_count():
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={n} exceeds the {torch.cuda.device_count()} "
+                          "visible GPU(s) (one rank per GPU)")
     import torch.multiprocessing as mp
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -338,24 +341,49 @@ class Leader:
         raise TensorParallelError(self.failure)
 
     def close(self) -> None:
-        """Stop every worker (a stop header, then a join deadline, then terminate) and leave the group."""
+        """Stop every worker (a stop header, then a join deadline, then terminate) and leave the group.
+
+        The stop header and the group teardown run in daemon threads joined with a deadline: a rank
+        stuck in a collective (rank 0 failed mid-step) must not make close(), or process exit, hang."""
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         group = self.group
-        if group is not None and self.failure is None and all(p.is_alive() for p in self.processes):
-            try:
-                group.header.zero_()
-                dist.broadcast(group.header, src=0, group=group.control)
-            except RuntimeError as exc:
-                logger.warning("tensor parallelism: could not send stop to the workers: %s", exc)
+        # Only once attached are the other ranks sure to reach the control group's next header.
+        if group is not None and group.runtime is not None and self.failure is None:
+            group.header.zero_()
+            _bounded(lambda: dist.broadcast(group.header, src=0, group=group.control), JOIN_TIMEOUT_S,
+                     "sending stop to the tensor-parallel workers")
         for process in self.processes:
-            process.join(JOIN_TIMEOUT_S if self.failure is None else 1.0)
+            process.join(JOIN_TIMEOUT_S if self.failure is None and group is not None else 1.0)
             if process.is_alive():
                 process.terminate()
                 process.join(5.0)
             if process.is_alive():
                 process.kill()
                 process.join(5.0)
+        if group is not None:
+            group.runtime = None  # the model and its KV pool are the engine's to free
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _bounded(dist.destroy_process_group, JOIN_TIMEOUT_S, "leaving the tensor-parallel process group")
+
+
+def _bounded(fn: Any, seconds: float, what: str) -> None:
+    """Run fn in a daemon thread; give up (with a warning) after `seconds`."""
+    import threading
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # reported below: close() itself must not raise
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="tp-close", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        logger.warning("tensor parallelism: %s did not finish in %.0f s; going on", what, seconds)
+    elif errors:
+        logger.warning("tensor parallelism: %s failed: %s", what, errors[0])
