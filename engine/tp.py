@@ -350,13 +350,15 @@ class Leader:
         self.closed = True
         atexit.unregister(self.close)
         group = self.group
-        # Only once attached are the other ranks sure to reach the control group's next header.
-        if group is not None and group.runtime is not None and self.failure is None:
+        # Only once attached are the other ranks sure to reach the control group's next header;
+        # otherwise (rank 0 failed during start-up) they are stopped by signal.
+        stopping = group is not None and group.runtime is not None and self.failure is None
+        if stopping:
             group.header.zero_()
             _bounded(lambda: dist.broadcast(group.header, src=0, group=group.control), JOIN_TIMEOUT_S,
                      "sending stop to the tensor-parallel workers")
         for process in self.processes:
-            process.join(JOIN_TIMEOUT_S if self.failure is None and group is not None else 1.0)
+            process.join(JOIN_TIMEOUT_S if stopping else 1.0)
             if process.is_alive():
                 process.terminate()
                 process.join(5.0)

@@ -6,14 +6,19 @@ cover the three ways a weight is split: KV heads split (2 over 2 ranks) and repl
 2 ranks), a vocabulary that 2 does not divide (the last shard is padded), and biases on the
 row-parallel o_proj (added once, after the all-reduce). The engine's token budget and KV pool are so
 small that prefills are chunked and requests are preempted and recomputed. Spawning costs seconds
-on a small machine, so each architecture builds one TP engine for the module.
+on a small machine, so each architecture builds one TP engine: Llama and Gemma 3 with spawned ranks
+(Llama compiled), Qwen3 under torchrun (its processes are the ranks).
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,42 +67,50 @@ def saved(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_two_ranks_generate_the_same_greedy_tokens_as_one(saved, arch):
-    one = LLM(saved[arch], **SMALL)
-    expected = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
-    assert one.stats()["preemptions"] > 0
-    one.close()
-    # Llama also runs compiled: the all-reduces must stay inside the pieces (split only at attention).
-    extra = dict(compile=True, piece_compiler="eager") if arch == "llama" else {}
-    if extra:
-        torch._dynamo.reset()
-    llm = LLM(saved[arch], **SMALL, tensor_parallel_size=2, **extra)
+def _one_rank(path: str) -> list[list[int]]:
+    one = LLM(path, **SMALL)
     try:
-        outputs = llm.generate(PROMPTS, PARAMS)
-        assert [o.token_ids for o in outputs] == expected
+        expected = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
+        assert one.stats()["preemptions"] > 0
+        return expected
+    finally:
+        one.close()
+
+
+def _check_rank_stats(stats: dict) -> None:
+    ranks = stats["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["modes"] == ranks[1]["modes"] == stats["modes"]  # every rank ran every step alike
+    assert ranks[0]["kv_blocks"] == ranks[1]["kv_blocks"] == SMALL["num_gpu_blocks"]
+
+
+def test_two_spawned_ranks_generate_the_same_greedy_tokens_as_one_compiled_llama(saved):
+    expected = _one_rank(saved["llama"])
+    torch._dynamo.reset()
+    # compiled: the all-reduces must stay inside the pieces (the graph splits only at attention)
+    llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2, compile=True, piece_compiler="eager")
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
         stats = llm.stats()
         assert stats["preemptions"] > 0
-        ranks = stats["ranks"]
-        assert [r["rank"] for r in ranks] == [0, 1]
-        # every rank ran every step, in the same mode
-        assert ranks[0]["modes"] == ranks[1]["modes"] == stats["modes"]
-        assert ranks[0]["kv_blocks"] == ranks[1]["kv_blocks"] == 12
-        if extra:
-            num_layers = ARCHS[arch][1]["num_hidden_layers"]
-            for rank in ranks:
-                assert rank["backend"]["graphs_compiled"] == 1
-                assert rank["backend"]["splitting_pieces"] == num_layers  # attention only
-                assert rank["backend"]["compute_pieces"] == num_layers + 1
+        _check_rank_stats(stats)
+        num_layers = ARCHS["llama"][1]["num_hidden_layers"]
+        for rank in stats["ranks"]:
+            assert rank["backend"]["graphs_compiled"] == 1
+            assert rank["backend"]["splitting_pieces"] == num_layers
+            assert rank["backend"]["compute_pieces"] == num_layers + 1
         processes = list(llm.tp.processes)
     finally:
         llm.close()
-    assert all(not p.is_alive() for p in processes)
+    assert processes and all(not p.is_alive() for p in processes)
 
 
-def test_a_worker_that_dies_makes_the_engine_raise_and_close_still_returns(saved):
-    llm = LLM(saved["qwen3"], **SMALL, tensor_parallel_size=2)
+def test_gemma3_on_two_ranks_matches_and_a_worker_that_dies_makes_the_engine_raise(saved):
+    expected = _one_rank(saved["gemma3"])
+    llm = LLM(saved["gemma3"], **SMALL, tensor_parallel_size=2)
     try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        _check_rank_stats(llm.stats())
         worker = llm.tp.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
@@ -109,6 +122,40 @@ def test_a_worker_that_dies_makes_the_engine_raise_and_close_still_returns(saved
         start = time.monotonic()
         llm.close()
         assert time.monotonic() - start < 10
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys
+import torch
+from engine import LLM, SamplingParams
+torch.set_num_threads(1)
+path, small, prompts, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+llm = LLM(path, tensor_parallel_size=2, **small)  # on rank 1 this serves rank 0 and exits
+outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+with open(out, "w") as f:
+    json.dump({"tokens": [o.token_ids for o in outputs], "stats": llm.stats()}, f)
+llm.close()
+"""
+
+
+def test_qwen3_under_torchrun_uses_its_processes_and_matches_one_rank(saved, tmp_path):
+    expected = _one_rank(saved["qwen3"])
+    script, out = tmp_path / "tp_script.py", tmp_path / "out.json"
+    script.write_text(_TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), str(script), saved["qwen3"], json.dumps(SMALL), json.dumps(PROMPTS), str(out)],
+        env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"] == expected
+    assert result["stats"]["preemptions"] > 0
+    _check_rank_stats(result["stats"])
 
 
 def _config_only(tmp_path, **overrides) -> str:
