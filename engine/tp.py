@@ -307,7 +307,9 @@ class Leader:
             self._fail(f"sending a step failed: {exc}")
 
     def rank_stats(self) -> list[dict[str, Any]]:
-        """Every rank's graph counts and fallbacks, rank 0 first."""
+        """Every rank's graph counts and fallbacks, rank 0 first (none once closed)."""
+        if self.closed:
+            return []
         group = self._group()
         self.check_workers()
         group.header.zero_()

@@ -68,6 +68,8 @@ class CausalLM(nn.Module):
         start, real, rows = vocab_range(config.vocab_size, tp)  # vocab-parallel, like the embedding
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, rows, False, config.dtype, parts=(Part(None, real, config.vocab_size, start),))
+        if self.lm_head is not None and rows > real:
+            self.lm_head.weight.data[real:].zero_()  # padding rows: their logits are cut off after the gather
 
     def build_decoder(self, config: ModelConfig) -> nn.Module:
         raise NotImplementedError

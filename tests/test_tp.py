@@ -200,3 +200,53 @@ def test_tp_bench_times_one_and_two_ranks_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["median_ms"] > 0 and r["floor_ms"] is None for r in report.rows)
     assert [r["collectives"] for r in report.rows] == [0, 0, 5, 5]  # 2 layers x 2 + the embedding
     assert report.meta["engine_stats_tp2"]["ranks"][1]["modes"] == report.meta["engine_stats_tp2"]["modes"]
+
+
+def test_each_rank_reads_only_its_shards_and_they_tile_the_full_weights(saved, monkeypatch):
+    """Sharded loading without processes (the group is only used in forward): rank r's parameters
+    are its slices of the one-rank model's, and the bytes it reads from the file are about 1/N of
+    the split tensors (the replicated KV head, norms and biases are read whole)."""
+    import models
+    from models import loader
+    from models.parallel import TensorParallel
+    full = dict(models.from_pretrained(saved["llama"]).named_parameters())
+    read_elements = []
+    original = loader.iter_checkpoint
+
+    class Spy:
+        def __init__(self, source):
+            self.source = source
+
+        def get_shape(self):
+            return self.source.get_shape()
+
+        def __getitem__(self, index):
+            tensor = self.source[index]
+            read_elements[-1] += tensor.numel()
+            return tensor
+
+    monkeypatch.setattr(loader, "iter_checkpoint", lambda d: ((n, Spy(s)) for n, s in original(d)))
+    shards = []
+    for rank in range(2):
+        read_elements.append(0)
+        model = models.from_pretrained(saved["llama"], tp=TensorParallel(rank, 2, group=object()))
+        shards.append(dict(model.named_parameters()))
+    total = sum(p.numel() for p in full.values())
+    assert all(0.45 * total < n < 0.65 * total for n in read_elements), (read_elements, total)
+    d = 16  # head_dim: 4 heads of 64
+    for name, weight in full.items():
+        a, b = shards[0][name], shards[1][name]
+        if ".qkv_proj." in name:  # q rows (and bias) split by head; the single KV head on both ranks
+            q, k, v = weight.split([4 * d, d, d])
+            for rank, shard in enumerate((a, b)):
+                assert torch.equal(shard, torch.cat([q[rank * 2 * d:(rank + 1) * 2 * d], k, v]))
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = weight.chunk(2)
+            for rank, shard in enumerate((a, b)):
+                assert torch.equal(shard, torch.cat([gate[rank * 48:(rank + 1) * 48], up[rank * 48:(rank + 1) * 48]]))
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat([a, b], dim=1), weight)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):  # 97 rows: 49 + 48 and a zero row
+            assert torch.equal(torch.cat([a, b[:48]]), weight) and not b[48].any()
+        else:  # norms and the o_proj bias: replicated
+            assert torch.equal(a, weight) and torch.equal(b, weight), name
