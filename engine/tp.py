@@ -29,6 +29,8 @@ import datetime
 import logging
 import os
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -74,17 +76,21 @@ def launch(config: EngineConfig, model: Any) -> tuple[Leader, EngineConfig]:
         if cuda and local_rank >= torch.cuda.device_count():  # ranks may span nodes: count this node's
             raise ConfigError(f"EngineConfig.tensor_parallel_size={n}: local rank {local_rank} has no GPU "
                               f"(this node has {torch.cuda.device_count()} visible)")
-        _init_group(rank, n, local_rank, cuda, store=None)
+        owns_group = _init_group(rank, n, local_rank, cuda, store=None)
         rank_config = _rank_config(config, local_rank, cuda)
         if rank != 0:
-            follow(rank_config, str(model), rank)
+            follow(rank_config, str(model), rank, owns_group)
             sys.exit(0)
-        leader = Leader(rank_config, processes=[], errors=None)
+        leader = Leader(rank_config, processes=[], errors=None, owns_group=owns_group)
         atexit.register(leader.close)
         return leader, rank_config
     if cuda and n > torch.cuda.device_count():
         raise ConfigError(f"EngineConfig.tensor_parallel_size={n} exceeds the {torch.cuda.device_count()} "
                           "visible GPU(s) (one rank per GPU)")
+    if dist.is_initialized():
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={n}: this process already has a torch.distributed "
+                          "process group, so the engine cannot start its own ranks; launch with torchrun "
+                          "(its group is then used) or destroy the group first")
     import torch.multiprocessing as mp
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -96,13 +102,15 @@ def launch(config: EngineConfig, model: Any) -> tuple[Leader, EngineConfig]:
                               args=(rank, n, store.port, config, str(model), errors, torch.get_num_threads()))
         process.start()
         processes.append(process)
-    leader = Leader(_rank_config(config, 0, cuda), processes, errors)
+    leader = Leader(_rank_config(config, 0, cuda), processes, errors, owns_group=True)
     atexit.register(leader.close)  # an engine never closed still stops its workers at exit
     try:
         _init_group(0, n, 0, cuda, store)
     except Exception as exc:
         leader.close()
         raise TensorParallelError(f"tensor-parallel start-up failed: {exc}{leader.worker_report()}") from exc
+    if cuda:
+        leader.watch()
     return leader, leader.config
 
 
@@ -130,7 +138,16 @@ def _rank_config(config: EngineConfig, local_rank: int, cuda: bool) -> EngineCon
     return dataclasses.replace(config, device=device, show_progress=config.show_progress and local_rank == 0)
 
 
-def _init_group(rank: int, world: int, local_rank: int, cuda: bool, store: Any) -> None:
+def _init_group(rank: int, world: int, local_rank: int, cuda: bool, store: Any) -> bool:
+    """Join the default process group; False if the process already had one (torchrun scripts that
+    made their own), which is then used and left for its owner to destroy."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise ConfigError(f"EngineConfig.tensor_parallel_size={world} but the existing process group has "
+                              f"{dist.get_world_size()} ranks")
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        return False
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     kwargs: dict[str, Any] = {"backend": "nccl" if cuda else "gloo", "rank": rank, "world_size": world,
                               "timeout": timeout}
@@ -140,6 +157,7 @@ def _init_group(rank: int, world: int, local_rank: int, cuda: bool, store: Any) 
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)  # NCCL initialises now, not inside a capture
     dist.init_process_group(**kwargs)
+    return True
 
 
 def _spawned_rank(rank: int, world: int, port: int, config: EngineConfig, model: str, errors: Any,
@@ -151,7 +169,7 @@ def _spawned_rank(rank: int, world: int, port: int, config: EngineConfig, model:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                               timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         _init_group(rank, world, rank, cuda, store)
-        follow(_rank_config(config, rank, cuda), model, rank)
+        follow(_rank_config(config, rank, cuda), model, rank, owns_group=True)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
@@ -224,7 +242,7 @@ class _Group:
         return stats
 
 
-def follow(config: EngineConfig, model_path: str, rank: int) -> None:
+def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -> None:
     """A rank other than 0: build the same runtime as rank 0, then run each step it sends."""
     from engine.runtime import build_runtime
     group = _Group(config)
@@ -255,19 +273,46 @@ def follow(config: EngineConfig, model_path: str, rank: int) -> None:
                 meta = runner.buffers.metadata(num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
                                                bool(uniform))
             runner.run_staged(dispatch, meta, num_sampling, num_chunks)
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 class Leader:
     """Rank 0's handle on the group: sends each staged step, gathers stats, checks and stops workers."""
 
-    def __init__(self, config: EngineConfig, processes: list[Any], errors: Any) -> None:
+    def __init__(self, config: EngineConfig, processes: list[Any], errors: Any, owns_group: bool) -> None:
         self.config = config
         self.processes = processes  # spawned ranks 1..N-1 (empty under torchrun)
         self.errors = errors
+        self.owns_group = owns_group
         self.group: _Group | None = None
         self.failure: str | None = None
         self.closed = False
+        self._lock = threading.Lock()  # close() against the watcher's abort
+
+    def watch(self, interval_s: float = 1.0) -> None:
+        """On CUDA, a daemon thread that aborts the NCCL communicators when a spawned worker dies:
+        rank 0 may be blocked in a device sync on a collective that can no longer complete, and an
+        abort ends it in about interval_s instead of the collective timeout (after which NCCL's
+        watchdog would tear this process down)."""
+        def run() -> None:
+            while True:
+                time.sleep(interval_s)
+                with self._lock:
+                    if self.closed:
+                        return
+                    if all(p.is_alive() for p in self.processes):
+                        continue
+                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                    if abort is not None and dist.is_initialized():
+                        logger.error("tensor parallelism: a worker died; aborting the process group")
+                        try:
+                            abort()
+                        except Exception as exc:  # the step still fails, by check_workers or timeout
+                            logger.warning("tensor parallelism: abort failed: %s", exc)
+                    return
+
+        threading.Thread(target=run, name="tp-watch", daemon=True).start()
 
     @property
     def parallel(self):  # models.parallel.TensorParallel of rank 0
@@ -347,9 +392,10 @@ class Leader:
 
         The stop header and the group teardown run in daemon threads joined with a deadline: a rank
         stuck in a collective (rank 0 failed mid-step) must not make close(), or process exit, hang."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
         atexit.unregister(self.close)
         group = self.group
         # Only once attached are the other ranks sure to reach the control group's next header;
@@ -369,13 +415,12 @@ class Leader:
                 process.join(5.0)
         if group is not None:
             group.runtime = None  # the model and its KV pool are the engine's to free
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             _bounded(dist.destroy_process_group, JOIN_TIMEOUT_S, "leaving the tensor-parallel process group")
 
 
 def _bounded(fn: Any, seconds: float, what: str) -> None:
     """Run fn in a daemon thread; give up (with a warning) after `seconds`."""
-    import threading
     errors: list[BaseException] = []
 
     def target() -> None:
