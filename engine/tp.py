@@ -10,10 +10,8 @@ the KV pool size (the minimum over ranks: block tables are shared). Rank 0 retur
 every other rank follows steps until told to stop (a torchrun rank then exits its process).
 
 One step. Rank 0's ModelRunner stages the step into its static buffers, then `Leader.send_step`
-broadcasts a small header (its dispatch, metadata bounds and sizes) on a gloo control group and the
-staged buffer slices on the compute group; each follower receives them straight into its own static
-buffers and calls the same `ModelRunner.run_staged`, so it replays the same graphs (the all-reduces
-inside them pair up rank by rank). Logits are gathered on every rank; only rank 0 samples.
+sends it through the StepChannel (engine.tp_channel) and every other rank runs the same
+`ModelRunner.run_staged`. Logits are gathered on every rank; only rank 0 samples.
 
 Errors, not hangs. Collectives on the compute group time out after COLLECTIVE_TIMEOUT_S; the control
 group waits longer, because a follower legitimately waits there while the engine is idle. Rank 0
@@ -37,24 +35,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from custom_ops import RuntimeMode
 from engine.config import ConfigError, EngineConfig
 from engine.dispatch import BatchDescriptor, Dispatch
+from engine.tp_channel import MODES, STATS, STEP, StepChannel, TensorParallelError, follow
+
+__all__ = ["COLLECTIVE_TIMEOUT_S", "Leader", "TensorParallelError", "check_model_fits", "launch"]
 
 logger = logging.getLogger("engine")
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a step, or start-up's compile of one rank while the others wait
-CONTROL_TIMEOUT = datetime.timedelta(days=7)  # followers wait here for the next step of an idle engine
 JOIN_TIMEOUT_S = 30.0
-_STOP, _STEP, _STATS = 0, 1, 2
-_MODES = list(RuntimeMode)
-# header: op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-#         num_sampling, num_chunks
-_HEADER_LEN = 11
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank failed (died, raised, or a collective timed out); the engine is unusable."""
 
 
 def launch(config: EngineConfig, model: Any) -> tuple[Leader, EngineConfig]:
@@ -175,108 +165,6 @@ def _spawned_rank(rank: int, world: int, port: int, config: EngineConfig, model:
         raise
 
 
-class _Group:
-    """What every rank shares: the compute group (the model's collectives, the staged buffers),
-    the control group (step headers, stats) and the header tensor."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        import models.parallel
-        self.config = config
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD)
-        self.header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        self.packed: torch.Tensor | None = None  # the staged buffers of one step, flat
-        self.runtime = None
-
-    def load_model(self, model_path: str) -> torch.nn.Module:
-        import models
-        device, dtype = self.config.device_and_dtype()
-        return models.from_pretrained(model_path, dtype=dtype, device=device, tp=self.parallel)
-
-    def min_over_ranks(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
-        return int(t.item())
-
-    def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int) -> list[torch.Tensor]:
-        b = self.runtime.runner.buffers
-        return [b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
-                b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs].view(-1),
-                b.logits_indices[:num_sampling]]
-
-    def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int) -> None:
-        """Rank 0's staged step into every rank's static buffers, packed into one broadcast (each
-        collective costs a round trip; the buffers keep their fixed addresses)."""
-        b = self.runtime.runner.buffers
-        if self.packed is None:
-            size = 3 * b.max_tokens + 3 * b.max_seqs + 1 + b.max_seqs * b.max_blocks_per_seq
-            self.packed = torch.empty(size, dtype=torch.int64, device=b.input_ids.device)
-        staged = self._staged(num_tokens, num_seqs, num_sampling)
-        packed = self.packed[:sum(t.numel() for t in staged)]
-        if self.rank == 0:
-            torch.cat(staged, out=packed)
-        dist.broadcast(packed, src=0)
-        if self.rank != 0:
-            offset = 0
-            for tensor in staged:
-                tensor.copy_(packed[offset:offset + tensor.numel()])
-                offset += tensor.numel()
-
-    def local_stats(self) -> dict[str, Any]:
-        """This rank's graph counts and fallbacks (LLM.stats()['ranks'])."""
-        runner = self.runtime.runner
-        graphs = runner.decode_graphs
-        stats: dict[str, Any] = {
-            "rank": self.rank,
-            "device": str(runner.device),
-            "modes": dict(runner.dispatcher.mode_counts),
-            "fallbacks": runner.dispatcher.fallbacks,
-            "fallback_reasons": dict(runner.dispatcher.fallback_counts),
-            "kv_blocks": self.runtime.kv_cache.num_blocks,
-            "decode_graphs": len(graphs.sizes) if graphs else 0,
-            "decode_graph_replays": graphs.replays if graphs else 0,
-        }
-        if self.runtime.backend is not None:
-            stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
-        return stats
-
-
-def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -> None:
-    """A rank other than 0: build the same runtime as rank 0, then run each step it sends."""
-    from engine.runtime import build_runtime
-    group = _Group(config)
-    model = group.load_model(model_path)
-    config = config.resolve(model.config.max_position_embeddings)
-    with torch.inference_mode():
-        group.runtime = build_runtime(model, config, group.min_over_ranks)
-        runner = group.runtime.runner
-        header = group.header
-        while True:
-            dist.broadcast(header, src=0, group=group.control)
-            (op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-             num_sampling, num_chunks) = header.tolist()
-            if op == _STOP:
-                break
-            if op == _STATS:
-                dist.gather_object(group.local_stats(), None, dst=0, group=group.control)
-                continue
-            dispatch = runner.dispatcher.dispatch(BatchDescriptor(num_tokens, bool(uniform)))
-            if dispatch.mode is not _MODES[mode] or dispatch.descriptor.num_tokens != num_padded:
-                raise TensorParallelError(
-                    f"rank {rank} dispatched a {num_tokens}-token step to {dispatch.mode.value} at "
-                    f"{dispatch.descriptor.num_tokens} tokens, rank 0 to {_MODES[mode].value} at {num_padded}: "
-                    "the ranks' graph sizes differ")
-            group.broadcast_buffers(num_padded, num_seqs, num_sampling)
-            meta = None
-            if dispatch.mode is not RuntimeMode.FULL:
-                meta = runner.buffers.metadata(num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-                                               bool(uniform))
-            runner.run_staged(dispatch, meta, num_sampling, num_chunks)
-    if owns_group:
-        dist.destroy_process_group()
-
-
 class Leader:
     """Rank 0's handle on the group: sends each staged step, gathers stats, checks and stops workers."""
 
@@ -285,7 +173,7 @@ class Leader:
         self.processes = processes  # spawned ranks 1..N-1 (empty under torchrun)
         self.errors = errors
         self.owns_group = owns_group
-        self.group: _Group | None = None
+        self.group: StepChannel | None = None
         self.failure: str | None = None
         self.closed = False
         self._lock = threading.Lock()  # close() against the watcher's abort
@@ -318,9 +206,9 @@ class Leader:
     def parallel(self):  # models.parallel.TensorParallel of rank 0
         return self._group().parallel
 
-    def _group(self) -> _Group:
+    def _group(self) -> StepChannel:
         if self.group is None:
-            self.group = _Group(self.config)
+            self.group = StepChannel(self.config)
         return self.group
 
     def min_over_ranks(self, value: int) -> int:
@@ -342,7 +230,7 @@ class Leader:
             num_seqs, num_actual = meta.seq_lens.shape[0], meta.num_actual_tokens
             max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
         group.header.copy_(torch.tensor([
-            _STEP, batch.num_tokens, int(batch.uniform_decode), _MODES.index(dispatch.mode),
+            STEP, batch.num_tokens, int(batch.uniform_decode), MODES.index(dispatch.mode),
             dispatch.descriptor.num_tokens, num_seqs, num_actual, max_query_len, max_seq_len, num_sampling,
             num_chunks]))
         try:
@@ -358,7 +246,7 @@ class Leader:
         group = self._group()
         self.check_workers()
         group.header.zero_()
-        group.header[0] = _STATS
+        group.header[0] = STATS
         gathered: list[Any] = [None] * group.world_size
         try:
             dist.broadcast(group.header, src=0, group=group.control)
