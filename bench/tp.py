@@ -3,7 +3,7 @@
 Workloads, each through the engine's own API (LLM.step: schedule, staged-step broadcast, forward,
 sampling on rank 0), graphs on (decode graphs for the decode batches, piecewise graphs for the
 prefill size):
-  decode bs B   B requests with a CONTEXT-token prompt each, all decoding: median of the steps;
+  decode bs B   B requests with a `context`-token prompt each (512), all decoding: median of the steps;
   prefill T     one fresh T-token prompt (max_tokens=1): median of the steps.
 Weights are random (they time like real ones) but must come from a checkpoint, because every rank
 loads its own shards: the suite writes one per model once (a cache dir, INFER_BENCH_CACHE).
@@ -136,49 +136,65 @@ def measure_collectives_us(world: int, shapes: list[tuple[int, int, int, int]]) 
                 p.terminate()
 
 
-def _time_steps(llm, prompts: list[list[int]], max_tokens: int, skip: int) -> list[float]:
-    """Milliseconds of each engine step after the first `skip` (host wall time: each step ends
-    with the sampler's copy to the host, so it includes the GPU work)."""
+def _time_steps(llm, prompts: list[list[int]], max_tokens: int, keep) -> list[float]:
+    """Milliseconds of each engine step that `keep()` (asked after the step) accepts; host wall
+    time: each step ends with the sampler's copy to the host, so it includes the GPU work."""
     from engine import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for prompt in prompts:
         llm.add_request(prompt, params)
-    times, n = [], 0
+    times = []
     while llm.has_unfinished_requests():
         start = time.perf_counter()
         llm.step()
-        if n >= skip:
-            times.append((time.perf_counter() - start) * 1e3)
-        n += 1
+        ms = (time.perf_counter() - start) * 1e3
+        if keep():
+            times.append(ms)
     return times
 
 
-def _prefill_steps(batch: int, budget: int) -> int:
-    """Steps until `batch` CONTEXT-token prompts are all prefilled (and one more)."""
-    return -(-batch * CONTEXT // budget) + 1
+def _decode_tokens(batch: int, context: int, budget: int, iters: int) -> int:
+    """max_tokens per decode request: the prefill steps (decodes share the token budget, so up to
+    twice ceil(batch * context / budget)), then at least `iters` steps with the whole batch decoding."""
+    return 2 * -(-batch * context // budget) + 2 + iters
 
 
-def _workloads(llm, batches, tokens, vocab: int, iters: int) -> dict[str, float]:
+def _workloads(llm, batches, tokens, context: int, vocab: int, iters: int) -> dict[str, float]:
     """Median step ms per workload name."""
     gen = torch.Generator().manual_seed(0)
+    graphs = llm.runtime.runner.decode_graphs
 
     def prompt(n: int) -> list[int]:
         return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
     results = {}
     for b in batches:
-        # prefills take ceil(b * CONTEXT / budget) steps; then b decodes a step
-        skip = _prefill_steps(b, llm.config.max_num_batched_tokens)
-        times = _time_steps(llm, [prompt(CONTEXT) for _ in range(b)], skip + iters, skip)
-        results[f"decode bs{b} ctx{CONTEXT}"] = statistics.median(times[:iters])
+        max_tokens = _decode_tokens(b, context, llm.config.max_num_batched_tokens, iters)
+        if graphs is not None:  # exactly the steps that replayed the batch-b decode graph
+            seen = [graphs.replays_by_size[b]]
+
+            def keep() -> bool:
+                replayed, seen[0] = graphs.replays_by_size[b] > seen[0], graphs.replays_by_size[b]
+                return replayed
+        else:  # CPU: the steps after the prefills
+            count = [0]
+
+            def keep() -> bool:
+                count[0] += 1
+                return count[0] > max_tokens - iters
+        times = _time_steps(llm, [prompt(context) for _ in range(b)], max_tokens, keep)
+        results[f"decode bs{b} ctx{context}"] = statistics.median(times[:iters])
     for t in tokens:
-        times = [_time_steps(llm, [prompt(t)], 1, 0)[0] for _ in range(iters)]
+        times = [_time_steps(llm, [prompt(t)], 1, lambda: True)[0] for _ in range(iters)]
         results[f"prefill {t}"] = statistics.median(times[2:] or times)  # fresh prompts: no prefix hits
     return results
 
 
-def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZES, **_: object) -> Report:
+def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZES, context: int = CONTEXT,
+        contexts=None, **_: object) -> Report:
+    """`contexts` (the command line's --contexts): its first value is the decode context."""
     from engine import LLM
+    context = parse_ints(contexts, (context,))[0]
     batches = parse_ints(batches, BATCHES)
     tokens = parse_ints(tokens, PREFILL_TOKENS)
     on_cuda = torch.cuda.is_available()
@@ -193,7 +209,7 @@ def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZE
     max_batch, max_tokens = max(batches), max(tokens)
     budget = max(max_tokens, max_batch)
     engine_args = dict(max_num_seqs=max_batch, max_num_batched_tokens=budget,
-                       max_model_len=CONTEXT + _prefill_steps(max_batch, budget) + iters + 8,
+                       max_model_len=context + _decode_tokens(max_batch, context, budget, iters) + 8,
                        decode_graph_sizes=tuple(batches),
                        show_progress=False)
     if on_cuda:
@@ -210,9 +226,9 @@ def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZE
             shard = model_cost(llm.model)
             num_collectives = 1 + sum(1 for m in llm.model.modules() if getattr(m, "input_shard", None))
             llm_vocab_rows = llm.model.model.embed_tokens.weight.shape[0]
-            per_workload = {**{f"decode bs{b} ctx{CONTEXT}": b for b in batches},
+            per_workload = {**{f"decode bs{b} ctx{context}": b for b in batches},
                             **{f"prefill {t}": t for t in tokens}}
-            measured = _workloads(llm, batches, tokens, config["vocab_size"], iters)
+            measured = _workloads(llm, batches, tokens, context, config["vocab_size"], iters)
             report.meta[f"engine_stats_tp{n}"] = {k: v for k, v in llm.stats().items() if k != "backend"}
         finally:
             llm.close()
@@ -230,7 +246,7 @@ def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZE
             floor = None
             if ceilings is not None:
                 if name.startswith("decode"):
-                    floor = decode_floor_ms(shard, t, CONTEXT + 1, ceilings.copy_bytes_per_s)
+                    floor = decode_floor_ms(shard, t, context + 1, ceilings.copy_bytes_per_s)
                 else:
                     floor = prefill_floor_ms(shard, t, ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s)
                 floor += collective_us.get(name, 0.0) / 1e3

@@ -194,9 +194,9 @@ def test_a_built_model_cannot_be_split_and_the_size_must_be_positive(saved):
 def test_tp_bench_times_one_and_two_ranks_on_the_cpu(tmp_path, monkeypatch):
     from bench import tp as tp_bench
     monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
-    report = tp_bench.run("tiny-llama", batches="1", tokens="16", iters=2)
+    report = tp_bench.run("tiny-llama", batches="1", tokens="16", iters=2, context=16)
     assert [(r["tp"], r["workload"]) for r in report.rows] == [
-        (1, "decode bs1 ctx512"), (1, "prefill 16"), (2, "decode bs1 ctx512"), (2, "prefill 16")]
+        (1, "decode bs1 ctx16"), (1, "prefill 16"), (2, "decode bs1 ctx16"), (2, "prefill 16")]
     assert all(r["median_ms"] > 0 and r["floor_ms"] is None for r in report.rows)
     assert [r["collectives"] for r in report.rows] == [0, 0, 5, 5]  # 2 layers x 2 + the embedding
     assert report.meta["engine_stats_tp2"]["ranks"][1]["modes"] == report.meta["engine_stats_tp2"]["modes"]
