@@ -223,9 +223,8 @@ class Leader:
                   num_chunks: int) -> None:
         group = self._group()
         self.check_workers()
-        if meta is None:  # FULL: the decode graph reads num_padded one-token rows
-            num_seqs = num_actual = max_query_len = max_seq_len = 0
-            num_seqs = dispatch.descriptor.num_tokens
+        if meta is None:  # FULL: the decode graph reads num_padded one-token rows; no metadata
+            num_seqs, num_actual, max_query_len, max_seq_len = dispatch.descriptor.num_tokens, 0, 0, 0
         else:
             num_seqs, num_actual = meta.seq_lens.shape[0], meta.num_actual_tokens
             max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
