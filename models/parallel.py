@@ -27,6 +27,8 @@ from models.errors import UnsupportedConfigError
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """A rank's place in its tensor-parallel group and the collectives the layers call; the default
+    (one rank, no group) makes every collective the identity."""
     rank: int = 0
     world_size: int = 1
     group: Any = field(default=None, compare=False)  # torch.distributed ProcessGroup when world_size > 1
@@ -50,7 +52,7 @@ class TensorParallel:
             return x
         from torch.distributed import _functional_collectives as funcol
         rows, cols = x.shape
-        # all_gather_single is the newer name (torch 2.13 deprecates all_gather_tensor, 2.11 lacks it)
+        # all_gather_single is the newer name (torch 2.13 deprecates all_gather_tensor for it)
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
         gathered = gather(x.contiguous(), 0, self.group)  # [world * N, C]
         return gathered.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, self.world_size * cols)
