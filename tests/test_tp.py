@@ -124,6 +124,24 @@ def test_gemma3_on_two_ranks_matches_and_a_worker_that_dies_makes_the_engine_rai
         assert time.monotonic() - start < 10
 
 
+def test_a_worker_that_raises_makes_the_engine_raise_with_its_traceback(saved):
+    """Ranks whose graph sizes disagree would run different collectives and hang; the follower
+    checks the dispatch rank 0 sent, raises, and rank 0 reports that traceback."""
+    from engine.dispatch import Dispatcher
+    llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2)
+    try:
+        # rank 0 now pads a 3-token step to a piece size of 8; rank 1 still runs it unpadded
+        llm.runtime.runner.dispatcher = Dispatcher((), (8,), piecewise_graphs_wanted=True)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"(?s)rank 1 raised:.*rank 1 dispatched a 3-token step"):
+            llm.generate([[1, 2, 3]], PARAMS)
+        assert time.monotonic() - start < 10
+        with pytest.raises(TensorParallelError):  # the engine stays failed, it does not hang
+            llm.generate([[1, 2, 3]], PARAMS)
+    finally:
+        llm.close()
+
+
 _TORCHRUN_SCRIPT = """
 import json, sys
 import torch
