@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix")
+SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
                         "e2e: default 1,16,64")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096)")
-    parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048)")
+    parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")
     parser.add_argument("--prompt-len", type=int, help="e2e: prompt tokens per request (default 512)")

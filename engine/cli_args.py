@@ -52,6 +52,8 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="what the decode graphs record: one unsplit Inductor graph, or the split pieces")),
     "--no-async-scheduling": _set("async_scheduling", False, "synchronous step loop: the host reads each "
                                   "step's tokens before scheduling the next (debugging)"),
+    "--tensor-parallel-size": ("tensor_parallel_size", dict(
+        type=int, help="ranks (GPUs) to split the model over; spawned, or torchrun's processes")),
     "--no-progress": _set("show_progress", False, "no progress bar during graph capture"),
 }
 

@@ -61,6 +61,7 @@ class EngineConfig:
     # inside (fusions cross layers; a second compile of the model), or "piecewise" the split pieces
     full_graph_compile: str = "unsplit"
     show_progress: bool = True             # tqdm bar during graph capture
+    tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.tp
 
     def __post_init__(self) -> None:
         self._validate()
@@ -93,6 +94,7 @@ class EngineConfig:
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
         _check(self.full_graph_compile in _FULL_GRAPH_COMPILES, "full_graph_compile", self.full_graph_compile,
                f"one of {', '.join(_FULL_GRAPH_COMPILES)}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):
             sizes = getattr(self, name)
             if sizes is None:

@@ -62,13 +62,18 @@ class LLM:
             config_fields.setdefault("dtype", str(weight.dtype).removeprefix("torch."))
             config_fields.setdefault("device", str(weight.device))
         config = EngineConfig.from_kwargs(name, **config_fields)
+        self.tp = None  # engine.tp.Leader under tensor parallelism (this process is rank 0)
+        if config.tensor_parallel_size > 1:
+            from engine.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
+            self.tp, config = launch(config, model)
         if not isinstance(model, str):
             _check_built_model(weight, config)
         device, dtype = config.device_and_dtype()
         timeline.device = torch.device(device)
         if isinstance(model, str):
             with timeline.phase("load"):
-                model = models.from_pretrained(model, dtype=dtype, device=device)
+                model = models.from_pretrained(model, dtype=dtype, device=device,
+                                               **({"tp": self.tp.parallel} if self.tp else {}))
             logger.info("loaded %s", name)
         if tokenizer is None and (config.tokenizer is not None or model_dir is not None):
             with timeline.phase("tokenizer"):
@@ -81,7 +86,10 @@ class LLM:
         self.model_config = model.config
         self.config = config.resolve(model.config.max_position_embeddings)
         with torch.inference_mode():
-            self.runtime = build_runtime(model, self.config, timeline)
+            self.runtime = build_runtime(model, self.config, timeline,
+                                         self.tp.min_over_ranks if self.tp else None)
+        if self.tp:
+            self.tp.attach(self.runtime)
         try:
             self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                        self.config.max_num_batched_tokens, self.config.max_model_len,
@@ -261,6 +269,8 @@ class LLM:
             self._overlap.drain()  # no graph or pool is freed under a step still running
         self._final_stats = self.stats()
         self._closed = True
+        if self.tp is not None:
+            self.tp.close()  # the other ranks first: they may be waiting for this rank's next step
         runtime, self.runtime = self.runtime, None
         self._requests.clear()
         self._unreported.clear()
@@ -332,6 +342,8 @@ class LLM:
                                        else "piecewise" if graphs else None)
         if self.runtime.full_backend is not None:
             stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
+        if self.tp is not None:
+            stats["ranks"] = self.tp.rank_stats()  # graph counts and fallbacks of every rank
         return stats
 
 

@@ -110,21 +110,34 @@ class ModelRunner:
         self.decode_graphs = None  # engine.decode_graphs.DecodeGraphs, once captured
         self.kv_caches: dict[str, torch.Tensor] = {}  # layer name -> this engine's cache (engine.kv_cache)
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
+        # Tensor parallelism (engine.tp): on rank 0, called with each staged step so the other ranks
+        # stage the same buffers and run the same forward.
+        self.on_staged: Callable[..., None] | None = None
 
     def execute(self, out: SchedulerOutput, pool: BlockPool,
                 write_inputs: Callable[[torch.Tensor], None] | None = None) -> StepResult:
         """`write_inputs(input_ids)`: called once the static buffers hold the step and before the
         forward or graph replay, to write input ids that live on the device (engine.overlap)."""
-        dispatch = self.dispatcher.dispatch(BatchDescriptor(out.num_tokens, out.is_uniform_decode))
+        batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode)
+        dispatch = self.dispatcher.dispatch(batch)
         full = dispatch.mode is RuntimeMode.FULL
         num_padded = dispatch.descriptor.num_tokens
         meta, num_sampling = self._prepare(out, pool, num_padded, full)
         if write_inputs is not None:
             write_inputs(self.buffers.input_ids)
+        if self.on_staged is not None:  # after write_inputs: the other ranks receive the real ids
+            self.on_staged(batch, dispatch, meta, num_sampling, len(out.chunks))
+        return self.run_staged(dispatch, meta, num_sampling, len(out.chunks))
+
+    def run_staged(self, dispatch: Dispatch, meta: AttentionMetadata | None, num_sampling: int,
+                   num_chunks: int) -> StepResult:
+        """Run a step whose values are already in the static buffers (what every TP rank runs)."""
+        full = dispatch.mode is RuntimeMode.FULL
+        num_padded = dispatch.descriptor.num_tokens
         rows = self.buffers.logits_indices[:num_sampling]  # under FULL, a token's row is its chunk's
         if full:
-            logits = self.decode_graphs.replay(num_padded, len(out.chunks))
-            if num_sampling != len(out.chunks):  # a 1-token chunk short of its request's end samples nothing
+            logits = self.decode_graphs.replay(num_padded, num_chunks)
+            if num_sampling != num_chunks:  # a 1-token chunk short of its request's end samples nothing
                 logits = logits[rows]
             return StepResult(logits, dispatch)
         hidden = self.run_forward(meta, dispatch.mode, num_padded)

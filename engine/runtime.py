@@ -92,7 +92,10 @@ class Runtime:
             self.pool = None
 
 
-def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline | None = None) -> Runtime:
+def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline | None = None,
+                  min_over_ranks: Callable[[int], int] | None = None) -> Runtime:
+    """`min_over_ranks`: under tensor parallelism, the minimum of a value over the ranks, so every
+    rank's KV pool has the same number of blocks (the block tables are shared)."""
     timeline = timeline or StartupTimeline()
     device = torch.device(config.device)
     timeline.device = device
@@ -123,7 +126,7 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
                  full_compiled=full_compiled, pool=pool)
     try:
-        _build(rt, model, config, timeline)
+        _build(rt, model, config, timeline, min_over_ranks)
     except BaseException:
         rt.close()  # a failed start-up leaves nothing behind either
         del rt
@@ -133,7 +136,8 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
     return rt
 
 
-def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline) -> None:
+def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline,
+           min_over_ranks: Callable[[int], int] | None) -> None:
     runner, kv_cache, sampler, backend = rt.runner, rt.kv_cache, rt.sampler, rt.backend
     device = runner.device
     min_blocks = -(-config.max_model_len // config.block_size) + 1  # one full-length request + scratch
@@ -143,6 +147,8 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
             if num_blocks is None:
                 num_blocks = max(min_blocks, min(kv_cache.blocks_for_memory(CPU_KV_BYTES),
                                                  config.max_num_seqs * (min_blocks - 1) + 1))
+            if min_over_ranks is not None:
+                num_blocks = min_over_ranks(num_blocks)
             _check_blocks(num_blocks, min_blocks, config)
             kv_cache.allocate(num_blocks)
             rt.block_pool = BlockPool(num_blocks, config.block_size)
@@ -175,6 +181,8 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
                     f"GiB but only {max(spare, 0) / 2**30:.2f} GiB is left after weights, warm-up peak and graphs")
         else:
             num_blocks = kv_cache.blocks_for_memory(spare * config.kv_memory_fraction)
+        if min_over_ranks is not None:
+            num_blocks = min_over_ranks(num_blocks)
         _check_blocks(num_blocks, min_blocks, config)
         kv_cache.allocate(num_blocks)
         memory["kv_pool_bytes"] = kv_cache.pool_bytes

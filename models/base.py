@@ -14,6 +14,7 @@ from torch import nn
 from custom_ops import unique_prefix
 from models.config import ModelConfig, RopeParams
 from models.layers import Embedding, Linear, RotaryEmbedding, init_random_
+from models.parallel import SINGLE, Part, TensorParallel, vocab_range
 
 
 class DecoderModel(nn.Module):
@@ -26,9 +27,10 @@ class DecoderModel(nn.Module):
     def __init__(
         self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module,
         ropes: tuple[RopeParams, ...], layer_rope: list[int], embed_scale: float | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.dtype)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.dtype, tp)
         # transformers multiplies by the scale rounded to the weight dtype; a buffer (not a Python
         # float) keeps that rounding when the model is cast with .to(dtype).
         self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(
@@ -54,15 +56,20 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     name_stem = "model_"  # layer-name prefix stem; subclasses name their architecture
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank's place in a tensor-parallel group; the model then holds only its shards."""
         super().__init__()
         self.config = config
+        self.tp = tp
         # A fresh prefix per instance: two models in one process never share an attention layer's
         # registry entry (its constants; KV caches belong to engines and travel in the forward context).
         self.layer_prefix = unique_prefix(self.name_stem)
         self.model = self.build_decoder(config)
+        start, real, rows = vocab_range(config.vocab_size, tp)  # vocab-parallel, like the embedding
         self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, False, config.dtype)
+            config.hidden_size, rows, False, config.dtype, parts=(Part(None, real, config.vocab_size, start),))
+        if self.lm_head is not None and rows > real:
+            self.lm_head.weight.data[real:].zero_()  # padding rows: their logits are cut off after the gather
 
     def build_decoder(self, config: ModelConfig) -> nn.Module:
         raise NotImplementedError
@@ -80,7 +87,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        # Each rank computes its vocabulary shard's logits; the gather gives every rank the whole row
+        # (only rank 0 samples) and drops the padding rows of the last shard.
+        logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, :self.config.vocab_size]
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

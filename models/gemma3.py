@@ -15,6 +15,7 @@ from torch import nn
 from models.base import CausalLM, DecoderModel
 from models.config import SLIDING, ModelConfig
 from models.layers import Attention, GatedMLP, RMSNorm
+from models.parallel import TensorParallel
 
 
 def _norm(config: ModelConfig) -> RMSNorm:
@@ -22,15 +23,15 @@ def _norm(config: ModelConfig) -> RMSNorm:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_name: str, layer_type: str) -> None:
+    def __init__(self, config: ModelConfig, layer_name: str, layer_type: str, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = _norm(config)
         self.self_attn = Attention(
             config, layer_name, sliding_window=config.sliding_window if layer_type == SLIDING else None,
-            qk_norm=True, unit_offset_norm=True)
+            qk_norm=True, unit_offset_norm=True, tp=tp)
         self.post_attention_layernorm = _norm(config)
         self.pre_feedforward_layernorm = _norm(config)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config, tp)
         self.post_feedforward_layernorm = _norm(config)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -42,9 +43,10 @@ class Gemma3ForCausalLM(CausalLM):
     name_stem = "gemma3_"
 
     def build_decoder(self, config: ModelConfig) -> nn.Module:
-        layers = [Gemma3DecoderLayer(config, self.layer_name(i), kind) for i, kind in enumerate(config.layer_types)]
+        layers = [Gemma3DecoderLayer(config, self.layer_name(i), kind, self.tp)
+                  for i, kind in enumerate(config.layer_types)]
         # Table 0 for global layers, table 1 (the sliding layers' own base frequency) for sliding ones.
         return DecoderModel(
             config, layers, _norm(config), ropes=(config.rope, config.rope_local or config.rope),
             layer_rope=[1 if kind == SLIDING else 0 for kind in config.layer_types],
-            embed_scale=config.hidden_size ** 0.5)
+            embed_scale=config.hidden_size ** 0.5, tp=self.tp)

@@ -1,6 +1,11 @@
 """The pieces Llama, Qwen3 and Gemma 3 share: linear/embedding, RMSNorm, rotary embedding, gated MLP,
 and the attention block that calls `torch.ops.infer.attention`.
 
+Under tensor parallelism (`tp`, models.parallel) each layer holds its rank's shard: `qkv_proj` and
+`gate_up_proj` their rank's heads / intermediate columns, `o_proj` and `down_proj` their rank's input
+features (summed by one all-reduce), the embedding its vocabulary rows. `parts` records which
+checkpoint rows each shard reads, for the loader.
+
 Everything here is graph-capture friendly: no host syncs, no data-dependent control flow, and every
 per-step quantity is a tensor op on the inputs (rope reads a precomputed cos/sin table by position).
 """
@@ -13,28 +18,56 @@ from torch import nn
 import custom_ops  # noqa: F401  (registers torch.ops.infer.attention)
 from custom_ops import AttentionLayer, register_attention_layer
 from models.config import ModelConfig, RopeParams
+from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
 
 
 class Linear(nn.Module):
     """nn.Linear without the random init: checkpoints overwrite every weight, and init of a multi-GB
-    model costs seconds; `init_random_` fills weights when a model is built from a config only."""
+    model costs seconds; `init_random_` fills weights when a model is built from a config only.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    Column-parallel: out_features is this rank's share and `parts` says which checkpoint rows fill
+    it. Row-parallel (`input_parallel=True`): in_features is the full size, this rank holds
+    in_features / world_size of it, and the partial products are summed across ranks before the
+    (replicated) bias is added once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, *,
+                 parts: tuple[Part, ...] | None = None, tp: TensorParallel = SINGLE,
+                 input_parallel: bool = False) -> None:
         super().__init__()
+        self.tp = tp
+        self.parts = parts
+        self.input_shard: tuple[int, int] | None = None  # (full in_features, first column) when row-parallel
+        if input_parallel and tp.world_size > 1:
+            check_divides(tp.world_size, in_features, "the input size of a row-parallel projection")
+            local = in_features // tp.world_size
+            self.input_shard = (in_features, tp.rank * local)
+            in_features = local
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.input_shard is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
+    """A vocab-parallel embedding: this rank holds token rows [vocab_start, vocab_start + real rows)
+    (all of them with one rank); rows allocated past the vocabulary stay zero."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype))
+        self.tp = tp
+        self.vocab_start, real, rows = vocab_range(num_embeddings, tp)
+        self.parts = (Part(None, real, num_embeddings, self.vocab_start),)
+        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype))
+        if rows > real:
+            self.weight.data[real:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return vocab_parallel_embedding(ids, self.weight, self.vocab_start, self.tp)
 
 
 class RMSNorm(nn.Module):
@@ -86,11 +119,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, config.dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, config.dtype)
+        full = config.intermediate_size
+        check_divides(tp.world_size, full, "intermediate_size")
+        self.intermediate_size = local = full // tp.world_size
+        start = tp.rank * local
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * local, config.mlp_bias, config.dtype, tp=tp,
+            parts=(Part("gate_proj", local, full, start), Part("up_proj", local, full, start)))
+        self.down_proj = Linear(full, config.hidden_size, config.mlp_bias, config.dtype, tp=tp, input_parallel=True)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,23 +146,30 @@ class Attention(nn.Module):
 
     def __init__(
         self, config: ModelConfig, layer_name: str, *, sliding_window: int | None,
-        qk_norm: bool, unit_offset_norm: bool = False,
+        qk_norm: bool, unit_offset_norm: bool = False, tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.layer_name = layer_name
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        split = HeadSplit.of(config.num_heads, config.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = split.num_heads, split.num_kv_heads, config.head_dim
+        d = config.head_dim
+        self.q_size = split.num_heads * d
+        self.kv_size = split.num_kv_heads * d
+        q_full, kv_full = config.num_heads * d, config.num_kv_heads * d
         self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, config.dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.attention_bias, config.dtype)
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, config.dtype, tp=tp,
+            parts=(Part("q_proj", self.q_size, q_full, split.q_start * d),
+                   Part("k_proj", self.kv_size, kv_full, split.kv_start * d),
+                   Part("v_proj", self.kv_size, kv_full, split.kv_start * d)))
+        self.o_proj = Linear(q_full, config.hidden_size, config.attention_bias, config.dtype, tp=tp,
+                             input_parallel=True)
         if qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype, unit_offset_norm)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype, unit_offset_norm)
         else:
             self.q_norm = self.k_norm = None
         register_attention_layer(layer_name, AttentionLayer(
-            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            num_heads=split.num_heads, num_kv_heads=split.num_kv_heads, head_dim=config.head_dim,
             scale=config.attention_scale, sliding_window=sliding_window,
             logit_softcap=config.attn_logit_softcap), owner=self)  # the entry goes with this module
 

@@ -8,15 +8,16 @@ from models.base import CausalLM, DecoderModel
 from models.config import ModelConfig
 from models.errors import UnsupportedConfigError
 from models.layers import Attention, GatedMLP, RMSNorm
+from models.parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_name: str, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, layer_name: str, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.self_attn = Attention(config, layer_name, sliding_window=None, qk_norm=qk_norm)
+        self.self_attn = Attention(config, layer_name, sliding_window=None, qk_norm=qk_norm, tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config, tp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -32,6 +33,8 @@ class LlamaForCausalLM(CausalLM):
             raise UnsupportedConfigError(
                 f"{config.architecture} with sliding-window layers (use_sliding_window / layer_types) "
                 "is not implemented; only Gemma3ForCausalLM has sliding layers here")
-        layers = [LlamaDecoderLayer(config, self.layer_name(i), self.qk_norm) for i in range(config.num_layers)]
+        layers = [LlamaDecoderLayer(config, self.layer_name(i), self.qk_norm, self.tp)
+                  for i in range(config.num_layers)]
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        return DecoderModel(config, layers, norm, ropes=(config.rope,), layer_rope=[0] * config.num_layers)
+        return DecoderModel(config, layers, norm, ropes=(config.rope,), layer_rope=[0] * config.num_layers,
+                            tp=self.tp)

@@ -4,12 +4,14 @@ Checkpoint names are transformers' names. Ours are the same except for two fused
 is: `...self_attn.{q,k,v}_proj.*` -> row slices of `...self_attn.qkv_proj.*`, and
 `...mlp.{gate,up}_proj.*` -> row slices of `...mlp.gate_up_proj.*`. Every checkpoint tensor is
 checked against the slot it fills (name and shape), and every slot must be filled exactly once.
+Under tensor parallelism a slot is a shard: the loader reads only its rows or columns from the file.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -20,6 +22,7 @@ from models.config import ModelConfig, parse_dtype
 from models.errors import MissingWeightError, ModelPathError, UnexpectedWeightError, WeightShapeError
 from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.parallel import SINGLE, ShardSlice, TensorParallel
 from models.paths import resolve_model_path
 from models.qwen3 import Qwen3ForCausalLM
 
@@ -32,22 +35,25 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def build_model(config: ModelConfig, device: torch.device | str | None = None) -> CausalLM:
-    """The model for `config` on `device`, weights uninitialized (the caller fills them)."""
+def build_model(config: ModelConfig, device: torch.device | str | None = None,
+                tp: TensorParallel = SINGLE) -> CausalLM:
+    """The model for `config` on `device` (this rank's shards under `tp`), weights uninitialized
+    (the caller fills them)."""
     with torch.device(device or "cpu"):
-        return MODEL_CLASSES[config.architecture](config)
+        return MODEL_CLASSES[config.architecture](config, tp)
 
 
 def from_config(
     config: Any, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-    seed: int | None = None,
+    seed: int | None = None, tp: TensorParallel = SINGLE,
 ) -> CausalLM:
-    """Random init from a transformers config object or a config.json dict (or a ModelConfig)."""
+    """Random init from a transformers config object or a config.json dict (or a ModelConfig).
+    Under `tp` each rank draws its own shards (benchmarks; not the same model as one rank's)."""
     if isinstance(config, ModelConfig):
         model_config = config if dtype is None else dataclasses.replace(config, dtype=parse_dtype(dtype))
     else:
         model_config = ModelConfig.from_hf(config, dtype)
-    model = build_model(model_config, device)
+    model = build_model(model_config, device, tp)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.model.embed_tokens.weight.device).manual_seed(seed)
@@ -57,16 +63,17 @@ def from_config(
 
 def from_pretrained(
     path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """Load an HF-format dir (config.json + model.safetensors or a sharded index), a .gguf file,
-    or "default" (the real Gemma 3 270M, converted once to a cached dir)."""
+    or "default" (the real Gemma 3 270M, converted once to a cached dir). Under `tp` this rank
+    reads only its shards of each tensor (a GGUF file is dequantized whole once, then sliced)."""
     model_dir = Path(resolve_model_path(path))
     # Parsing the config fails on an unknown architecture before any weight is read.
     config = ModelConfig.from_hf(read_config(model_dir), dtype)
     eos_ids = tuple(dict.fromkeys(config.eos_token_ids + generation_eos_ids(model_dir)))
     config = dataclasses.replace(config, eos_token_ids=eos_ids)
-    model = build_model(config, device)
+    model = build_model(config, device, tp)
     load_weights(model, iter_checkpoint(model_dir))
     return model.eval()
 
@@ -114,70 +121,93 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
         "(only safetensors checkpoints are read)")
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every shard, read one at a time to bound host memory."""
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy tensor) for every tensor of every shard: safetensors slices that read from the
+    file only what is indexed, so a tensor-parallel rank reads just its shards and host memory stays
+    bounded by one tensor."""
     from safetensors import SafetensorError, safe_open
     for file in _checkpoint_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as reader:
                 for name in reader.keys():
-                    yield name, reader.get_tensor(name)
+                    yield name, reader.get_slice(name)
         except (OSError, SafetensorError) as exc:
             raise ModelPathError(f"cannot read checkpoint shard {file}: {exc}") from exc
 
 
-def weight_slots(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> the tensor (a parameter or a row slice of a fused one) it must fill."""
-    slots: dict[str, torch.Tensor] = {}
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor goes: `target` (a parameter or rows of a fused one) is filled from
+    `shard` of the checkpoint tensor (all of it, unless the model is tensor-parallel)."""
+    target: torch.Tensor
+    shard: ShardSlice
+
+
+def weight_slots(model: CausalLM) -> dict[str, Slot]:
+    """Checkpoint name -> the slot it fills (fused matmuls map several checkpoint names to row
+    ranges of one parameter; tensor-parallel layers name the rows or columns this rank reads)."""
+    slots: dict[str, Slot] = {}
     for name, param in model.named_parameters():
         data = param.data
         module_path, _, leaf = name.rpartition(".")
-        parent, _, proj = module_path.rpartition(".")
-        if proj == "qkv_proj":
-            attn = model.get_submodule(parent)
-            sizes = {"q_proj": attn.q_size, "k_proj": attn.kv_size, "v_proj": attn.kv_size}
-        elif proj == "gate_up_proj":
-            size = model.get_submodule(parent).intermediate_size
-            sizes = {"gate_proj": size, "up_proj": size}
+        parent, _, _ = module_path.rpartition(".")
+        module = model.get_submodule(module_path)
+        parts = getattr(module, "parts", None)
+        input_shard = getattr(module, "input_shard", None)
+        if input_shard is not None and leaf == "weight":  # row-parallel: this rank's input columns
+            full_in, start = input_shard
+            shard = ShardSlice((data.shape[0], full_in), 1, start, start + data.shape[1])
+            slots[name] = Slot(data, shard)
+        elif parts is None or (leaf == "bias" and input_shard is not None):
+            slots[name] = Slot(data, ShardSlice(tuple(data.shape)))
         else:
-            slots[name] = data
-            continue
-        start = 0
-        for part, size in sizes.items():
-            slots[f"{parent}.{part}.{leaf}"] = data[start:start + size]
-            start += size
+            offset = 0
+            for part in parts:
+                full_shape = (part.full_rows, *data.shape[1:])
+                whole = part.rows == part.full_rows
+                shard = ShardSlice(full_shape) if whole else ShardSlice(full_shape, 0, part.start, part.start + part.rows)
+                key = name if part.name is None else f"{parent}.{part.name}.{leaf}"
+                slots[key] = Slot(data[offset:offset + part.rows], shard)
+                offset += part.rows
     return slots
 
 
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
-    """Copy checkpoint tensors into the model, cast to its dtype; every slot must be filled once."""
+def _shape(source: Any) -> tuple[int, ...]:
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+
+
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[str, Any]) -> None:
+    """Copy checkpoint tensors into the model, cast to its dtype; every slot must be filled once.
+
+    A tensor is a torch.Tensor or a safetensors slice; only the part the slot holds is read."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     slots = weight_slots(model)
     filled: set[str] = set()
     arch = model.config.architecture
     with torch.no_grad():
-        for name, tensor in items:
+        for name, source in items:
             slot = slots.get(name)
+            shape = _shape(source)
             if slot is None:
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue  # a tied checkpoint may still carry the shared tensor; the embedding wins
                 raise UnexpectedWeightError(
-                    f"checkpoint weight {name!r} {tuple(tensor.shape)} has no place in {arch} "
+                    f"checkpoint weight {name!r} {shape} has no place in {arch} "
                     f"(check the config's architecture and tie_word_embeddings)")
             if name in filled:
                 raise UnexpectedWeightError(
                     f"checkpoint weight {name!r} appears more than once (in two shards?); "
                     "each weight must be stored exactly once")
-            if tuple(tensor.shape) != tuple(slot.shape):
+            if shape != slot.shard.full_shape:
                 raise WeightShapeError(
-                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"but {arch} expects {tuple(slot.shape)} (config and checkpoint disagree)")
-            slot.copy_(tensor)
+                    f"checkpoint weight {name!r} has shape {shape}, "
+                    f"but {arch} expects {slot.shard.full_shape} (config and checkpoint disagree)")
+            slot.target.copy_(source[slot.shard.index()])
             filled.add(name)
     missing = [name for name in slots if name not in filled]
     if missing:
-        shown = ", ".join(f"{n!r} {tuple(slots[n].shape)}" for n in missing[:8])
+        shown = ", ".join(f"{n!r} {slots[n].shard.full_shape}" for n in missing[:8])
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise MissingWeightError(f"checkpoint lacks {len(missing)} weight(s) {arch} needs: {shown}{more}")

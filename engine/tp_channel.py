@@ -1,0 +1,135 @@
+"""The step channel between tensor-parallel ranks: what rank 0 sends each step and how the others run it.
+
+Every rank holds a StepChannel: the compute group (the default process group: the model's
+collectives and the staged buffers) and a gloo control group for the small step header and stats.
+Rank 0's ModelRunner stages a step into its static buffers; the channel broadcasts the header (the
+step's size, dispatch and metadata bounds; on gloo, so followers read it on the host without a device
+sync) and the staged buffer slices packed into one tensor; each follower unpacks them into its own
+static buffers at their fixed addresses and calls the same ModelRunner.run_staged, so it replays the
+same graphs and its collectives pair up with rank 0's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from custom_ops import RuntimeMode
+from engine.config import EngineConfig
+from engine.dispatch import BatchDescriptor
+
+CONTROL_TIMEOUT = datetime.timedelta(days=7)  # followers wait here for the next step of an idle engine
+STOP, STEP, STATS = 0, 1, 2
+MODES = list(RuntimeMode)
+# header: op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
+#         num_sampling, num_chunks
+HEADER_LEN = 11
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed (died, raised, or a collective timed out); the engine is unusable."""
+
+
+class StepChannel:
+    """What every rank shares: the compute group (the model's collectives, the staged buffers),
+    the control group (step headers, stats) and the header tensor."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import models.parallel
+        self.config = config
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD)
+        self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        self.packed: torch.Tensor | None = None  # the staged buffers of one step, flat
+        self.runtime = None
+
+    def load_model(self, model_path: str) -> torch.nn.Module:
+        import models
+        device, dtype = self.config.device_and_dtype()
+        return models.from_pretrained(model_path, dtype=dtype, device=device, tp=self.parallel)
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int) -> list[torch.Tensor]:
+        b = self.runtime.runner.buffers
+        return [b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
+                b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs].view(-1),
+                b.logits_indices[:num_sampling]]
+
+    def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int) -> None:
+        """Rank 0's staged step into every rank's static buffers, packed into one broadcast (each
+        collective costs a round trip; the buffers keep their fixed addresses)."""
+        b = self.runtime.runner.buffers
+        if self.packed is None:
+            size = 3 * b.max_tokens + 3 * b.max_seqs + 1 + b.max_seqs * b.max_blocks_per_seq
+            self.packed = torch.empty(size, dtype=torch.int64, device=b.input_ids.device)
+        staged = self._staged(num_tokens, num_seqs, num_sampling)
+        packed = self.packed[:sum(t.numel() for t in staged)]
+        if self.rank == 0:
+            torch.cat(staged, out=packed)
+        dist.broadcast(packed, src=0)
+        if self.rank != 0:
+            offset = 0
+            for tensor in staged:
+                tensor.copy_(packed[offset:offset + tensor.numel()])
+                offset += tensor.numel()
+
+    def local_stats(self) -> dict[str, Any]:
+        """This rank's graph counts and fallbacks (LLM.stats()['ranks'])."""
+        runner = self.runtime.runner
+        graphs = runner.decode_graphs
+        stats: dict[str, Any] = {
+            "rank": self.rank,
+            "device": str(runner.device),
+            "modes": dict(runner.dispatcher.mode_counts),
+            "fallbacks": runner.dispatcher.fallbacks,
+            "fallback_reasons": dict(runner.dispatcher.fallback_counts),
+            "kv_blocks": self.runtime.kv_cache.num_blocks,
+            "decode_graphs": len(graphs.sizes) if graphs else 0,
+            "decode_graph_replays": graphs.replays if graphs else 0,
+        }
+        if self.runtime.backend is not None:
+            stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
+        return stats
+
+
+def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -> None:
+    """A rank other than 0: build the same runtime as rank 0, then run each step it sends."""
+    from engine.runtime import build_runtime
+    group = StepChannel(config)
+    model = group.load_model(model_path)
+    config = config.resolve(model.config.max_position_embeddings)
+    with torch.inference_mode():
+        group.runtime = build_runtime(model, config, min_over_ranks=group.min_over_ranks)
+        runner = group.runtime.runner
+        header = group.header
+        while True:
+            dist.broadcast(header, src=0, group=group.control)
+            (op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
+             num_sampling, num_chunks) = header.tolist()
+            if op == STOP:
+                break
+            if op == STATS:
+                dist.gather_object(group.local_stats(), None, dst=0, group=group.control)
+                continue
+            dispatch = runner.dispatcher.dispatch(BatchDescriptor(num_tokens, bool(uniform)))
+            if dispatch.mode is not MODES[mode] or dispatch.descriptor.num_tokens != num_padded:
+                raise TensorParallelError(
+                    f"rank {rank} dispatched a {num_tokens}-token step to {dispatch.mode.value} at "
+                    f"{dispatch.descriptor.num_tokens} tokens, rank 0 to {MODES[mode].value} at {num_padded}: "
+                    "the ranks' graph sizes differ")
+            group.broadcast_buffers(num_padded, num_seqs, num_sampling)
+            meta = None
+            if dispatch.mode is not RuntimeMode.FULL:
+                meta = runner.buffers.metadata(num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
+                                               bool(uniform))
+            runner.run_staged(dispatch, meta, num_sampling, num_chunks)
+    if owns_group:
+        dist.destroy_process_group()

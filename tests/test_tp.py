@@ -1,0 +1,270 @@
+"""Tensor parallelism on the CPU: 2 ranks over gloo give the same greedy tokens as one rank.
+
+Each architecture is a tiny random float32 transformers model saved with save_pretrained; the TP
+engine (rank 0 here, rank 1 a spawned process) loads its shards from that directory. The configs
+cover the three ways a weight is split: KV heads split (2 over 2 ranks) and replicated (1 KV head on
+2 ranks), a vocabulary that 2 does not divide (the last shard is padded), and biases on the
+row-parallel o_proj (added once, after the all-reduce). The engine's token budget and KV pool are so
+small that prefills are chunked and requests are preempted and recomputed. Spawning costs seconds
+on a small machine, so each architecture builds one TP engine: Llama and Gemma 3 with spawned ranks
+(Llama compiled), Qwen3 under torchrun (its processes are the ranks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, ConfigError, SamplingParams
+from engine.tp import TensorParallelError
+from tests.hf_helpers import random_hf_model
+
+COMMON = dict(max_position_embeddings=128, initializer_range=0.5, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+ARCHS = {
+    # one KV head: both ranks keep it (replicated); a vocabulary 2 does not divide; o_proj bias
+    "llama": (transformers.LlamaConfig, dict(vocab_size=97, num_hidden_layers=2, num_key_value_heads=1,
+                                             attention_bias=True)),
+    "qwen3": (transformers.Qwen3Config, dict(vocab_size=96, num_hidden_layers=2, num_key_value_heads=2,
+                                             head_dim=16, tie_word_embeddings=False)),
+    "gemma3": (transformers.Gemma3TextConfig, dict(vocab_size=96, num_hidden_layers=3, num_key_value_heads=2,
+                                                   head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                                                   sliding_window_pattern=2, final_logit_softcapping=30.0)),
+}
+PROMPTS = [[1, 5, 9, 13], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+           [1, 7], [1, 60, 61, 62, 63, 64, 65, 66, 67]]
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+# 8-token budget: the longer prompts are chunked; 11 usable blocks of 4 tokens cannot hold all four
+# requests as they grow, so some are preempted.
+SMALL = dict(device="cpu", block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8,
+             num_gpu_blocks=12)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for arch, (config_cls, kwargs) in ARCHS.items():
+        path = tmp_path_factory.mktemp(arch)
+        random_hf_model(config_cls(**COMMON, **kwargs), seed=11).save_pretrained(path)
+        out[arch] = str(path)
+    return out
+
+
+def _one_rank(path: str) -> list[list[int]]:
+    one = LLM(path, **SMALL)
+    try:
+        expected = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
+        assert one.stats()["preemptions"] > 0
+        return expected
+    finally:
+        one.close()
+
+
+def _check_rank_stats(stats: dict) -> None:
+    ranks = stats["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["modes"] == ranks[1]["modes"] == stats["modes"]  # every rank ran every step alike
+    assert ranks[0]["kv_blocks"] == ranks[1]["kv_blocks"] == SMALL["num_gpu_blocks"]
+
+
+def test_two_spawned_ranks_generate_the_same_greedy_tokens_as_one_compiled_llama(saved):
+    expected = _one_rank(saved["llama"])
+    torch._dynamo.reset()
+    # compiled: the all-reduces must stay inside the pieces (the graph splits only at attention)
+    llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2, compile=True, piece_compiler="eager")
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        stats = llm.stats()
+        assert stats["preemptions"] > 0
+        _check_rank_stats(stats)
+        num_layers = ARCHS["llama"][1]["num_hidden_layers"]
+        for rank in stats["ranks"]:
+            assert rank["backend"]["graphs_compiled"] == 1
+            assert rank["backend"]["splitting_pieces"] == num_layers
+            assert rank["backend"]["compute_pieces"] == num_layers + 1
+        processes = list(llm.tp.processes)
+    finally:
+        llm.close()
+    assert processes and all(not p.is_alive() for p in processes)
+
+
+def test_gemma3_on_two_ranks_matches_and_a_worker_that_dies_makes_the_engine_raise(saved):
+    expected = _one_rank(saved["gemma3"])
+    llm = LLM(saved["gemma3"], **SMALL, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        _check_rank_stats(llm.stats())
+        worker = llm.tp.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate([PROMPTS[0]], PARAMS)
+        assert time.monotonic() - start < 10
+    finally:
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 10
+
+
+def test_a_worker_that_raises_makes_the_engine_raise_with_its_traceback(saved):
+    """Ranks whose graph sizes disagree would run different collectives and hang; the follower
+    checks the dispatch rank 0 sent, raises, and rank 0 reports that traceback."""
+    from engine.dispatch import Dispatcher
+    llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2)
+    try:
+        # rank 0 now pads a 3-token step to a piece size of 8; rank 1 still runs it unpadded
+        llm.runtime.runner.dispatcher = Dispatcher((), (8,), piecewise_graphs_wanted=True)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"(?s)rank 1 raised:.*rank 1 dispatched a 3-token step"):
+            llm.generate([[1, 2, 3]], PARAMS)
+        assert time.monotonic() - start < 10
+        with pytest.raises(TensorParallelError):  # the engine stays failed, it does not hang
+            llm.generate([[1, 2, 3]], PARAMS)
+    finally:
+        llm.close()
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys
+import torch
+from engine import LLM, SamplingParams
+torch.set_num_threads(1)
+path, small, prompts, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+llm = LLM(path, tensor_parallel_size=2, **small)  # on rank 1 this serves rank 0 and exits
+outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+with open(out, "w") as f:
+    json.dump({"tokens": [o.token_ids for o in outputs], "stats": llm.stats()}, f)
+llm.close()
+"""
+
+
+def test_qwen3_under_torchrun_uses_its_processes_and_matches_one_rank(saved, tmp_path):
+    expected = _one_rank(saved["qwen3"])
+    script, out = tmp_path / "tp_script.py", tmp_path / "out.json"
+    script.write_text(_TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), str(script), saved["qwen3"], json.dumps(SMALL), json.dumps(PROMPTS), str(out)],
+        env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"] == expected
+    assert result["stats"]["preemptions"] > 0
+    _check_rank_stats(result["stats"])
+
+
+def _config_only(tmp_path, **overrides) -> str:
+    """A model dir with just config.json: the size checks run before any weight is read."""
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 96, "num_hidden_layers": 1,
+                                         "num_key_value_heads": 2, **overrides})
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    return str(tmp_path)
+
+
+def test_a_size_that_does_not_divide_the_heads_or_the_intermediate_size_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide the model's "
+                                          r"num_attention_heads \(4\)"):
+        LLM(_config_only(tmp_path), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the model's "
+                                          r"intermediate_size \(90\)"):
+        LLM(_config_only(tmp_path, intermediate_size=90), device="cpu", tensor_parallel_size=4)
+
+
+def test_more_ranks_than_visible_gpus_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 exceeds the 1 visible GPU"):
+        LLM(_config_only(tmp_path), device="cuda", tensor_parallel_size=2)
+
+
+def test_a_built_model_cannot_be_split_and_the_size_must_be_positive(saved):
+    import models
+    model = models.from_pretrained(saved["qwen3"])
+    with pytest.raises(ConfigError, match="needs a model path"):
+        LLM(model, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=0"):
+        LLM(saved["qwen3"], device="cpu", tensor_parallel_size=0)
+
+
+def test_tp_bench_times_one_and_two_ranks_on_the_cpu(tmp_path, monkeypatch):
+    from bench import tp as tp_bench
+    monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
+    report = tp_bench.run("tiny-llama", batches="1", tokens="16", iters=2, context=16)
+    assert [(r["tp"], r["workload"]) for r in report.rows] == [
+        (1, "decode bs1 ctx16"), (1, "prefill 16"), (2, "decode bs1 ctx16"), (2, "prefill 16")]
+    assert all(r["median_ms"] > 0 and r["floor_ms"] is None for r in report.rows)
+    assert [r["collectives"] for r in report.rows] == [0, 0, 5, 5]  # 2 layers x 2 + the embedding
+    assert report.meta["engine_stats_tp2"]["ranks"][1]["modes"] == report.meta["engine_stats_tp2"]["modes"]
+
+
+def test_each_rank_reads_only_its_shards_and_they_tile_the_full_weights(saved, monkeypatch):
+    """Sharded loading without processes (the group is only used in forward): rank r's parameters
+    are its slices of the one-rank model's, and the bytes it reads from the file are about 1/N of
+    the split tensors (the replicated KV head, norms and biases are read whole)."""
+    import models
+    from models import loader
+    from models.parallel import TensorParallel
+    full = dict(models.from_pretrained(saved["llama"]).named_parameters())
+    read_elements = []
+    original = loader.iter_checkpoint
+
+    class Spy:
+        def __init__(self, source):
+            self.source = source
+
+        def get_shape(self):
+            return self.source.get_shape()
+
+        def __getitem__(self, index):
+            tensor = self.source[index]
+            read_elements[-1] += tensor.numel()
+            return tensor
+
+    monkeypatch.setattr(loader, "iter_checkpoint", lambda d: ((n, Spy(s)) for n, s in original(d)))
+    shards = []
+    for rank in range(2):
+        read_elements.append(0)
+        model = models.from_pretrained(saved["llama"], tp=TensorParallel(rank, 2, group=object()))
+        shards.append(dict(model.named_parameters()))
+    total = sum(p.numel() for p in full.values())
+    assert all(0.45 * total < n < 0.65 * total for n in read_elements), (read_elements, total)
+    d = 16  # head_dim: 4 heads of 64
+    for name, weight in full.items():
+        a, b = shards[0][name], shards[1][name]
+        if ".qkv_proj." in name:  # q rows (and bias) split by head; the single KV head on both ranks
+            q, k, v = weight.split([4 * d, d, d])
+            for rank, shard in enumerate((a, b)):
+                assert torch.equal(shard, torch.cat([q[rank * 2 * d:(rank + 1) * 2 * d], k, v]))
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = weight.chunk(2)
+            for rank, shard in enumerate((a, b)):
+                assert torch.equal(shard, torch.cat([gate[rank * 48:(rank + 1) * 48], up[rank * 48:(rank + 1) * 48]]))
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat([a, b], dim=1), weight)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):  # 97 rows: 49 + 48 and a zero row
+            assert torch.equal(torch.cat([a, b[:48]]), weight) and not b[48].any()
+        else:  # norms and the o_proj bias: replicated
+            assert torch.equal(a, weight) and torch.equal(b, weight), name

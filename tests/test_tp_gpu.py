@@ -1,0 +1,56 @@
+"""Tensor parallelism on 2 GPUs: the same greedy tokens as one GPU, with every graph replayed.
+
+The workload of test_engine_gpu (staggered arrivals, chunked prefills mixed with decodes, decode
+batches crossing buckets) runs with decode and piecewise graphs on, float32, on one GPU and split
+over two (NCCL, rank 1 a spawned process). The all-reduces sit inside the captured graphs, so every
+rank must report its graphs captured and replayed, and no step of either rank may fall back.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_engine_gpu import BASE, _engine, _run_workload
+from tests.test_engine_generate import ARCHS, _build_hf  # noqa: F401 (ARCHS: the parametrization)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+GRAPHS = dict(cuda_graphs=True, prefill_graphs=True)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    dirs = {}
+    for arch in ARCHS:
+        path = tmp_path_factory.mktemp(f"tp_gpu_{arch}")
+        _build_hf(arch).save_pretrained(path)
+        dirs[arch] = path
+    return dirs
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_two_gpus_give_the_same_greedy_tokens_with_decode_and_prefill_graphs(model_dirs, arch):
+    one = _engine(model_dirs[arch], **GRAPHS)
+    expected = _run_workload(one)
+    single = one.stats()["backend"]
+    one.close()
+    llm = _engine(model_dirs[arch], **GRAPHS, tensor_parallel_size=2)
+    try:
+        assert _run_workload(llm) == expected
+        stats = llm.stats()
+        ranks = stats["ranks"]
+        assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
+        for rank in ranks:
+            assert rank["modes"] == stats["modes"]
+            assert rank["fallbacks"] == 0, rank["fallback_reasons"]
+            assert rank["decode_graphs"] == len(llm.config.decode_graph_sizes)
+            assert rank["decode_graph_replays"] == ranks[0]["decode_graph_replays"] > 0
+            backend = rank["backend"]
+            # the collectives add no trace and no split: the pieces are those of one GPU
+            for key in ("graphs_compiled", "splitting_pieces", "compute_pieces"):
+                assert backend[key] == single[key], key
+            assert backend["piece_replays"] > 0 and backend["fallback_steps"] == 0
+        processes = list(llm.tp.processes)
+    finally:
+        llm.close()
+    assert all(not p.is_alive() for p in processes)
