@@ -343,7 +343,8 @@ class LLM:
         if self.runtime.full_backend is not None:
             stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
         if self.tp is not None:
-            stats["ranks"] = self.tp.rank_stats()  # graph counts and fallbacks of every rank
+            # graph counts and fallbacks of every rank; a failed group can only report its failure
+            stats["ranks"] = self.tp.rank_stats() if self.tp.failure is None else self.tp.failure
         return stats
 
 
