@@ -42,18 +42,22 @@ MAX_TOKENS = 10
 SMALL = dict(device="cpu", block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine: one intra-op thread avoids OpenMP wake-up stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build_hf(arch: str) -> transformers.PreTrainedModel:
     config_cls, kwargs = ARCHS[arch]
     return random_hf_model(config_cls(**COMMON, **kwargs), seed=7)
+
+
+def save_arch_models(tmp_path_factory, stem: str) -> dict:
+    """Each architecture's small random model saved as an HF-format directory: arch -> path."""
+    dirs = {}
+    for arch in ARCHS:
+        path = tmp_path_factory.mktemp(f"{stem}_{arch}")
+        _build_hf(arch).save_pretrained(path)
+        dirs[arch] = path
+    return dirs
 
 
 @pytest.fixture(scope="module")

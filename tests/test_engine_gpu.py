@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.hf_helpers import random_hf_model
-from tests.test_engine_generate import ARCHS, COMMON, _build_hf
+from tests.test_engine_generate import ARCHS, COMMON, save_arch_models
 
 pytestmark = pytest.mark.gpu
 
@@ -31,12 +31,7 @@ WORKLOAD = [(3 * i, [1] + [(7 * i + 5 * j) % 90 + 3 for j in range(2 + (11 * i) 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    dirs = {}
-    for arch in ARCHS:
-        path = tmp_path_factory.mktemp(f"gpu_{arch}")
-        _build_hf(arch).save_pretrained(path)
-        dirs[arch] = path
-    return dirs
+    return save_arch_models(tmp_path_factory, "gpu")
 
 
 def _engine(path, **fields) -> LLM:

@@ -25,12 +25,7 @@ SMALL = dict(device="cpu", block_size=4, max_model_len=64, max_num_seqs=4, max_n
              show_progress=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _greedy(hf, prompt, max_new_tokens=MAX_TOKENS):

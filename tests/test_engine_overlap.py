@@ -19,12 +19,7 @@ from tests.hf_helpers import random_hf_model
 from tests.test_engine_generate import ARCHS, COMMON, PROMPTS, SMALL, _EagerDecodeGraphs
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ preemption."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from tests.test_engine_generate import ARCHS, _build_hf
@@ -20,13 +19,12 @@ ENGINE = dict(device="cpu", block_size=BLOCK, max_model_len=64, max_num_seqs=4, 
               num_gpu_blocks=65)
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(autouse=True)
-def _one_thread_and_debug_checks(monkeypatch):
+def _debug_checks(monkeypatch):
     monkeypatch.setenv("INFER_GRAPHS_DEBUG_CHECKS", "1")  # the pool checks its states every step
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

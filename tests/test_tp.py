@@ -49,12 +49,7 @@ SMALL = dict(device="cpu", block_size=4, max_model_len=32, max_num_seqs=4, max_n
              num_gpu_blocks=12)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

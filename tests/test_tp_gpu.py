@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_engine_gpu import BASE, _engine, _run_workload
-from tests.test_engine_generate import ARCHS, _build_hf  # noqa: F401 (ARCHS: the parametrization)
+from tests.test_engine_gpu import _engine, _run_workload
+from tests.test_engine_generate import ARCHS, save_arch_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
@@ -20,12 +20,7 @@ GRAPHS = dict(cuda_graphs=True, prefill_graphs=True)
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    dirs = {}
-    for arch in ARCHS:
-        path = tmp_path_factory.mktemp(f"tp_gpu_{arch}")
-        _build_hf(arch).save_pretrained(path)
-        dirs[arch] = path
-    return dirs
+    return save_arch_models(tmp_path_factory, "tp_gpu")
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
