@@ -66,8 +66,21 @@ class LLM:
         if config.tensor_parallel_size > 1:
             from engine.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
             self.tp, config = launch(config, model)
+        try:
+            self._start(model, tokenizer, config, timeline, name, model_dir)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()  # the other ranks must not outlive a start-up that failed here
+            raise
+
+    def _start(self, model: str | torch.nn.Module, tokenizer: Any, config: EngineConfig,
+               timeline: StartupTimeline, name: str, model_dir: str | None) -> None:
+        """Everything after the config (and the other ranks, under tensor parallelism): load, build
+        the runtime, the scheduler; the engine is open once this returns."""
+        import models
+
         if not isinstance(model, str):
-            _check_built_model(weight, config)
+            _check_built_model(next(model.parameters()), config)
         device, dtype = config.device_and_dtype()
         timeline.device = torch.device(device)
         if isinstance(model, str):

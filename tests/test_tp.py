@@ -179,6 +179,16 @@ def _config_only(tmp_path, **overrides) -> str:
     return str(tmp_path)
 
 
+def test_a_start_up_that_fails_after_the_ranks_started_stops_them(saved):
+    import multiprocessing
+    start = time.monotonic()
+    # two blocks cannot hold one max_model_len request: every rank refuses the pool after sizing it
+    with pytest.raises(ConfigError, match="num_gpu_blocks"):
+        LLM(saved["llama"], **{**SMALL, "num_gpu_blocks": 2}, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
 def test_a_size_that_does_not_divide_the_heads_or_the_intermediate_size_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide the model's "
                                           r"num_attention_heads \(4\)"):
