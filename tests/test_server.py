@@ -401,3 +401,25 @@ def test_server_on_cuda_with_decode_and_prefill_graphs_equals_the_engine(model_d
         assert metrics["infer_graphs_graph_fallbacks_total"] == 0
     finally:
         stop_server(proc)
+
+
+def test_the_server_on_two_tensor_parallel_ranks_streams_what_one_rank_generates(model_dir, reference, tmp_path):
+    # Where the server meets tensor parallelism: the engine loop thread drives rank 0, which sends
+    # every step to the spawned rank 1 (gloo on the CPU); an abort by disconnect goes through the same.
+    proc, tp_url = start_server(model_dir, tmp_path / "stderr.txt", "--device", "cpu", "--tensor-parallel-size", "2",
+                                *_flags(ENGINE))
+    try:
+        client = openai.OpenAI(base_url=f"{tp_url}/v1", api_key="unused", timeout=60, max_retries=0)
+        [expected] = reference.generate([PROMPT], SamplingParams(max_tokens=10, ignore_eos=True))
+        extra = {"return_token_ids": True, "ignore_eos": True}
+        text, ids = "", []
+        for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                               extra_body=extra):
+            for c in chunk.choices:
+                text += c.text
+                ids += c.model_extra.get("token_ids") or []
+        assert ids == expected.token_ids and text == expected.text
+        assert httpx.get(f"{tp_url}/health", timeout=30).status_code == 200
+    finally:
+        stop_server(proc)
+    assert proc.returncode is not None
