@@ -255,7 +255,7 @@ class LLM:
                 if request.is_finished:  # max_tokens / EOS in the same token: the stop string decides
                     request.finish_reason = FinishReason.STOP
                 else:
-                    self.scheduler.finish(request, FinishReason.STOP)
+                    self._finish_between_steps(request, FinishReason.STOP)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: it is not scheduled again, its KV blocks go back to the pool at once,
@@ -265,9 +265,16 @@ class LLM:
         request = self._requests.pop(str(request_id), None)
         if request is None:
             return False
-        self.scheduler.finish(request, FinishReason.ABORT)
+        self._finish_between_steps(request, FinishReason.ABORT)
         self._unreported[request.request_id] = request
         return True
+
+    def _finish_between_steps(self, request: Request, reason: FinishReason) -> None:
+        """Finish a request outside the scheduler's own stop checks: its blocks go back now, and so
+        does its device token slot under async scheduling (once no step in flight samples for it)."""
+        self.scheduler.finish(request, reason)
+        if self._overlap is not None:
+            self._overlap.finished(request)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -129,6 +129,12 @@ class OverlapLoop:
             torch.cuda.current_stream(self.device).synchronize()
         return resolved
 
+    def finished(self, request: Request) -> None:
+        """A request the engine finished between steps (an abort, a stop string): its slot goes back
+        now, unless a step still in flight samples for it (then reading that step releases it)."""
+        if request not in self._pending:
+            self.forget(request)
+
     def forget(self, request: Request) -> None:
         """Drop a finished request's in-flight token and slot (idempotent)."""
         while request.token_ids and request.token_ids[-1] == PLACEHOLDER:

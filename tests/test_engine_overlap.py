@@ -276,3 +276,17 @@ def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampli
     while llm.has_unfinished_requests():
         llm.step()
     llm.close()
+
+
+def test_a_request_aborted_with_no_token_in_flight_gives_its_token_slot_back(llama_dir):
+    llm = LLM(str(llama_dir), **SMALL)
+    rid = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    while not llm._overlap.slots._slots:  # until it has sampled: it owns a device token slot
+        llm.step()
+    llm._overlap.drain()  # its in-flight token is read: nothing of it is in flight any more
+    [request] = llm._overlap.slots._slots
+    assert llm.abort(rid)
+    assert request not in llm._overlap.slots._slots
+    assert [o.finish_reason for o in llm.step() if o.request_id == rid] == ["abort"]
+    assert llm.runtime.block_pool.num_free_blocks == llm.runtime.block_pool.num_usable_blocks
+    llm.close()
