@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -285,22 +285,38 @@ class LLM:
         engine loaded itself goes with the engine. `stats()` keeps answering with its last values."""
         if self._closed:
             return
+        # Every release runs even if one before it fails (a dead tensor-parallel rank, a device
+        # error in the drain); the first failure is raised at the end.
+        errors: list[BaseException] = []
+
+        def attempt(release: Callable[[], None]) -> None:
+            try:
+                release()
+            except Exception as exc:
+                errors.append(exc)
+
         if self._overlap is not None:
-            self._overlap.drain()  # no graph or pool is freed under a step still running
-        self._final_stats = self.stats()
+            attempt(self._overlap.drain)  # no graph or pool is freed under a step still running
+        try:  # this rank's figures only: gathering the other ranks' could wait on a failed group
+            self._final_stats = self._collect_stats(gather_ranks=False)
+        except Exception as exc:
+            errors.append(exc)
+            self._final_stats = {}
         self._closed = True
         if self.tp is not None:
-            self.tp.close()  # the other ranks first: they may be waiting for this rank's next step
+            attempt(self.tp.close)  # the other ranks first: they may be waiting for this rank's next step
         runtime, self.runtime = self.runtime, None
         self._requests.clear()
         self._unreported.clear()
         self._overlap = None  # it holds the runtime's token slots
         self.model = None
         cuda = runtime.kv_cache.device.type == "cuda"
-        runtime.close()
+        attempt(runtime.close)
         del runtime  # the runner's static buffers and the model (if the engine loaded it) go here
         if cuda:
             torch.cuda.empty_cache()  # hand the freed blocks (and the graph pool's) back to the device
+        if errors:
+            raise errors[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -327,6 +343,9 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         if self._final_stats is not None:
             return dict(self._final_stats)
+        return self._collect_stats(gather_ranks=True)
+
+    def _collect_stats(self, gather_ranks: bool) -> dict[str, Any]:
         runner = self.runtime.runner
         graphs = runner.decode_graphs
         stats: dict[str, Any] = {
@@ -362,7 +381,7 @@ class LLM:
                                        else "piecewise" if graphs else None)
         if self.runtime.full_backend is not None:
             stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
-        if self.tp is not None:
+        if self.tp is not None and gather_ranks:
             # graph counts and fallbacks of every rank; a failed group can only report its failure
             stats["ranks"] = self.tp.rank_stats() if self.tp.failure is None else self.tp.failure
         return stats

@@ -189,6 +189,17 @@ def test_a_start_up_that_fails_after_the_ranks_started_stops_them(saved):
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]
 
 
+def test_closing_an_idle_engine_whose_worker_died_releases_everything_without_raising(saved):
+    llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2)
+    worker = llm.tp.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    start = time.monotonic()
+    llm.close()  # nothing was running: there is nothing to report, only to release
+    assert time.monotonic() - start < 10
+    assert llm.runtime is None and llm.tp.closed and llm.stats()["steps"] == 0
+
+
 def test_a_size_that_does_not_divide_the_heads_or_the_intermediate_size_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide the model's "
                                           r"num_attention_heads \(4\)"):
