@@ -46,9 +46,9 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    stats = llm.stats()  # before the loop starts: from then on only its thread calls the engine
     engine.start()
     host, port = sock.getsockname()[:2]
-    stats = llm.stats()
     logger.info("ready: serving %r at http://%s:%d/v1 (%s, %s; %d decode graphs, prefill graphs %s%s)",
                 name, host if ":" not in host else f"[{host}]", port, llm.config.device, llm.config.dtype,
                 stats["decode_graphs"], "on" if llm.config.prefill_graphs else "off",
@@ -59,7 +59,10 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
         pass
     finally:
         engine.stop()
-        llm.close()
+        if engine.is_alive():  # a step still running (a stuck collective): closing would free its memory
+            logger.error("the engine loop did not stop in time; exiting without closing the engine")
+        else:
+            llm.close()
     logger.info("server stopped")
     return 0
 

@@ -60,7 +60,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.accepting and engine.is_alive():
+        if engine.healthy:
             return JSONResponse({"status": "ok"})
         return _error(503, "the engine is not running", type="server_error")
 
@@ -70,6 +70,9 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             stats = await asyncio.wait_for(engine.stats(), STATS_TIMEOUT_S)
         except asyncio.TimeoutError:
             return _error(503, "the engine loop did not answer", type="server_error")
+        except Exception as exc:
+            return _error(503, f"the engine could not report its stats: {type(exc).__name__}: {exc}",
+                          type="server_error")
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

@@ -62,6 +62,12 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """Accepting, the loop running, and no tensor-parallel rank failed (every step would fail)."""
+        tp = self.llm.tp
+        return self.accepting and self.is_alive() and (tp is None or tp.failure is None)
+
     def submit(self, prompt: Any, params: SamplingParams, request_id: str) -> Stream:
         stream = Stream(request_id, asyncio.get_running_loop())
         if not self.accepting or not self.is_alive():
@@ -156,7 +162,11 @@ class EngineLoop:
         self._deliver([(s, EngineUnavailable(reason)) for s in streams.values()])
 
     def _stats(self, future: asyncio.Future) -> None:
-        stats = self.llm.stats()
+        try:
+            stats = self.llm.stats()
+        except Exception as exc:  # e.g. a failed tensor-parallel rank: the scrape says so at once
+            future.get_loop().call_soon_threadsafe(_set_exception, future, exc)
+            return
         future.get_loop().call_soon_threadsafe(_set_result, future, stats)
 
     @staticmethod
@@ -179,4 +189,9 @@ def _put_all(items: list[tuple[Stream, Any]]) -> None:
 def _set_result(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
