@@ -54,6 +54,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                   "step's tokens before scheduling the next (debugging)"),
     "--tensor-parallel-size": ("tensor_parallel_size", dict(
         type=int, help="ranks (GPUs) to split the model over; spawned, or torchrun's processes")),
+    "--engine-seed": ("seed", dict(type=int, help="sampling seed of requests that give none of their own")),
     "--no-progress": _set("show_progress", False, "no progress bar during graph capture"),
 }
 

@@ -50,8 +50,6 @@ class LLM:
         """
         self._closed = True  # until start-up succeeds: __del__ of a half-built engine does nothing
         timeline = StartupTimeline()
-        import models
-
         if isinstance(tokenizer, str):
             config_fields["tokenizer"], tokenizer = tokenizer, None
         model_dir = model if isinstance(model, str) else None

@@ -19,12 +19,13 @@ its backend (piecewise graphs) and captures its decode graphs into it; `Runtime.
 Ownership: everything built here belongs to this engine alone and `Runtime.close()` releases it:
 the KV tensors (handed to attention through the forward context, never a process-wide registry),
 the decode and piecewise graphs, the pool, the compiled code with its Dynamo cache entries
-(engine/compile.py), and whatever `closers` were registered (worker processes register their
-shutdown there). Two engines over one model therefore never share state, and a closed engine's
+(engine/compile.py). Tensor-parallel worker processes belong to the LLM (engine/tp.py), which stops
+them before it closes its runtime. Two engines over one model therefore never share state, and a closed engine's
 model can be handed to a new one.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -64,9 +65,6 @@ class Runtime:
     compiled: CompiledModel | None = None
     full_compiled: CompiledModel | None = None  # the unsplit variant FULL steps record (full_graph_compile)
     pool: Any = None                            # the engine's GraphPool (CUDA)
-    # Run first at close, last registered first: an owner of worker processes (or anything else
-    # that must stop with the engine) appends its shutdown here.
-    closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def full_backend(self) -> InferGraphsBackend | None:
@@ -75,8 +73,6 @@ class Runtime:
 
     def close(self) -> None:
         """Release everything this engine made; the model itself is left as it was."""
-        while self.closers:
-            self.closers.pop()()
         runner = self.runner
         if runner.decode_graphs is not None:
             runner.decode_graphs.release()
@@ -126,7 +122,9 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
                  full_compiled=full_compiled, pool=pool)
     try:
-        _build(rt, model, config, timeline, min_over_ranks)
+        # The engine's device is current while it builds: the capture streams and the pool are per device.
+        with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+            _build(rt, model, config, timeline, min_over_ranks)
     except BaseException:
         rt.close()  # a failed start-up leaves nothing behind either
         del rt
