@@ -163,6 +163,10 @@ def test_chat_greedy_equals_llm_generate_on_the_chat_template(client, reference)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "length"
+    # max_completion_tokens supersedes the deprecated max_tokens, as in OpenAI's API
+    resp = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10, max_completion_tokens=3,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
 
 
 def test_sse_framing_stop_strings_and_eos_as_stop_over_raw_http(url, reference):

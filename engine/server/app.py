@@ -120,7 +120,9 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             prompt = _chat_prompt(req)
             if isinstance(prompt, JSONResponse):
                 return prompt
-            default_max = req.max_completion_tokens or max(1, max_model_len - len(prompt))
+            default_max = max(1, max_model_len - len(prompt))
+            if req.max_completion_tokens is not None:  # OpenAI: it supersedes the deprecated max_tokens
+                req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
         else:
             prompt, default_max = req.prompt, DEFAULT_COMPLETION_MAX_TOKENS
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
