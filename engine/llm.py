@@ -174,7 +174,8 @@ class LLM:
         """
         self._check_open()
         sampled = self._step()
-        late = [r for r in self._unreported.values() if r not in sampled]
+        got_token = set(sampled)
+        late = [r for r in self._unreported.values() if r not in got_token]
         self._unreported.clear()
         return [self._output(r) for r in late + sampled]
 
@@ -185,31 +186,27 @@ class LLM:
         With async scheduling, the step launched now reports its tokens at the next call, and this
         call reports the previous step's (a call with nothing to launch only reads them).
         """
-        if self._overlap is not None:
-            launched, sampling = self._overlap.step()
-            self._detokenize(sampling)
-            self.num_steps += launched
-            self.num_generated_tokens += len(sampling)
-            for request in sampling:
-                if request.is_finished:
-                    del self._requests[request.request_id]
-            return sampling
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
-            return []
-        result = self.runtime.runner.execute(out, self.runtime.block_pool)
-        sampling = [c.request for c in out.chunks if c.samples]
-        tokens = self.runtime.sampler(result.logits, sampling) if sampling else []
-        self.scheduler.update(out, tokens, time.perf_counter())
+        launched, sampling = self._overlap.step() if self._overlap is not None else self._sync_step()
         self._detokenize(sampling)
-        self.num_steps += 1
-        self.num_generated_tokens += len(tokens)
+        self.num_steps += launched
+        self.num_generated_tokens += len(sampling)
         for request in sampling:
             if request.is_finished:
                 del self._requests[request.request_id]
         return sampling
+
+    def _sync_step(self) -> tuple[bool, list[Request]]:
+        """The synchronous loop (async_scheduling=False): schedule, run, sample, read the tokens."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            return False, []
+        result = self.runtime.runner.execute(out, self.runtime.block_pool)
+        sampling = [c.request for c in out.chunks if c.samples]
+        tokens = self.runtime.sampler(result.logits, sampling) if sampling else []
+        self.scheduler.update(out, tokens, time.perf_counter())
+        return True, sampling
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
