@@ -190,12 +190,9 @@ class OverlapLoop:
         Every token below num_computed_tokens is known on the host by now (the in-flight token `out`
         computes was resolved just before), and a request that hits these blocks runs in a later
         step on the same stream, after `out` has written their K/V."""
-        pool = self.scheduler.pool
-        block_size = pool.block_size
         for chunk in out.chunks:
-            request = chunk.request
-            if not request.is_finished and request.num_computed_tokens // block_size > chunk.start // block_size:
-                pool.publish(request.request_id, request.token_ids, request.num_computed_tokens)
+            if not chunk.request.is_finished:
+                self.scheduler.publish_filled(chunk)
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -151,12 +151,10 @@ class Scheduler:
         """Advance each chunk; `sampled` holds one token per sampling chunk, in chunk order. Returns the finished."""
         finished = []
         tokens = iter(sampled)
-        block_size = self.pool.block_size
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
-            if request.num_computed_tokens // block_size > chunk.start // block_size:  # a block filled up
-                self.pool.publish(request.request_id, request.token_ids, request.num_computed_tokens)
+            self.publish_filled(chunk)
             if not chunk.samples:
                 continue
             token = next(tokens)
@@ -167,6 +165,13 @@ class Scheduler:
                 self.finish(request, reason)
                 finished.append(request)
         return finished
+
+    def publish_filled(self, chunk: ScheduledChunk) -> None:
+        """Publish the blocks a computed chunk filled to the prefix cache (call once the chunk's request
+        counts it in num_computed_tokens and every token below that is known on the host)."""
+        request, block_size = chunk.request, self.pool.block_size
+        if request.num_computed_tokens // block_size > chunk.start // block_size:  # a block filled up
+            self.pool.publish(request.request_id, request.token_ids, request.num_computed_tokens)
 
     def _finish_reason(self, request: Request, token: int, num_tokens: int | None = None) -> FinishReason | None:
         """Why `token` ends the request, or None. `num_tokens`: the request's length with that token
