@@ -62,7 +62,7 @@ class InferGraphsBackend:
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
             logger.warning("infer_graphs: no node of %s in the traced graph; it runs as one piece",
                            ", ".join(self.config.splitting_ops))
-        runners = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler)
+        runners, distinct = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler)
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
         graph = CompiledGraph(split, runners, fake_inputs, input_names, self.config, self.stats, pool)
         self.graphs.append(graph)
@@ -71,9 +71,11 @@ class InferGraphsBackend:
         self.stats.pieces += len(summary.pieces)
         self.stats.compute_pieces += summary.num_compute_pieces
         self.stats.splitting_pieces += summary.num_splitting_pieces
+        self.stats.piece_compilations += distinct
         seconds = time.perf_counter() - start
         self.stats.compile_seconds += seconds
-        logger.info("%s\ncompiled with %s in %.1f s", summary, self.config.piece_compiler, seconds)
+        logger.info("%s\ncompiled with %s in %.1f s (%d distinct compute pieces)", summary,
+                    self.config.piece_compiler, seconds, distinct)
         return graph
 
     def split_summary(self, graph_index: int = -1) -> SplitSummary:

@@ -11,6 +11,7 @@ class BackendStats:
     pieces: int = 0                   # all pieces of all graphs
     compute_pieces: int = 0
     splitting_pieces: int = 0
+    piece_compilations: int = 0       # Inductor compilations: identical compute pieces share one
     capture_seconds: dict[int, float] = field(default_factory=dict)  # token count -> seconds
     graph_pool_bytes: int = 0         # pool growth caused by this backend's captures
     piece_captures: int = 0

@@ -46,10 +46,13 @@ def test_eager_pieces_equal_eager_bitwise_over_many_token_counts_with_one_compil
 
 
 def test_inductor_pieces_match_eager_within_1e5_over_many_token_counts_with_one_compile():
-    model = models.from_config(hf_config("llama", num_hidden_layers=2), dtype=torch.float32)
+    """Four layers: five compute pieces, of which the three between attention calls are identical in
+    structure and compiled once, then run with each layer's own weights."""
+    model = models.from_config(hf_config("llama", num_hidden_layers=4), dtype=torch.float32)
     backend = compare_over_token_counts(model, BackendConfig(), 96, exact=False)
     assert backend.stats.graphs_compiled == 1 and counters["stats"]["unique_graphs"] == 1
-    assert backend.split_summary().num_compute_pieces == 3
+    assert backend.split_summary().num_compute_pieces == 5
+    assert backend.stats.piece_compilations == 3  # first, middle (x3), last
 
 
 _out_ptrs: list[int] = []
@@ -183,3 +186,18 @@ def test_backend_by_name_works_in_a_fresh_process():
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert "BY-NAME-OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_structural_key_tells_pieces_apart_by_constants_and_input_layout():
+    from compile_backend.compile_pieces import structural_key
+
+    def piece(scale: float) -> torch.fx.GraphModule:
+        return torch.fx.symbolic_trace(lambda x, w: torch.nn.functional.linear(x * scale, w))
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    assert structural_key(piece(2.0), (x, w)) == structural_key(piece(2.0), (torch.randn(4, 8), torch.randn(8, 8)))
+    assert structural_key(piece(2.0), (x, w)) != structural_key(piece(3.0), (x, w))
+    assert structural_key(piece(2.0), (x, w)) != structural_key(piece(2.0), (x, w.t()))
+    assert structural_key(piece(2.0), (x, w)) != structural_key(piece(2.0), (x.double(), w.double()))
+    holder = torch.nn.Linear(8, 8)
+    assert structural_key(torch.fx.symbolic_trace(holder), (x,)) is None  # reads module state
