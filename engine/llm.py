@@ -137,13 +137,18 @@ class LLM:
             if self.tokenizer is None:
                 raise InvalidRequestError(f"request {request_id!r}: prompt is a string but the engine has no "
                                           "tokenizer; pass token ids or LLM(..., tokenizer=...)")
-            prompt = self.tokenizer(prompt)["input_ids"]
+            prompt = self.encode(prompt)
         ids = check_prompt(request_id, prompt, vocab, self.config.max_model_len)
         params.check(request_id, vocab)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"request {request_id!r}: SamplingParams.stop needs a tokenizer (stop strings "
                                       "are matched on the text); use stop_token_ids", param="stop")
         return Request(request_id, ids, params)
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt's token ids, as `add_request` encodes it (callers that tokenize off the engine's
+        thread, like the server, use this and pass the ids)."""
+        return self.tokenizer(text)["input_ids"]
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request; it runs from the next `step`. Returns its id."""
