@@ -7,6 +7,7 @@ compiled.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
-from compile_backend.compile_pieces import compile_pieces, graph_fake_inputs
+from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs
 from compile_backend.compiled_graph import CompiledGraph
 from compile_backend.config import BackendConfig
 from compile_backend.pool import GraphPool, gc_frozen, pool_handle
@@ -58,13 +59,21 @@ class InferGraphsBackend:
         start = time.perf_counter()
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode, fake_inputs = graph_fake_inputs(example_inputs)
+        unsplit = None
+        if self.config.full_graph_compile == "unsplit":
+            # the split rewrites gm's graph (torch.Size rebuilds): the unsplit compile gets its own copy
+            whole = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         split = split_graph(gm, self.config.splitting_ops)
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
             logger.warning("infer_graphs: no node of %s in the traced graph; it runs as one piece",
                            ", ".join(self.config.splitting_ops))
         runners, distinct = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler)
+        if self.config.full_graph_compile == "unsplit":
+            unsplit = compile_unsplit(whole, fake_mode, fake_inputs, self.config.piece_compiler)
+            self.stats.unsplit_compilations += 1
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
-        graph = CompiledGraph(split, runners, fake_inputs, input_names, self.config, self.stats, pool)
+        graph = CompiledGraph(split, runners, fake_inputs, input_names, self.config, self.stats, pool,
+                              full_forward=unsplit)
         self.graphs.append(graph)
         summary = split.summary
         self.stats.graphs_compiled += 1
@@ -74,8 +83,9 @@ class InferGraphsBackend:
         self.stats.piece_compilations += distinct
         seconds = time.perf_counter() - start
         self.stats.compile_seconds += seconds
-        logger.info("%s\ncompiled with %s in %.1f s (%d distinct compute pieces)", summary,
-                    self.config.piece_compiler, seconds, distinct)
+        logger.info("%s\ncompiled with %s in %.1f s (%d distinct compute pieces%s)", summary,
+                    self.config.piece_compiler, seconds, distinct,
+                    ", and the unsplit graph for FULL steps" if unsplit is not None else "")
         return graph
 
     def split_summary(self, graph_index: int = -1) -> SplitSummary:

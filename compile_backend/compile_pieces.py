@@ -86,6 +86,16 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
     return DirectCalls(calls)
 
 
+def compile_unsplit(gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any], compiler: str,
+                    ) -> Callable[..., Any]:
+    """The whole traced graph as one callable (FULL steps under full_graph_compile="unsplit"); `gm`
+    must be a copy the split never touched."""
+    if compiler != "inductor":
+        return gm.forward
+    with fake_mode:
+        return _compile_inductor(gm, fake_inputs)
+
+
 def _compile_inductor(piece: torch.fx.GraphModule, fake_args: Sequence[Any]) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
     # Inductor's own cudagraphs stay off: this backend captures per token count itself.

@@ -5,7 +5,8 @@ The runtime mode comes from the forward context (the engine, or `piecewise_conte
   PIECEWISE one graph per compute piece per captured token count: replay it, capture it on the
             first step at that size, or (a size that is not captured) run without graphs and count
             a fallback; on CPU or with cudagraphs=False simply run the pieces;
-  FULL      pieces pass straight through so the caller's own capture records the whole forward.
+  FULL      the whole forward runs straight through, so the caller's own capture records it: the
+            unsplit compile of the graph when the config asks for one, else the pieces.
 
 Step inputs (graph inputs whose shape has the token dimension) are copied into persistent buffers
 before a graph step: a graph reads the addresses it was captured with, and a caller's fresh tensor
@@ -40,7 +41,8 @@ def _token_dim(value: Any) -> int | None:
 
 class CompiledGraph:
     def __init__(self, split: SplitGraph, runners: dict[str, Any], fake_inputs: Sequence[Any],
-                 input_names: Sequence[str], config: BackendConfig, stats: BackendStats, pool: Any):
+                 input_names: Sequence[str], config: BackendConfig, stats: BackendStats, pool: Any,
+                 full_forward: Any = None):
         self.split = split
         self.config = config
         self.stats = stats
@@ -60,6 +62,7 @@ class CompiledGraph:
             delattr(split.module, info.name)
             split.module.__dict__[info.name] = fn
         self.forward = split.module.forward
+        self.full_forward = full_forward or self.forward
         self.step_inputs = [(i, d, input_names[i]) for i, v in enumerate(fake_inputs)
                             if (d := _token_dim(v)) is not None]
         self.static_inputs: dict[int, torch.Tensor] = {}       # input index -> buffer at max size
@@ -71,7 +74,7 @@ class CompiledGraph:
         mode = context.runtime_mode if context is not None else RuntimeMode.NONE
         if mode is RuntimeMode.FULL:
             self.stats.full_steps += 1
-            return self.forward(*args)
+            return self.full_forward(*args)
         if mode is RuntimeMode.NONE or not self.config.cudagraphs or not self._on_cuda(args):
             self.stats.graphless_steps += 1
             return self.forward(*args)

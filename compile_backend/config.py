@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Sequence
 
 PIECE_COMPILERS = ("inductor", "eager")
+FULL_GRAPH_COMPILES = ("piecewise", "unsplit")
 DEFAULT_MAX_CAPTURE_SIZE = 512
 _OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
@@ -41,6 +42,10 @@ class BackendConfig:
     max_capture_size: largest captured token count; must equal max(capture_sizes) if both are given.
     cudagraphs:       False runs PIECEWISE steps through the compiled pieces without graphs.
     debug_checks:     on every replay, check that each piece input lives at its captured address.
+    full_graph_compile: what FULL steps run: "piecewise" the pieces, passed through to the caller's
+                      capture; "unsplit" the same traced graph compiled once more with no split (the
+                      splitting ops inside one Inductor graph, so fusions cross them), from the same
+                      Dynamo trace: the pieces still serve NONE and PIECEWISE steps.
     """
 
     splitting_ops: tuple[str, ...] = ("infer::attention",)
@@ -49,6 +54,7 @@ class BackendConfig:
     max_capture_size: int | None = None
     cudagraphs: bool = True
     debug_checks: bool = False
+    full_graph_compile: str = "piecewise"
 
     def __post_init__(self) -> None:
         ops = self.splitting_ops
@@ -66,6 +72,9 @@ class BackendConfig:
         if self.piece_compiler not in PIECE_COMPILERS:
             raise ValueError(
                 f"BackendConfig.piece_compiler must be one of {PIECE_COMPILERS}, got {self.piece_compiler!r}")
+        if self.full_graph_compile not in FULL_GRAPH_COMPILES:
+            raise ValueError(f"BackendConfig.full_graph_compile must be one of {FULL_GRAPH_COMPILES}, got "
+                             f"{self.full_graph_compile!r}")
         for name in ("cudagraphs", "debug_checks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BackendConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -12,6 +12,7 @@ class BackendStats:
     compute_pieces: int = 0
     splitting_pieces: int = 0
     piece_compilations: int = 0       # Inductor compilations: identical compute pieces share one
+    unsplit_compilations: int = 0     # whole-graph compiles for FULL steps (full_graph_compile="unsplit")
     capture_seconds: dict[int, float] = field(default_factory=dict)  # token count -> seconds
     graph_pool_bytes: int = 0         # pool growth caused by this backend's captures
     piece_captures: int = 0
@@ -19,7 +20,7 @@ class BackendStats:
     replay_steps: int = 0             # PIECEWISE steps served by graphs
     fallback_steps: int = 0           # PIECEWISE steps on CUDA with no graph for their size
     graphless_steps: int = 0          # NONE mode, or PIECEWISE on CPU / with cudagraphs=False
-    full_steps: int = 0               # FULL mode: pieces passed through to an outer capture
+    full_steps: int = 0               # FULL mode: the unsplit graph or the pieces, under an outer capture
 
     @property
     def captured_sizes(self) -> list[int]:

@@ -4,9 +4,10 @@ The backend's capture sizes are the engine's prefill graph sizes, so the dispatc
 and the graphs the pieces hold are the same list. With prefill graphs off the backend never captures
 (cudagraphs=False): NONE steps run the compiled pieces, FULL steps pass through to the decode graphs.
 
-`unsplit=True` compiles the variant the decode graphs record under EngineConfig.full_graph_compile
-"unsplit": no splitting ops, so the whole forward (attention op included) is one Inductor graph whose
-fusions cross layer boundaries; it never captures graphs of its own (the decode capture records it).
+Under EngineConfig.full_graph_compile "unsplit" (with decode graphs) the backend also compiles the
+same trace with no split, for FULL steps: the whole forward (attention op included) is one Inductor
+graph whose fusions cross layer boundaries, and the decode capture records it. One Dynamo trace
+serves both (tracing is most of a warm start-up), and the pieces keep NONE and PIECEWISE steps.
 
 Per-engine compiled code: Dynamo keeps its compiled entries on the CODE OBJECT of the frame it
 compiles. Compiling the model itself puts every engine's entry on the model class's `forward`
@@ -71,7 +72,7 @@ def _forget_backend(backend: Any) -> None:
             del registry[key]
 
 
-def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None, unsplit: bool = False,
+def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None,
                   ) -> tuple[CompiledModel, Callable[..., None], Any]:
     """(compiled forward, token-dim marker to call before each forward, the backend for its stats).
 
@@ -81,10 +82,10 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
     from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
 
     backend = InferGraphsBackend(BackendConfig(
-        splitting_ops=() if unsplit else ("infer::attention",),
         piece_compiler=config.piece_compiler,
         capture_sizes=tuple(config.prefill_graph_sizes),
-        cudagraphs=bool(config.prefill_graphs) and not unsplit,
+        cudagraphs=bool(config.prefill_graphs),
+        full_graph_compile="unsplit" if config.cuda_graphs and config.full_graph_compile == "unsplit" else "piecewise",
     ), pool=pool)
     template = _call_model(model)
     code = template.__code__.replace()  # a new code object: this engine's Dynamo entries live on it

@@ -58,7 +58,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
     async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/overlap.py)
     # what the decode graphs record when compiled: "unsplit" one Inductor graph with the attention op
-    # inside (fusions cross layers; a second compile of the model), or "piecewise" the split pieces
+    # inside (fusions cross layers; compiled from the pieces' own trace), or "piecewise" the split pieces
     full_graph_compile: str = "unsplit"
     show_progress: bool = True             # tqdm bar during graph capture
     tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.tp

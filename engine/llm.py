@@ -377,10 +377,9 @@ class LLM:
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
         # what the decode graphs recorded: the unsplit variant, or the split pieces (None: no graphs)
-        stats["full_graph_compile"] = ("unsplit" if self.runtime.full_backend is not None
+        backend = self.runtime.backend
+        stats["full_graph_compile"] = (backend.config.full_graph_compile if backend is not None and graphs
                                        else "piecewise" if graphs else None)
-        if self.runtime.full_backend is not None:
-            stats["full_backend"] = dataclasses.asdict(self.runtime.full_backend.stats)
         if self.tp is not None and gather_ranks:
             # graph counts and fallbacks of every rank; a failed group can only report its failure
             stats["ranks"] = self.tp.rank_stats() if self.tp.failure is None else self.tp.failure

@@ -100,7 +100,6 @@ class ModelRunner:
                  mark_dynamic: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.model = model
         self.forward = forward
-        self.full_forward = forward  # what FULL steps (the decode graphs) run: EngineConfig.full_graph_compile
         self.mark_dynamic = mark_dynamic
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -148,9 +147,8 @@ class ModelRunner:
         ids, positions = self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens]
         if self.mark_dynamic is not None:
             self.mark_dynamic(ids, positions)
-        forward = self.full_forward if mode is RuntimeMode.FULL else self.forward
         with forward_context(meta, mode, num_tokens, self.kv_caches):
-            return forward(ids, positions)
+            return self.forward(ids, positions)
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
                  full: bool) -> tuple[AttentionMetadata | None, int]:

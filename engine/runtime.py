@@ -63,13 +63,7 @@ class Runtime:
     memory: dict[str, int] = field(default_factory=dict)  # start-up measurements, bytes
     piecewise_capture_seconds: float = 0.0
     compiled: CompiledModel | None = None
-    full_compiled: CompiledModel | None = None  # the unsplit variant FULL steps record (full_graph_compile)
     pool: Any = None                            # the engine's GraphPool (CUDA)
-
-    @property
-    def full_backend(self) -> InferGraphsBackend | None:
-        """The unsplit variant's backend (for its stats), when FULL steps record one."""
-        return self.full_compiled.backend if self.full_compiled is not None else None
 
     def close(self) -> None:
         """Release everything this engine made; the model itself is left as it was."""
@@ -78,11 +72,10 @@ class Runtime:
             runner.decode_graphs.release()
             runner.decode_graphs = None
         self.kv_cache.release()
-        for compiled in (self.compiled, self.full_compiled):
-            if compiled is not None:
-                compiled.release()
-        runner.forward = runner.full_forward = None
-        self.compiled = self.full_compiled = self.backend = None
+        if self.compiled is not None:
+            self.compiled.release()
+        runner.forward = None
+        self.compiled = self.backend = None
         if self.pool is not None:
             self.pool.release()
             self.pool = None
@@ -102,25 +95,21 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
             from compile_backend.pool import GraphPool
             with torch.cuda.device(device):
                 pool = GraphPool()
-        forward, mark_dynamic, backend, compiled, full_compiled = model, None, None, None, None
+        forward, mark_dynamic, backend, compiled = model, None, None, None
         if config.compile:
             from engine.compile import compile_model
             from engine.compile_cache import configure_compile_cache
             configure_compile_cache()
             compiled, mark_dynamic, backend = compile_model(model, config, pool)
             forward = compiled
-            if config.cuda_graphs and config.full_graph_compile == "unsplit":
-                full_compiled, _, _ = compile_model(model, config, pool, unsplit=True)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
                              config.max_num_seqs, device, mark_dynamic)
-        if full_compiled is not None:
-            runner.full_forward = full_compiled
         kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device)
         runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
         sampler = Sampler(device, config.seed)
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
-                 full_compiled=full_compiled, pool=pool)
+                 pool=pool)
     try:
         # The engine's device is current while it builds: the capture streams and the pool are per device.
         with torch.cuda.device(device) if cuda else contextlib.nullcontext():
@@ -151,12 +140,13 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
             kv_cache.allocate(num_blocks)
             rt.block_pool = BlockPool(num_blocks, config.block_size)
         if config.compile:
-            _warm_up(runner, sampler, config, timeline)  # compiles now, not in the first request's step
+            _warm_up(runner, sampler, config, False, timeline)  # compiles now, not in the first request's step
         return
 
     kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
     memory = rt.memory
-    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, timeline)
+    unsplit = backend is not None and backend.config.full_graph_compile == "unsplit"
+    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, unsplit, timeline)
     if config.prefill_graphs:
         with timeline.phase("piecewise capture"):
             rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
@@ -214,7 +204,7 @@ def _dummy_seqs(num_tokens: int, config: EngineConfig) -> int:
     return min(num_tokens, config.max_num_seqs, max(1, -(-num_tokens // config.max_model_len)))
 
 
-def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig,
+def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, unsplit: bool,
              timeline: StartupTimeline | None = None) -> int:
     """Run the largest steps once (compiling if needed); the activation peak in bytes (0 on CPU).
 
@@ -228,12 +218,11 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig,
         base = torch.cuda.memory_allocated(runner.device)
     max_tokens = config.max_num_batched_tokens
     num_seqs = min(config.max_num_seqs, max_tokens)
-    # The decode dummy runs as FULL when FULL steps have their own (unsplit) variant: that variant
-    # compiles now (its own timeline phase) and its peak is counted, as the first run does for the pieces.
-    unsplit = runner.full_forward is not runner.forward
+    # The decode dummy runs as FULL when FULL steps have their own (unsplit) graph, so that graph's
+    # activation peak is counted as the first run counts the pieces'.
     steps = ((max_tokens, _dummy_seqs(max_tokens, config), False), (num_seqs, num_seqs, True))
     for i, (tokens, seqs, uniform) in enumerate(steps):
-        phase = "compile" if i == 0 and config.compile else "compile full graph" if unsplit else "warm-up"
+        phase = "compile" if i == 0 and config.compile else "warm-up"
         with timeline.phase(phase):
             meta = runner.load_dummy(tokens, seqs, uniform)
             mode = RuntimeMode.FULL if uniform and unsplit else RuntimeMode.NONE

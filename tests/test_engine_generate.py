@@ -295,5 +295,5 @@ def test_warm_up_pads_a_token_budget_that_max_num_seqs_full_length_requests_cann
         meta = runner.load_dummy(64, _dummy_seqs(64, llm.config), uniform_decode=False)
         assert meta.num_seqs == 2 and meta.num_actual_tokens == 32 and meta.seq_lens.tolist() == [16, 16]
         assert (meta.slot_mapping // llm.config.block_size == SCRATCH_BLOCK).all()
-        _warm_up(runner, llm.runtime.sampler, llm.config)
+        _warm_up(runner, llm.runtime.sampler, llm.config, False)
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids == expected[0]
