@@ -45,6 +45,11 @@ class PersistentBlockTables:
         self.entries_copied = 0
         self.rows_moved = 0
 
+    def used_width(self, rows: int) -> int:
+        """Entries in use in the widest of rows 0..rows-1 (at least 1: an empty row's scratch entry);
+        what another rank needs of the table to run the step."""
+        return max(1, max((len(t) for t in self._holds[:rows]), default=0))
+
     def reset(self) -> None:
         """Every entry of every row is the scratch block (dummy steps read only block 0)."""
         self.table.fill_(SCRATCH_BLOCK)

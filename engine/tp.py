@@ -228,13 +228,14 @@ class Leader:
         else:
             num_seqs, num_actual = meta.seq_lens.shape[0], meta.num_actual_tokens
             max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
+        table_width = group.table_width(num_seqs)
         group.header.copy_(torch.tensor([
             STEP, batch.num_tokens, int(batch.uniform_decode), MODES.index(dispatch.mode),
             dispatch.descriptor.num_tokens, num_seqs, num_actual, max_query_len, max_seq_len, num_sampling,
-            num_chunks]))
+            num_chunks, table_width]))
         try:
             dist.broadcast(group.header, src=0, group=group.control)
-            group.broadcast_buffers(dispatch.descriptor.num_tokens, num_seqs, num_sampling)
+            group.broadcast_buffers(dispatch.descriptor.num_tokens, num_seqs, num_sampling, table_width)
         except RuntimeError as exc:
             self._fail(f"sending a step failed: {exc}")
 

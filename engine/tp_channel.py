@@ -4,7 +4,8 @@ Every rank holds a StepChannel: the compute group (the default process group: th
 collectives and the staged buffers) and a gloo control group for the small step header and stats.
 Rank 0's ModelRunner stages a step into its static buffers; the channel broadcasts the header (the
 step's size, dispatch and metadata bounds; on gloo, so followers read it on the host without a device
-sync) and the staged buffer slices packed into one tensor; each follower unpacks them into its own
+sync) and the staged buffer slices packed into one tensor (block tables only as wide as the step's
+longest table, not max_model_len / block_size wide); each follower unpacks them into its own
 static buffers at their fixed addresses and calls the same ModelRunner.run_staged, so it replays the
 same graphs and its collectives pair up with rank 0's.
 """
@@ -25,8 +26,8 @@ CONTROL_TIMEOUT = datetime.timedelta(days=7)  # followers wait here for the next
 STOP, STEP, STATS = 0, 1, 2
 MODES = list(RuntimeMode)
 # header: op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-#         num_sampling, num_chunks
-HEADER_LEN = 11
+#         num_sampling, num_chunks, table_width
+HEADER_LEN = 12
 
 
 class TensorParallelError(RuntimeError):
@@ -57,28 +58,33 @@ class StepChannel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
-    def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int) -> list[torch.Tensor]:
+    def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int, table_width: int) -> list[torch.Tensor]:
         b = self.runtime.runner.buffers
         return [b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
-                b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs].view(-1),
+                b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs, :table_width],
                 b.logits_indices[:num_sampling]]
 
-    def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int) -> None:
+    def table_width(self, num_seqs: int) -> int:
+        """Rank 0: the block-table columns this step's sequences use (entries past a table's length are
+        never read, so the other ranks' stale ones there are harmless)."""
+        return self.runtime.runner.buffers.tables.used_width(num_seqs)
+
+    def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int, table_width: int) -> None:
         """Rank 0's staged step into every rank's static buffers, packed into one broadcast (each
         collective costs a round trip; the buffers keep their fixed addresses)."""
         b = self.runtime.runner.buffers
         if self.packed is None:
             size = 3 * b.max_tokens + 3 * b.max_seqs + 1 + b.max_seqs * b.max_blocks_per_seq
             self.packed = torch.empty(size, dtype=torch.int64, device=b.input_ids.device)
-        staged = self._staged(num_tokens, num_seqs, num_sampling)
+        staged = self._staged(num_tokens, num_seqs, num_sampling, table_width)
         packed = self.packed[:sum(t.numel() for t in staged)]
         if self.rank == 0:
-            torch.cat(staged, out=packed)
+            torch.cat([t.reshape(-1) for t in staged], out=packed)
         dist.broadcast(packed, src=0)
         if self.rank != 0:
             offset = 0
-            for tensor in staged:
-                tensor.copy_(packed[offset:offset + tensor.numel()])
+            for tensor in staged:  # into the buffers themselves: a narrowed table is a strided view
+                tensor.copy_(packed[offset:offset + tensor.numel()].view(tensor.shape))
                 offset += tensor.numel()
 
     def local_stats(self) -> dict[str, Any]:
@@ -113,7 +119,7 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
         while True:
             dist.broadcast(header, src=0, group=group.control)
             (op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-             num_sampling, num_chunks) = header.tolist()
+             num_sampling, num_chunks, table_width) = header.tolist()
             if op == STOP:
                 break
             if op == STATS:
@@ -125,7 +131,7 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
                     f"rank {rank} dispatched a {num_tokens}-token step to {dispatch.mode.value} at "
                     f"{dispatch.descriptor.num_tokens} tokens, rank 0 to {MODES[mode].value} at {num_padded}: "
                     "the ranks' graph sizes differ")
-            group.broadcast_buffers(num_padded, num_seqs, num_sampling)
+            group.broadcast_buffers(num_padded, num_seqs, num_sampling, table_width)
             meta = None
             if dispatch.mode is not RuntimeMode.FULL:
                 meta = runner.buffers.metadata(num_padded, num_seqs, num_actual, max_query_len, max_seq_len,

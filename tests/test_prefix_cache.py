@@ -265,3 +265,15 @@ def test_a_block_table_wider_than_a_row_is_refused_before_anything_changes():
         tables.update([[5], [6, 7, 8]])
     tables.update([ok])
     assert runner.buffers.block_tables[0].tolist() == [3, 4] and tables.entries_copied == 2
+
+
+def test_used_width_is_the_longest_table_of_the_step_rows():
+    """What a tensor-parallel step sends of the tables: the step's rows up to its longest table."""
+    runner = _runner(max_seqs=4, block_size=4, max_model_len=64)  # rows of 16 entries
+    tables = runner.buffers.tables
+    tables.update([[3], [4, 5, 6], []])
+    assert tables.used_width(3) == 3 and tables.used_width(1) == 1
+    tables.update([[], []])
+    assert tables.used_width(2) == 1  # padding rows: the scratch entry
+    tables.reset()
+    assert tables.used_width(4) == 1
