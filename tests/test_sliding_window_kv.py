@@ -1,0 +1,177 @@
+"""Sliding-window layers in their own KV pool (engine.kv_groups, engine.sliding_pool), on the CPU.
+
+A tiny Gemma-3-like model (window 8, two sliding layers and one global layer, blocks of 4 tokens)
+generates far past its window; the reference is transformers' greedy generate, one prompt at a time.
+The engine runs with chunked prefill, preemption, prefix caching on and off, and both step loops,
+with the pool's debug checks on (every step: no write into a shared or published block, every
+block in exactly one state).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from custom_ops import SCRATCH_BLOCK
+from engine import LLM, SamplingParams
+from engine.block_pool import BlockPool
+from engine.kv_groups import GroupedBlockPool, split_memory
+from engine.sliding_pool import SlidingBlockPool
+from tests.hf_helpers import random_hf_model
+
+WINDOW, BLOCK = 8, 4
+CONFIG = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+              sliding_window_pattern=3, final_logit_softcapping=30.0)
+SHARED = list(range(10, 34))  # 24 tokens: six blocks that later prompts hit
+PROMPTS = [[1, *SHARED, 5, 6], [1, 7, 8, 9], [1, *SHARED, 40, 41, 42, 43, 44, 45], [1, *range(50, 70)]]
+MAX_TOKENS = 20
+SMALL = dict(device="cpu", block_size=BLOCK, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def debug_checks(monkeypatch):
+    monkeypatch.setenv("INFER_GRAPHS_DEBUG_CHECKS", "1")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """(model dir, transformers' greedy continuation of each prompt, ignoring EOS)."""
+    hf = random_hf_model(transformers.Gemma3TextConfig(**CONFIG), seed=11)
+    path = tmp_path_factory.mktemp("gemma_window")
+    hf.save_pretrained(path)
+    return path, [greedy_without_cache(hf, prompt, MAX_TOKENS) for prompt in PROMPTS]
+
+
+def greedy_without_cache(hf: transformers.PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy tokens, each from a forward over the whole sequence (no KV cache): its
+    generate() with a sliding-window cache disagrees with its own uncached forward once the prompt is
+    longer than the window (seen here with transformers 5.x), so the uncached forward, the model's
+    definition, is the reference."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_gemma_generation_with_a_window_pool_equals_transformers(gemma, async_scheduling, prefix_caching):
+    path, expected = gemma
+    llm = LLM(str(path), **SMALL, async_scheduling=async_scheduling, enable_prefix_caching=prefix_caching)
+    pool = llm.runtime.block_pool
+    assert isinstance(pool, GroupedBlockPool) and [p.window for p in pool.sliding] == [WINDOW]
+    outputs = llm.generate(PROMPTS[:2], PARAMS)
+    outputs += llm.generate(PROMPTS[2:], PARAMS)  # the third prompt can hit the first one's blocks
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert [g["kind"] for g in stats["kv_groups"]] == ["full", f"sliding_{WINDOW}"]
+    assert [g["num_layers"] for g in stats["kv_groups"]] == [1, 2]
+    assert pool.sliding[0].released_blocks > 0  # blocks did go back before their requests finished
+    if prefix_caching:
+        assert stats["prefix_cache"]["hit_tokens"] > 0
+    # everything back: free or cached, in every group
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert pool.sliding[0].num_free_blocks == pool.sliding[0].num_usable_blocks
+
+
+def test_a_long_sequence_holds_a_bounded_number_of_sliding_blocks(gemma):
+    path, expected = gemma
+    llm = LLM(str(path), **SMALL)
+    pool = llm.runtime.block_pool
+    sliding = pool.sliding[0]
+    bound = sliding.max_blocks_per_request(SMALL["max_num_batched_tokens"])  # ceil((W - 1 + 8) / 4) + 1 = 5
+    llm.add_request(PROMPTS[3], PARAMS, request_id="long")
+    held, full_held = [], []
+    while llm.has_unfinished_requests():
+        llm.step()
+        if "long" in sliding._tables:
+            held.append(sliding.num_held("long"))
+            full_held.append(len(pool.block_table("long")))
+    assert max(held) <= bound and held[-1] <= -(-(WINDOW - 1) // BLOCK) + 1 + 1
+    assert max(full_held) >= 9  # the full group keeps every block: 21 + 20 tokens
+    assert sliding.num_free_blocks == sliding.num_usable_blocks
+
+
+def test_preempted_gemma_requests_recompute_through_both_pools(gemma):
+    path, expected = gemma
+    # 18 blocks of every layer: the full group gets about 20, enough for one request of 64 tokens
+    # but not for four growing ones.
+    llm = LLM(str(path), **{**SMALL, "max_num_batched_tokens": 32, "num_gpu_blocks": 18})
+    outputs = llm.generate(PROMPTS, PARAMS)
+    assert llm.stats()["preemptions"] > 0
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_one_pool_for_gemma_on_request_and_for_llama_always(gemma, tmp_path):
+    path, expected = gemma
+    llm = LLM(str(path), **SMALL, hybrid_kv_cache=False)
+    assert isinstance(llm.runtime.block_pool, BlockPool) and len(llm.stats()["kv_groups"]) == 1
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    llama = random_hf_model(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128), seed=3)
+    llama.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), **SMALL, num_gpu_blocks=40)
+    assert isinstance(llm.runtime.block_pool, BlockPool) and llm.runtime.block_pool.num_blocks == 40
+    assert llm.runtime.runner.buffers.group_tables == []
+    assert [g["kind"] for g in llm.stats()["kv_groups"]] == ["full"]
+
+
+def test_the_memory_budget_is_split_by_what_one_sequence_needs_of_each_group():
+    # 1 full layer (bytes 1 per block) and 5 sliding ones (5): one 64-block sequence needs 64 full
+    # blocks and 3 sliding ones: 64 + 15 = 79 bytes, so a 790-byte budget holds 10 sequences.
+    assert split_memory(790, [1, 5], [64, 3], [65, 4]) == [641, 31]
+    assert split_memory(10, [1, 5], [64, 3], [65, 4]) == [65, 4]  # never below one request
+
+
+def _published_pool(num_full_blocks: int = 20) -> tuple[GroupedBlockPool, list[int]]:
+    """A request of 24 tokens (6 blocks of 4, and a 7th for its next token) computed, published and
+    finished: the full group caches blocks 0..5; the sliding group (window 8) released its blocks
+    0..3 as it went, but had published them first."""
+    pool = GroupedBlockPool(BlockPool(num_full_blocks, BLOCK, debug_checks=True), [SlidingBlockPool(20, BLOCK, WINDOW)])
+    pool.enable_prefix_caching()
+    tokens = list(range(100, 125))
+    assert pool.admit("a", [], 8)
+    for end in range(8, 25, 4):
+        pool.publish("a", tokens, end)
+        pool.release_before("a", end)
+        assert pool.grow("a", end + 4)
+    pool.free("a")
+    pool.check_consistency()
+    return pool, tokens
+
+
+def test_a_prefix_hit_needs_the_sliding_blocks_of_its_last_window():
+    pool, tokens = _published_pool()
+    sliding = pool.sliding[0]
+    assert len(pool.match_prefix(tokens)) == 6  # 24 tokens: every window block still cached
+    # Evict the sliding block of table index 4 (positions 16..19): a hit of 24 tokens needs indices
+    # 4, 5 (positions 17..23), a hit of 20 needs 3, 4: the longest usable hit is 16 tokens.
+    full_block = pool.full.match_prefix(tokens)[4]
+    sliding._unpublish(sliding.lookup(full_block, pool.full.cache.node(full_block)))
+    assert len(pool.full.match_prefix(tokens)) == 6 and len(pool.match_prefix(tokens)) == 4
+    assert pool.admit("b", pool.match_prefix(tokens), 17)
+    table = sliding.table("b")
+    # a hit of 16 tokens: index 2 (positions 9..11, in the window of position 16) onwards is held
+    assert table[:2] == [SCRATCH_BLOCK, SCRATCH_BLOCK] and SCRATCH_BLOCK not in table[2:] and len(table) == 5
+    pool.check_consistency()
+
+
+def test_a_full_block_evicted_and_reused_never_hands_out_stale_sliding_blocks():
+    pool, tokens = _published_pool(num_full_blocks=8)  # 7 usable: a new request reuses every id
+    sliding = pool.sliding[0]
+    assert pool.full.reset_prefix_cache() == 6  # the full group forgets; the sliding entries stay
+    other = list(range(200, 225))
+    assert pool.admit("c", [], 24)
+    pool.full.publish("c", other, 24)  # full group only: the sliding blocks under these ids are stale
+    assert any(f in sliding._entries for f in pool.full.block_table("c"))
+    assert len(pool.full.match_prefix(other)) == 6 and pool.match_prefix(other) == []
+    pool.check_consistency()
