@@ -204,7 +204,14 @@ class GroupedBlockPool:
         return self.full.slot(request_id, position)
 
     def prefix_cache_stats(self) -> dict[str, float | int | bool]:
-        return self.full.prefix_cache_stats()
+        """The full group's hits; cached and evicted blocks counted over every group."""
+        stats = self.full.prefix_cache_stats()
+        if stats["enabled"]:
+            for pool in self.sliding:
+                own = pool.stats()
+                stats["cached_blocks"] += own["cached_blocks"]
+                stats["evicted_blocks"] += own["evicted_blocks"]
+        return stats
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:
         self.full.check_writable(request_id, start, end)

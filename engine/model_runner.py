@@ -194,8 +194,13 @@ class ModelRunner:
         if self.mark_dynamic is not None:
             self.mark_dynamic(ids, positions)
         forward = self.full_forward if mode is RuntimeMode.FULL else self.forward
-        with forward_context(meta, mode, num_tokens, self.kv_caches, self.group_metadata(meta)):
+        with self.forward_context(meta, mode, num_tokens):
             return forward(ids, positions)
+
+    def forward_context(self, meta: AttentionMetadata, mode: RuntimeMode, num_tokens: int):
+        """The forward context of a step over this engine's buffers: its KV caches, and every KV
+        group's metadata (a context without them would send sliding layers to group 0's tables)."""
+        return forward_context(meta, mode, num_tokens, self.kv_caches, self.group_metadata(meta))
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
                  full: bool) -> tuple[AttentionMetadata | None, int]:
