@@ -21,7 +21,7 @@ because a hit is only ever K/V computed from the same prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from custom_ops import get_attention_layer
 from engine.block_pool import BlockPool, debug_checks_from_env
@@ -39,10 +39,15 @@ class KVGroup:
 
 
 def group_layers(layer_names: Sequence[str], by_kind: bool = True) -> list[KVGroup]:
-    """Group 0: the full-attention layers; then one group per window size. One group (all layers) when
-    every layer is of one kind, when no layer has full attention (sliding blocks are published under
-    full ones, so there is nothing to key them by), or with by_kind=False."""
-    windows = {name: get_attention_layer(name).sliding_window for name in layer_names}
+    """The registered attention layers' groups (group_by_window)."""
+    return group_by_window({name: get_attention_layer(name).sliding_window for name in layer_names}, by_kind)
+
+
+def group_by_window(windows: Mapping[str, int | None], by_kind: bool = True) -> list[KVGroup]:
+    """Group 0: the full-attention layers (window None); then one group per window size. One group
+    (all layers) when every layer is of one kind, when no layer has full attention (sliding blocks
+    are published under full ones, so there is nothing to key them by), or with by_kind=False."""
+    layer_names = list(windows)
     kinds = sorted({w for w in windows.values() if w is not None})
     if not by_kind or not kinds or None not in windows.values():
         return [KVGroup(tuple(layer_names), None)]  # every layer keeps every block, as one pool always did
@@ -65,6 +70,20 @@ def split_memory(budget_bytes: int, bytes_per_block: Sequence[int], per_sequence
     per_seq_bytes = sum(n * b for n, b in zip(per_sequence, bytes_per_block))
     sequences = budget_bytes / per_seq_bytes if per_seq_bytes else 0.0
     return [max(low, int(sequences * n) + 1) for n, low in zip(per_sequence, min_blocks)]
+
+
+def blocks_per_group(groups: Sequence[KVGroup], bytes_per_block: Sequence[int], budget_bytes: int,
+                     max_model_len: int, block_size: int, max_num_batched_tokens: int) -> list[int]:
+    """Blocks per group (scratch included) for a memory budget: split_memory over what a sequence of
+    max_model_len holds between steps, each group at least one request (a sliding group: its window
+    plus a chunk of max_num_batched_tokens) plus scratch."""
+    if len(groups) == 1:
+        return [budget_bytes // bytes_per_block[0]]
+    full = -(-max_model_len // block_size)
+    per_sequence = [blocks_per_sequence(g, max_model_len, block_size) for g in groups]
+    minimum = [full + 1] + [min(full, -(-(g.sliding_window - 1 + max_num_batched_tokens) // block_size) + 1) + 1
+                            for g in groups[1:]]
+    return split_memory(budget_bytes - sum(bytes_per_block), bytes_per_block, per_sequence, minimum)
 
 
 class GroupedBlockPool:

@@ -40,7 +40,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.decode_graphs import DecodeGraphs, free_memory_gib
 from engine.dispatch import Dispatcher
 from engine.kv_cache import CPU_KV_BYTES, KVCache
-from engine.kv_groups import GroupedBlockPool, blocks_per_sequence, group_stats, make_block_pool, split_memory
+from engine.kv_groups import GroupedBlockPool, blocks_per_group, group_stats, make_block_pool
 from engine.model_runner import ModelRunner
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
@@ -213,20 +213,12 @@ def _allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_byt
     groups (engine.kv_groups) the budget's bytes are split so that every group holds the same number
     of max_model_len sequences; a group's block costs only its own layers' bytes."""
     kv_cache = rt.kv_cache
-    blocks = [num_blocks]
-    if len(kv_cache.groups) > 1:
-        max_len, block_size = config.max_model_len, config.block_size
-        per_sequence = [blocks_per_sequence(g, max_len, block_size) for g in kv_cache.groups]
-        window_need = [-(-max_len // block_size)] + [
-            min(-(-max_len // block_size), -(-(g.sliding_window - 1 + config.max_num_batched_tokens) // block_size) + 1)
-            for g in kv_cache.groups[1:]]
-        scratch_bytes = sum(kv_cache.group_bytes_per_block)
-        blocks = split_memory(num_blocks * kv_cache.bytes_per_block - scratch_bytes, kv_cache.group_bytes_per_block,
-                              per_sequence, [n + 1 for n in window_need])
-        total = sum(n * b for n, b in zip(blocks, kv_cache.group_bytes_per_block))
-        if spare_bytes is not None and total > spare_bytes:
-            raise ConfigError(f"the KV groups need {total / 2**30:.2f} GiB for one request of max_model_len="
-                              f"{max_len} each, but only {max(spare_bytes, 0) / 2**30:.2f} GiB is left")
+    blocks = blocks_per_group(kv_cache.groups, kv_cache.group_bytes_per_block, num_blocks * kv_cache.bytes_per_block,
+                              config.max_model_len, config.block_size, config.max_num_batched_tokens)
+    total = sum(n * b for n, b in zip(blocks, kv_cache.group_bytes_per_block))
+    if spare_bytes is not None and total > spare_bytes:
+        raise ConfigError(f"the KV groups need {total / 2**30:.2f} GiB for one request of max_model_len="
+                          f"{config.max_model_len} each, but only {max(spare_bytes, 0) / 2**30:.2f} GiB is left")
     kv_cache.allocate(blocks)
     rt.block_pool = make_block_pool(kv_cache.groups, blocks, config.block_size)
     if isinstance(rt.block_pool, GroupedBlockPool):

@@ -175,3 +175,11 @@ def test_a_full_block_evicted_and_reused_never_hands_out_stale_sliding_blocks():
     assert any(f in sliding._entries for f in pool.full.block_table("c"))
     assert len(pool.full.match_prefix(other)) == 6 and pool.match_prefix(other) == []
     pool.check_consistency()
+
+
+def test_capacity_suite_reports_gemma_3_1b_fitting_several_times_more_sequences_per_kind():
+    from bench.capacity import run
+    row, = run("gemma-3-1b", contexts="4096").rows
+    # 26 layers, 4 global: one 4k sequence costs 26 layers x 256 blocks in one pool, but 4 x 256 +
+    # 22 x 33 (the window of 512 tokens plus a partial block) with a pool per kind: 3.8x
+    assert row["one_pool_seqs"] == 157 and 3.7 < row["gain"] < 3.9
