@@ -204,3 +204,19 @@ def test_kernels_never_load_the_table_entries_a_window_pool_released(decode):
     meta.block_tables = tables
     out = run_paged(q, k, v, cache, meta, layer, **({"num_splits": 2} if decode else {}))
     check_close(out, ref, meta.num_actual_tokens, torch.float32)
+
+
+def test_release_keeps_exactly_the_blocks_a_query_at_the_next_position_can_see():
+    # window 8, blocks of 4: a query at s sees s - 7 .. s, so block i (positions 4i .. 4i + 3) goes
+    # back once 4i + 3 < s - 7, and not a step earlier
+    pool = SlidingBlockPool(16, BLOCK, WINDOW)
+    pool.admit("r", [], 0, 24)  # a 24-token prefill chunk: 6 blocks
+    table = pool.table("r")
+    blocks = list(table)
+    for next_position, released in ((10, 0), (11, 1), (14, 1), (15, 2), (23, 4)):
+        pool.release_before("r", next_position)
+        assert table[:released] == [SCRATCH_BLOCK] * released and table[released:] == blocks[released:]
+        assert pool.num_held("r") == 6 - released and pool.num_free_blocks == 15 - 6 + released
+    pool.check_consistency()
+    pool.free("r")
+    assert pool.num_free_blocks == pool.num_usable_blocks
