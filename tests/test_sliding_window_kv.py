@@ -54,7 +54,7 @@ def greedy_without_cache(hf: transformers.PreTrainedModel, prompt: list[int], nu
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(num_tokens):
-            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            ids.append(int(hf(torch.tensor([ids], device=hf.device), use_cache=False).logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
