@@ -220,3 +220,52 @@ def test_release_keeps_exactly_the_blocks_a_query_at_the_next_position_can_see()
     pool.check_consistency()
     pool.free("r")
     assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_key_a_query_reads_was_computed_from_its_own_prefix_under_sharing_eviction_and_preemption(seed):
+    """The scheduler and both pools without a model: each slot remembers the prefix its K/V was
+    computed from; before every step, every key in a chunk's reach (all earlier positions in the full
+    group, the window in the sliding group) must hold the request's own prefix. Small pools force
+    prefix hits, shortened hits, evictions and preemptions; debug checks run every step."""
+    import random
+
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+    rng = random.Random(seed)
+    window = 6  # not a multiple of the block size
+    pool = GroupedBlockPool(BlockPool(24, BLOCK, debug_checks=True), [SlidingBlockPool(12, BLOCK, window)])
+    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=48,
+                          enable_prefix_caching=True)
+    stems = [[rng.randrange(3, 9) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    written: dict[tuple[int, int], tuple[int, ...]] = {}  # (group, slot) -> prefix its K/V came from
+    count = shortened = 0
+    for step in range(400):
+        if step % 2 == 0 and count < 40:
+            prompt = rng.choice(stems) + [rng.randrange(3, 9) for _ in range(rng.randrange(1, 6))]
+            scheduler.add(Request(f"r{count}", prompt, SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True)))
+            count += 1
+        if scheduler.waiting:
+            tokens = scheduler.waiting[0].token_ids
+            shortened += len(pool.match_prefix(tokens)) < len(pool.full.match_prefix(tokens))
+        out = scheduler.schedule()
+        if out.is_empty:
+            if not scheduler.has_unfinished() and count >= 40:
+                break
+            continue
+        for chunk in out.chunks:
+            request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+            tokens = request.token_ids
+            for group, (table, first) in enumerate(zip(pool.tables(request.request_id),
+                                                       (0, max(0, start - window + 1)))):
+                for p in range(first, start):
+                    slot = table[p // BLOCK] * BLOCK + p % BLOCK
+                    assert written.get((group, slot)) == tuple(tokens[:p + 1]), (request.request_id, group, p)
+                for p in range(start, end):
+                    written[(group, table[p // BLOCK] * BLOCK + p % BLOCK)] = tuple(tokens[:p + 1])
+        sampled = [sum(c.request.token_ids[-3:]) % 6 + 3 for c in out.chunks if c.samples]
+        scheduler.update(out, sampled, 0.0)
+    assert not scheduler.has_unfinished()
+    assert scheduler.num_preemptions > 0 and pool.cache.hit_tokens > 0 and shortened > 0
+    assert pool.sliding[0].evicted_blocks > 0 and pool.sliding[0].released_blocks > 0
+    assert pool.num_free_blocks == pool.num_usable_blocks
