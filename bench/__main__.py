@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp")
+SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>)")
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
                         "e2e: default 1,16,64")
-    parser.add_argument("--contexts", help="decode: context lengths (default 512,4096)")
+    parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")

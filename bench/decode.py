@@ -53,8 +53,30 @@ def load_decode_step(runner, vocab_size: int, batch: int, context: int):
     meta = step_metadata(batch, context, 1, "cpu")
     ids = torch.randint(0, vocab_size, (batch,)).tolist()
     runner.buffers.load(ids, [context] * batch, meta.slot_mapping.tolist(), meta.query_start_loc.tolist(),
-                        meta.seq_lens.tolist(), meta.block_tables.tolist(), list(range(batch)))
+                        meta.seq_lens.tolist(), meta.block_tables.tolist(), list(range(batch)),
+                        *_window_group_step(runner, batch, context))
     return runner.buffers.metadata(batch, batch, batch, 1, context + 1, True)
+
+
+def _window_group_step(runner, batch: int, context: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Slots and block tables of the engine's sliding-window KV groups (engine.kv_groups) for
+    load_decode_step: each sequence its own blocks for the window of its query at `context` (the
+    scratch block before it, as the pool leaves them), ids wrapped into the group's pool."""
+    from custom_ops import SCRATCH_BLOCK, get_attention_layer
+    size = runner.block_size
+    group_slots, group_tables = [], []
+    for names in runner.group_layers:
+        usable = runner.kv_caches[names[0]].shape[1] - 1
+        first = max(0, context - get_attention_layer(names[0]).sliding_window + 1) // size
+        tables, slots, taken = [], [], 0
+        for _ in range(batch):
+            table = [SCRATCH_BLOCK] * first + [1 + (taken + i) % usable for i in range(context // size + 1 - first)]
+            taken += len(table) - first
+            tables.append(table)
+            slots.append(table[-1] * size + context % size)
+        group_slots.append(slots)
+        group_tables.append(tables)
+    return group_slots, group_tables
 
 
 def decode_blocks_needed(batch: int, context: int) -> int:
@@ -77,7 +99,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
         time_budget_s: float | None = None, full_graph_compile: str | None = None) -> Report:
     """peers: "all" (default), "eager" (transformers eager only) or "none".
     full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default)."""
-    from custom_ops import RuntimeMode, forward_context
+    from custom_ops import RuntimeMode
     from engine import LLM
 
     batches = parse_ints(batches, BATCHES)
@@ -136,7 +158,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
             ids, pos = runner.buffers.input_ids[:b], runner.buffers.positions[:b]
 
             def eager():
-                with forward_context(meta, RuntimeMode.NONE, b, runner.kv_caches):
+                with runner.forward_context(meta, RuntimeMode.NONE, b):
                     return net.compute_logits(net(ids, pos))
 
             def compiled():
@@ -165,7 +187,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
                 ids, pos = runner.buffers.input_ids[:b], runner.buffers.positions[:b]
 
                 def reduce_overhead():
-                    with forward_context(meta, RuntimeMode.NONE, b, runner.kv_caches):
+                    with runner.forward_context(meta, RuntimeMode.NONE, b):
                         return step(ids, pos)
                 try:
                     add("ours_reduce_overhead", b, c, median_ms(reduce_overhead, warmup=5, iters=iters))

@@ -31,6 +31,9 @@ class ForwardContext:
     runtime_mode: RuntimeMode
     num_tokens: int  # the (padded) token count the forward runs with
     kv_caches: Mapping[str, torch.Tensor] | None = None  # layer name -> its paged KV cache
+    # layer name -> the metadata of its KV group, for layers whose group has its own block tables and
+    # slot mapping (sliding-window layers with their own pool, engine.kv_groups); others use attn_metadata
+    group_metadata: Mapping[str, AttentionMetadata] | None = None
 
 
 _current: ForwardContext | None = None
@@ -46,8 +49,10 @@ def forward_context(
     runtime_mode: RuntimeMode = RuntimeMode.NONE,
     num_tokens: int | None = None,
     kv_caches: Mapping[str, torch.Tensor] | None = None,
+    group_metadata: Mapping[str, AttentionMetadata] | None = None,
 ) -> Iterator[ForwardContext]:
-    """`kv_caches` maps each attention layer's name to its cache; needed whenever attn_metadata is."""
+    """`kv_caches` maps each attention layer's name to its cache; needed whenever attn_metadata is.
+    `group_metadata`: per-layer metadata overriding attn_metadata (ForwardContext.group_metadata)."""
     global _current
     if _current is not None:
         raise RuntimeError("forward_context is already set: forward contexts do not nest")
@@ -55,7 +60,7 @@ def forward_context(
         if attn_metadata is None:
             raise ValueError("forward_context needs num_tokens when attn_metadata is None")
         num_tokens = int(attn_metadata.slot_mapping.shape[0])
-    _current = ForwardContext(attn_metadata, RuntimeMode(runtime_mode), int(num_tokens), kv_caches)
+    _current = ForwardContext(attn_metadata, RuntimeMode(runtime_mode), int(num_tokens), kv_caches, group_metadata)
     try:
         yield _current
     finally:

@@ -47,10 +47,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v.to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first seq_len cached keys and values of one sequence, in position order."""
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached keys and values of positions start..seq_len-1 of one sequence, in position order."""
     block_size = kv_cache.shape[2]
-    pos = torch.arange(seq_len, device=kv_cache.device)
+    pos = torch.arange(start, seq_len, device=kv_cache.device)
     blocks = block_table.long()[pos // block_size]
     offsets = pos % block_size
     return kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets]
@@ -69,8 +70,12 @@ def paged_attention(
         q_begin, q_end = starts[i], starts[i + 1]
         if q_end <= q_begin:
             continue
-        keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
-        q_pos = torch.arange(seq_len - (q_end - q_begin), seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
+        first_query = seq_len - (q_end - q_begin)
+        # Keys before the first query's window are never read, as in the kernels: a sliding-window
+        # pool gives those blocks back, and their table entries point at the scratch block.
+        start = max(0, first_query - layer.sliding_window + 1) if layer.sliding_window else 0
+        keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len, start)
+        q_pos = torch.arange(first_query, seq_len, device=q.device)
+        k_pos = torch.arange(start, seq_len, device=q.device)
         out[q_begin:q_end] = attend(q[q_begin:q_end], keys, values, q_pos, k_pos, layer).to(out.dtype)
     out[n:] = 0  # padding rows read nothing; zero keeps them deterministic

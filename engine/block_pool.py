@@ -72,6 +72,14 @@ class BlockPool:
         preempted request gets a new one), which persistent device block tables rely on."""
         return self._owned.get(request_id, [])
 
+    def tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table per KV group (one group here; engine.kv_groups has more)."""
+        return [self._owned.get(request_id, [])]
+
+    def release_before(self, request_id: str, next_position: int) -> int:
+        """Every layer sees every earlier position: nothing falls out of a window (engine.kv_groups)."""
+        return 0
+
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so that request_id holds num_tokens tokens."""
         return max(0, self.blocks_for(num_tokens) - len(self.block_table(request_id)))
@@ -140,12 +148,12 @@ class BlockPool:
                     self._free.append(block)
         return len(blocks)
 
-    def publish(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def publish(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> range:
         """Publish the request's full blocks whose K/V are all computed (call after the step that computed
-        them). A no-op with prefix caching off."""
+        them); the table indices published now. A no-op with prefix caching off."""
         done = self._published.get(request_id, _STOPPED)
         if self.cache is None or done == _STOPPED:
-            return
+            return range(0)
         table = self._owned[request_id]
         full = min(num_computed_tokens // self.block_size, len(table))
         size = self.block_size
@@ -157,9 +165,10 @@ class BlockPool:
                 # this copy stays private, and so do the blocks after it, so published blocks remain a
                 # prefix of the table (see the module docstring).
                 self._published[request_id] = _STOPPED
-                return
+                return range(done, i)
             parent = block
         self._published[request_id] = max(done, full)
+        return range(done, max(done, full))
 
     def reset_prefix_cache(self) -> int:
         """Evict every unreferenced cached block (a benchmark starting cold); the number evicted."""

@@ -38,6 +38,8 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--block-size": ("block_size", dict(type=int, help="tokens per KV cache block")),
     "--num-gpu-blocks": ("num_gpu_blocks", dict(type=int)),
     "--kv-memory-fraction": ("kv_memory_fraction", dict(type=float)),
+    "--no-hybrid-kv-cache": _set("hybrid_kv_cache", False, "one KV pool where every layer keeps every block "
+                                 "(default: a pool per layer kind, sliding-window blocks freed out of the window)"),
     "--no-cuda-graphs": _set("cuda_graphs", False, "no full-decode graphs"),
     "--prefill-graphs": _set("prefill_graphs", True, "piecewise graphs for prefill / mixed steps"),
     "--decode-graph-sizes": ("decode_graph_sizes", dict(type=_sizes, help="e.g. 1,2,4,8,16")),

@@ -48,6 +48,9 @@ class EngineConfig:
     block_size: int = 16                   # tokens per KV cache block
     kv_memory_fraction: float = 0.9        # of the GPU memory left after weights, warm-up peak and graphs
     num_gpu_blocks: int | None = None      # explicit KV pool size in blocks (incl. the scratch block)
+    # KV pool per layer kind (engine.kv_groups): sliding-window layers give back blocks out of their
+    # window; False: one pool, every layer keeps every block (num_gpu_blocks counts blocks of every layer)
+    hybrid_kv_cache: bool = True
     compile: bool | None = None            # torch.compile with the infer_graphs backend; None: on for CUDA
     piece_compiler: str = "inductor"       # how the backend compiles pieces: inductor | eager
     cuda_graphs: bool | None = None        # full-decode graphs; None: on for CUDA
@@ -92,6 +95,7 @@ class EngineConfig:
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching,
                "a bool")
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
+        _check(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", self.hybrid_kv_cache, "a bool")
         _check(self.full_graph_compile in _FULL_GRAPH_COMPILES, "full_graph_compile", self.full_graph_compile,
                f"one of {', '.join(_FULL_GRAPH_COMPILES)}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -5,8 +5,10 @@ one static `[max batch, V]` buffer allocated outside the graph pool, so the pool
 graph's intermediates and every smaller graph reuses the memory of the largest: capture goes
 largest-first into the engine's graph pool (shared with its piecewise graphs), with garbage collection
 frozen and paused (a collection during capture could free a tensor the graph records). The model
-runs under a FULL forward context carrying the engine's own KV caches, so the backend's pieces pass
-straight through and this capture records everything, attention kernels and KV addresses included.
+runs under a FULL forward context carrying the engine's own KV caches (and, with a KV pool per layer
+kind, each group's slot mapping and block tables: engine.kv_groups, ModelRunner.forward_context), so
+the backend's pieces pass straight through and this capture records everything, attention kernels
+and KV addresses included.
 
 Cost (what keeps a capture cheap): the dummy decode metadata is loaded ONCE at the largest batch (the
 rows of a smaller batch hold the same values, so its metadata is a slice); every size gets one eager

@@ -360,6 +360,8 @@ class LLM:
             "kv_blocks": self.runtime.block_pool.num_blocks,
             "prefix_cache": self.runtime.block_pool.prefix_cache_stats(),
             "kv_blocks_free": self.runtime.block_pool.num_free_blocks,
+            "kv_blocks_by_group": list(self.runtime.kv_cache.num_blocks_by_group),
+            "kv_groups": self.runtime.kv_group_stats(self.config.max_model_len),
             "decode_graphs": len(graphs.sizes) if graphs else 0,
             "decode_graph_replays": graphs.replays if graphs else 0,
             "decode_graph_replays_by_size": dict(graphs.replays_by_size) if graphs else {},

@@ -9,6 +9,7 @@ under a forward context and compute logits only for the last token of each sampl
 from __future__ import annotations
 
 import array
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,27 +47,51 @@ class StaticBuffers:
         self.tables = PersistentBlockTables(max_seqs, max_blocks_per_seq, device, pin)
         self.block_tables = self.tables.table
         self.logits_indices, self._logits_indices = pair((max_seqs,), torch.int64)
+        self._pair, self._pin, self._device = pair, pin, device
+        # KV groups after the first (engine.kv_groups): each its own slot mapping and block tables.
+        self.group_slot_mappings: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.group_tables: list[PersistentBlockTables] = []
         # Marks when the last step's host -> device copies have run, so the next step does not
         # overwrite pinned staging memory that an asynchronous copy is still reading.
         self._copied = torch.cuda.Event() if pin else None
 
+    def set_num_groups(self, num_groups: int) -> None:
+        """Buffers for KV groups 1..num_groups-1 (group 0 uses slot_mapping and tables)."""
+        self.group_slot_mappings = [self._pair((self.max_tokens,), torch.int64) for _ in range(num_groups - 1)]
+        self.group_tables = [PersistentBlockTables(self.max_seqs, self.max_blocks_per_seq, self._device, self._pin)
+                             for _ in range(num_groups - 1)]
+
+    def reset_tables(self) -> None:
+        self.tables.reset()
+        for tables in self.group_tables:
+            tables.reset()
+
     def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
-             seq_lens: list[int], tables: list[list[int]], logits_indices: list[int]) -> None:
+             seq_lens: list[int], tables: list[list[int]], logits_indices: list[int],
+             group_slots: list[list[int]] = (), group_tables: list[list[list[int]]] = ()) -> None:
         """Copy one step's values in (host lists -> pinned staging -> device, asynchronously).
 
         `tables[i]` is the block table of sequence i: the pool's own list (only new entries are copied,
-        see PersistentBlockTables), or an empty one for a padding row.
+        see PersistentBlockTables), or an empty one for a padding row. `group_slots[g]` and
+        `group_tables[g]`: the same for KV group g + 1 (one entry per extra group, engine.kv_groups).
         """
+        if len(group_slots) != len(self.group_tables) or len(group_tables) != len(self.group_tables):
+            raise ValueError(f"StaticBuffers.load got slots / tables for {len(group_slots)} / {len(group_tables)} "
+                             f"extra KV groups, the engine has {len(self.group_tables)}")
         if self._copied is not None:
             self._copied.synchronize()
         self.tables.update(tables)
-        for device_buf, host_buf, values in (
+        for persistent, group in zip(self.group_tables, group_tables):
+            persistent.update(group)
+        copies = [(device_buf, host_buf, values)
+                  for (device_buf, host_buf), values in zip(self.group_slot_mappings, group_slots)]
+        for device_buf, host_buf, values in copies + [
             (self.input_ids, self._input_ids, ids), (self.positions, self._positions, positions),
             (self.slot_mapping, self._slot_mapping, slots),
             (self.query_start_loc, self._query_start_loc, query_start_loc),
             (self.seq_lens, self._seq_lens, seq_lens),
             (self.logits_indices, self._logits_indices, logits_indices),
-        ):
+        ]:
             n = len(values)
             if n:
                 host_buf[:n] = torch.frombuffer(array.array(_TYPECODES[host_buf.dtype], values), dtype=host_buf.dtype)
@@ -86,6 +111,12 @@ class StaticBuffers:
             max_seq_len=max_seq_len,
             is_uniform_decode=uniform_decode,
         )
+
+    def group_metadata(self, meta: AttentionMetadata) -> list[AttentionMetadata]:
+        """`meta` for each KV group after the first: the same step, that group's slots and tables."""
+        num_tokens, num_seqs = int(meta.slot_mapping.shape[0]), meta.num_seqs
+        return [dataclasses.replace(meta, slot_mapping=slots[:num_tokens], block_tables=tables.table[:num_seqs])
+                for (slots, _), tables in zip(self.group_slot_mappings, self.group_tables)]
 
 
 @dataclass
@@ -108,6 +139,7 @@ class ModelRunner:
         self.dispatcher = Dispatcher()
         self.decode_graphs = None  # engine.decode_graphs.DecodeGraphs, once captured
         self.kv_caches: dict[str, torch.Tensor] = {}  # layer name -> this engine's cache (engine.kv_cache)
+        self.group_layers: list[tuple[str, ...]] = []  # layers of KV groups 1.. (engine.kv_groups)
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
         # Tensor parallelism (engine.tp): on rank 0, called with each staged step so the other ranks
         # stage the same buffers and run the same forward.
@@ -142,13 +174,31 @@ class ModelRunner:
         hidden = self.run_forward(meta, dispatch.mode, num_padded)
         return StepResult(self.model.compute_logits(hidden[rows]), dispatch)
 
+    def set_kv_groups(self, groups: list) -> None:
+        """The engine's KV groups (engine.kv_groups.KVGroup, group 0 first): groups after the first get
+        their own slot mapping and block tables, which their layers' attention reads."""
+        self.group_layers = [tuple(g.layer_names) for g in groups[1:]]
+        self.buffers.set_num_groups(len(groups))
+
+    def group_metadata(self, meta: AttentionMetadata) -> dict[str, AttentionMetadata] | None:
+        """Layer name -> its group's metadata for the layers outside group 0 (None with one group)."""
+        if not self.group_layers:
+            return None
+        return {name: group_meta for names, group_meta in zip(self.group_layers, self.buffers.group_metadata(meta))
+                for name in names}
+
     def run_forward(self, meta: AttentionMetadata, mode: RuntimeMode, num_tokens: int) -> torch.Tensor:
         """The model over the first num_tokens buffered tokens, under the step's forward context."""
         ids, positions = self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens]
         if self.mark_dynamic is not None:
             self.mark_dynamic(ids, positions)
-        with forward_context(meta, mode, num_tokens, self.kv_caches):
+        with self.forward_context(meta, mode, num_tokens):
             return self.forward(ids, positions)
+
+    def forward_context(self, meta: AttentionMetadata, mode: RuntimeMode, num_tokens: int):
+        """The forward context of a step over this engine's buffers: its KV caches, and every KV
+        group's metadata (a context without them would send sliding layers to group 0's tables)."""
+        return forward_context(meta, mode, num_tokens, self.kv_caches, self.group_metadata(meta))
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
                  full: bool) -> tuple[AttentionMetadata | None, int]:
@@ -162,9 +212,19 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         block_size = self.block_size
+        num_extra = len(self.group_layers)
+        group_slots: list[list[int]] = [[] for _ in range(num_extra)]
+        group_tables: list[list[list[int]]] = [[] for _ in range(num_extra)]
         for chunk in out.chunks:
             request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
-            table = pool.block_table(request.request_id)
+            if num_extra:
+                table, *extra = pool.tables(request.request_id)
+                for g, group_table in enumerate(extra):
+                    group_slots[g].extend(group_table[p // block_size] * block_size + p % block_size
+                                          for p in range(start, end))
+                    group_tables[g].append(group_table)
+            else:
+                table = pool.block_table(request.request_id)
             ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -178,13 +238,18 @@ class ModelRunner:
         ids += [0] * pad
         positions += [0] * pad
         slots += [self.scratch_slot] * pad
+        for g in range(num_extra):
+            group_slots[g] += [self.scratch_slot] * pad
+            if full:
+                group_tables[g] += [[]] * pad
         if full:
             # Padding rows are one-token sequences on the scratch block, so the captured kernels see
             # well-formed sequences and every write they make lands in scratch.
             query_start_loc += range(num_tokens + 1, num_padded + 1)
             seq_lens += [1] * pad
             tables += [[]] * pad
-        self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices)
+        self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices,
+                          group_slots, group_tables)
         if full:
             return None, len(logits_indices)
         meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max(c.num_tokens for c in out.chunks),
@@ -212,8 +277,10 @@ class ModelRunner:
             positions.extend(range(n))
         slots = [self.scratch_slot + p % self.block_size for p in positions]
         pad = num_tokens - num_real
-        self.buffers.tables.reset()  # every entry the dummy sequences read is the scratch block
-        self.buffers.load([0] * num_tokens, positions + [0] * pad, slots + [self.scratch_slot] * pad,
-                          query_start_loc, lens, [[]] * num_seqs, [q - 1 for q in query_start_loc[1:]])
+        self.buffers.reset_tables()  # every entry the dummy sequences read is the scratch block
+        slots += [self.scratch_slot] * pad
+        num_extra = len(self.group_layers)
+        self.buffers.load([0] * num_tokens, positions + [0] * pad, slots, query_start_loc, lens, [[]] * num_seqs,
+                          [q - 1 for q in query_start_loc[1:]], [slots] * num_extra, [[[]] * num_seqs] * num_extra)
         max_seq_len = self.max_model_len if uniform_decode else max(lens)
         return self.buffers.metadata(num_tokens, num_seqs, num_real, max(lens), max_seq_len, uniform_decode)

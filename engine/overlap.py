@@ -23,7 +23,8 @@ Invariants:
   when the token is read, one step late: the request finishes then, its blocks are freed, and the
   token its extra in-flight step samples is discarded, never emitted. Freeing blocks while a step
   that writes them is in flight is safe: all device work is ordered on one stream, so whoever gets
-  the blocks next writes them in a later step.
+  the blocks next writes them in a later step. The same holds for the sliding-window blocks the
+  scheduler gives back when it plans step N+1 (engine.kv_groups): step N may still read them.
 - A preempted request keeps its in-flight token (that step ran on its blocks before they were
   freed); if it is readmitted before the token is read, the gather fills its prefill input.
 - Index tensors and the read-back buffer of a step live in its `_InFlight` record until it is

@@ -18,8 +18,9 @@ Invariant (no copy-on-write): only full blocks whose K/V are all computed are pu
 request writes only at positions >= its computed tokens, which lie past its full blocks. So a
 published block is never written again, and sharing it needs no copy. BlockPool.check_writable checks
 this under debug checks. A published block holds its tokens' K/V for every layer: sliding-window
-layers keep all of a sequence's blocks today, so sharing is safe for them; an allocator that frees
-blocks out of a window must not free (or must unpublish) a block another prefix can still hit.
+layers of a model with full-attention layers too have their own pool (engine.sliding_pool), whose
+blocks are published under the full block at the same index; with one pool (one kind of layer), every
+layer keeps all of a sequence's blocks, so sharing is safe for them.
 
 Eviction: a published block nobody references is kept until a new block is needed; then the least
 recently released leaf goes first (a heap on the release tick). A parent becomes a leaf when its last
@@ -61,6 +62,10 @@ class PrefixCache:
 
     def is_cached(self, block: int) -> bool:
         return block in self._nodes
+
+    def node(self, block: int) -> object | None:
+        """The cache entry of a published block (a new object each time a block is published), or None."""
+        return self._nodes.get(block)
 
     def match(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
         """The published blocks holding the longest run of whole blocks of token_ids (at most max_blocks)."""

@@ -40,6 +40,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.decode_graphs import DecodeGraphs, free_memory_gib
 from engine.dispatch import Dispatcher
 from engine.kv_cache import CPU_KV_BYTES, KVCache
+from engine.kv_groups import GroupedBlockPool, blocks_per_group, group_stats, make_block_pool
 from engine.model_runner import ModelRunner
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
@@ -57,13 +58,18 @@ GRAPH_OVERHEAD_BYTES = 8 * 2**20  # per decode graph, outside the caching alloca
 class Runtime:
     runner: ModelRunner
     kv_cache: KVCache
-    block_pool: BlockPool
+    block_pool: BlockPool | GroupedBlockPool
     sampler: Sampler
     backend: InferGraphsBackend | None = None  # the compile backend (for its stats), if compiled
     memory: dict[str, int] = field(default_factory=dict)  # start-up measurements, bytes
     piecewise_capture_seconds: float = 0.0
     compiled: CompiledModel | None = None
     pool: Any = None                            # the engine's GraphPool (CUDA)
+
+    def kv_group_stats(self, max_model_len: int) -> list[dict[str, object]]:
+        """Per KV group: layers, blocks, free blocks, and sequences of max_model_len it holds."""
+        kv = self.kv_cache
+        return group_stats(kv.groups, kv.group_bytes_per_block, self.block_pool, max_model_len, kv.block_size)
 
     def close(self) -> None:
         """Release everything this engine made; the model itself is left as it was."""
@@ -105,8 +111,10 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
                              config.max_num_seqs, device, mark_dynamic)
-        kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device)
+        kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device,
+                           by_kind=config.hybrid_kv_cache)
         runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
+        runner.set_kv_groups(kv_cache.groups)
         sampler = Sampler(device, config.seed)
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
                  pool=pool)
@@ -137,8 +145,7 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
             if min_over_ranks is not None:
                 num_blocks = min_over_ranks(num_blocks)
             _check_blocks(num_blocks, min_blocks, config)
-            kv_cache.allocate(num_blocks)
-            rt.block_pool = BlockPool(num_blocks, config.block_size)
+            _allocate_pool(rt, num_blocks, config)
         if config.compile:
             _warm_up(runner, sampler, config, False, timeline)  # compiles now, not in the first request's step
         return
@@ -172,11 +179,12 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
         if min_over_ranks is not None:
             num_blocks = min_over_ranks(num_blocks)
         _check_blocks(num_blocks, min_blocks, config)
-        kv_cache.allocate(num_blocks)
+        _allocate_pool(rt, num_blocks, config, spare)
         memory["kv_pool_bytes"] = kv_cache.pool_bytes
-        rt.block_pool = BlockPool(num_blocks, config.block_size)
-    logger.info("KV pool: %d blocks of %d tokens (%.2f GiB); free before pool %.2f GiB, warm-up peak "
-                "%.2f GiB, decode graph reserve %.2f GiB", num_blocks, config.block_size,
+    logger.info("KV pool: %s blocks of %d tokens (%.2f GiB); free before pool %.2f GiB, warm-up peak "
+                "%.2f GiB, decode graph reserve %.2f GiB",
+                " + ".join(f"{n} {g.kind}" for n, g in zip(kv_cache.num_blocks_by_group, kv_cache.groups)),
+                config.block_size,
                 kv_cache.pool_bytes / 2**30, free_bytes / 2**30, memory["activation_peak_bytes"] / 2**30,
                 memory["decode_graph_reserve_bytes"] / 2**30)
     if decode_graphs is not None:
@@ -188,6 +196,26 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
         decode_graphs.sizes if decode_graphs else (),
         config.prefill_graph_sizes if config.prefill_graphs else (),
         decode_graphs_wanted=config.cuda_graphs, piecewise_graphs_wanted=config.prefill_graphs)
+
+
+def _allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_bytes: int | None = None) -> None:
+    """The KV tensors and block pool for a budget of num_blocks blocks of every layer. With several KV
+    groups (engine.kv_groups) the budget's bytes are split so that every group holds the same number
+    of max_model_len sequences; a group's block costs only its own layers' bytes."""
+    kv_cache = rt.kv_cache
+    blocks = blocks_per_group(kv_cache.groups, kv_cache.group_bytes_per_block, num_blocks * kv_cache.bytes_per_block,
+                              config.max_model_len, config.block_size, config.max_num_batched_tokens)
+    total = sum(n * b for n, b in zip(blocks, kv_cache.group_bytes_per_block))
+    if spare_bytes is not None and total > spare_bytes:
+        raise ConfigError(f"the KV groups need {total / 2**30:.2f} GiB for one request of max_model_len="
+                          f"{config.max_model_len} each, but only {max(spare_bytes, 0) / 2**30:.2f} GiB is left")
+    kv_cache.allocate(blocks)
+    rt.block_pool = make_block_pool(kv_cache.groups, blocks, config.block_size)
+    if isinstance(rt.block_pool, GroupedBlockPool):
+        try:
+            rt.block_pool.check_fits(config.max_model_len, config.max_num_batched_tokens)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _check_blocks(num_blocks: int, min_blocks: int, config: EngineConfig) -> None:

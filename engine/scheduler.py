@@ -16,6 +16,10 @@ tokens (engine.prefix_cache) and starts its computed count there, so only the re
 extend); a preempted request readmitted hits the blocks it published itself. Full blocks are
 published after the step that computed them, and finishing, aborting (`finish`) or preempting drops
 the request's references.
+
+With sliding-window layers in their own pool (engine.kv_groups), a scheduled request first gives back
+the sliding blocks its chunk and every later query cannot see, and admission and growth need blocks
+in every group.
 """
 from __future__ import annotations
 
@@ -130,6 +134,8 @@ class Scheduler:
 
     def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Blocks for the chunk, preempting the newest running requests as needed; False if request itself went."""
+        # Sliding-window blocks no query from the chunk's start on can see go back first (engine.kv_groups).
+        self.pool.release_before(request.request_id, request.num_computed_tokens)
         while not self.pool.grow(request.request_id, request.num_computed_tokens + num_new):
             victim = self.running.pop()
             self._preempt(victim)

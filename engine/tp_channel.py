@@ -60,21 +60,25 @@ class StepChannel:
 
     def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int, table_width: int) -> list[torch.Tensor]:
         b = self.runtime.runner.buffers
+        groups = [t for (slots, _), tables in zip(b.group_slot_mappings, b.group_tables)  # engine.kv_groups
+                  for t in (slots[:num_tokens], tables.table[:num_seqs, :table_width])]
         return [b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
                 b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs, :table_width],
-                b.logits_indices[:num_sampling]]
+                b.logits_indices[:num_sampling], *groups]
 
     def table_width(self, num_seqs: int) -> int:
-        """Rank 0: the block-table columns this step's sequences use (entries past a table's length are
-        never read, so the other ranks' stale ones there are harmless)."""
-        return self.runtime.runner.buffers.tables.used_width(num_seqs)
+        """Rank 0: the block-table columns this step's sequences use, in any KV group's tables (entries
+        past a table's length are never read, so the other ranks' stale ones there are harmless)."""
+        b = self.runtime.runner.buffers
+        return max(t.used_width(num_seqs) for t in (b.tables, *b.group_tables))
 
     def broadcast_buffers(self, num_tokens: int, num_seqs: int, num_sampling: int, table_width: int) -> None:
         """Rank 0's staged step into every rank's static buffers, packed into one broadcast (each
         collective costs a round trip; the buffers keep their fixed addresses)."""
         b = self.runtime.runner.buffers
         if self.packed is None:
-            size = 3 * b.max_tokens + 3 * b.max_seqs + 1 + b.max_seqs * b.max_blocks_per_seq
+            num_groups = 1 + len(b.group_tables)
+            size = (2 + num_groups) * b.max_tokens + 3 * b.max_seqs + 1 + num_groups * b.max_seqs * b.max_blocks_per_seq
             self.packed = torch.empty(size, dtype=torch.int64, device=b.input_ids.device)
         staged = self._staged(num_tokens, num_seqs, num_sampling, table_width)
         packed = self.packed[:sum(t.numel() for t in staged)]
@@ -98,6 +102,7 @@ class StepChannel:
             "fallbacks": runner.dispatcher.fallbacks,
             "fallback_reasons": dict(runner.dispatcher.fallback_counts),
             "kv_blocks": self.runtime.kv_cache.num_blocks,
+            "kv_blocks_by_group": list(self.runtime.kv_cache.num_blocks_by_group),
             "decode_graphs": len(graphs.sizes) if graphs else 0,
             "decode_graph_replays": graphs.replays if graphs else 0,
         }

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from custom_ops import RuntimeMode, forward_context
+from custom_ops import RuntimeMode
 from engine import LLM, ConfigError, SamplingParams
 from engine.compile import compile_model
 from engine.dispatch import Dispatcher
@@ -34,7 +34,7 @@ class _BothVariants(_EagerDecodeGraphs):
         runner = self.runner
         meta = runner.buffers.metadata(batch_size, batch_size, batch_size, 1, runner.max_model_len, True)
         ids, positions = runner.buffers.input_ids[:batch_size], runner.buffers.positions[:batch_size]
-        with forward_context(meta, RuntimeMode.FULL, batch_size, runner.kv_caches):
+        with runner.forward_context(meta, RuntimeMode.FULL, batch_size):
             # the K/V this step writes is the same in both runs (same tokens, same slots)
             unsplit = runner.model.compute_logits(self.unsplit(ids, positions))[:num_real]
         reference = super().replay(batch_size, num_real)  # runner.run_forward: the split pieces

@@ -325,7 +325,7 @@ def test_metrics_parse_as_prometheus_text_and_counters_move(url, client):
     assert after["infer_graphs_requests_total{finish_reason=length}"] == \
         before.get("infer_graphs_requests_total{finish_reason=length}", 0) + 2
     for name in ("requests_waiting", "kv_blocks_free", "graph_fallbacks_total", "preemptions_total",
-                 "steps_total{mode=full}", "steps_total{mode=piecewise}"):
+                 "steps_total{mode=full}", "steps_total{mode=piecewise}", "kv_group_blocks_free{kind=full}"):
         assert f"infer_graphs_{name}" in after
 
 

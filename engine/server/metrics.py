@@ -39,6 +39,11 @@ class _EngineStats:
         used = s["kv_blocks"] - 1 - s["kv_blocks_free"]  # block 0 is the scratch block
         yield gauge("kv_blocks_used", "KV cache blocks held by requests", used)
         yield gauge("kv_blocks_free", "KV cache blocks free", s["kv_blocks_free"])
+        groups = GaugeMetricFamily(f"{PREFIX}_kv_group_blocks_free", "KV cache blocks free per KV group "
+                                   "(a pool per layer kind: full, sliding_<window>)", labels=["kind"])
+        for group in s.get("kv_groups", ()):
+            groups.add_metric([group["kind"]], group["blocks_free"])
+        yield groups
         steps = CounterMetricFamily(f"{PREFIX}_steps", "engine steps by runtime mode", labels=["mode"])
         for mode in ("full", "piecewise", "none"):
             steps.add_metric([mode], s["modes"].get(mode, 0))
