@@ -1,0 +1,91 @@
+"""The kernel census (bench/kernels.py): classification by kernel name and counting per step and layer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.profiling import KERNEL_KINDS, classify_kernel, kernel_census, short_kernel_name
+
+# Names as torch.profiler reports them on an H100 (cuBLAS, aten, Inductor, our Triton kernels).
+NAMES = {
+    "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "gemm",
+    "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>(Params)": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
+    "void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4, false>(...)": "gemm",
+    "triton_tem_fused_mm_0": "gemm",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>(...)": "gemm_splitk_reduce",
+    "_decode_kernel": "attention",
+    "_prefill_kernel": "attention",
+    "_merge_splits_kernel": "attention_merge",
+    "_store_kv_kernel": "kv_store",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norm",
+    "triton_per_fused_add_mean_mul_pow_rsqrt_3": "norm",
+    "triton_poi_fused_cat_mul_2": "fused_elementwise",
+    "triton_poi_fused__to_copy_4": "fused_elementwise",   # Inductor's copy is fused work, not a memcpy
+    "Memcpy DtoD (Device -> Device)": "copy",
+    "Memset (Device)": "copy",
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<"
+    "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>>(int, T1)": "copy",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::ArgMaxOps<float>>>": "reduce",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, T2, T3)": "elementwise",
+    "some_unknown_kernel": "other",
+}
+
+
+@pytest.mark.parametrize("name,kind", list(NAMES.items()))
+def test_kernel_names_map_to_their_kind(name, kind):
+    assert classify_kernel(name) == kind
+
+
+def test_census_counts_per_step_and_per_layer_and_sums_time():
+    layers, steps = 4, 3
+    one_step = []
+    for _ in range(layers):
+        one_step += [("nvjet_qkv", 3.0), ("triton_per_fused_add_mean_mul_pow_rsqrt_0", 1.0), ("_decode_kernel", 2.0),
+                     ("nvjet_o", 2.0), ("triton_poi_fused_mul_silu_1", 1.0)]
+    one_step += [("nvjet_lm_head", 10.0), ("Memcpy DtoD (Device -> Device)", 0.5)]
+    rows = {r["kind"]: r for r in kernel_census(one_step * steps, steps, layers)}
+    assert list(rows) == ["gemm", "attention", "norm", "fused_elementwise", "copy", "total"]  # KERNEL_KINDS order
+    assert rows["gemm"]["per_step"] == 2 * layers + 1
+    assert rows["gemm"]["per_layer"] == pytest.approx((2 * layers + 1) / layers)
+    assert rows["gemm"]["us_per_step"] == pytest.approx(5.0 * layers + 10.0)
+    assert rows["attention"]["per_layer"] == 1.0
+    assert rows["copy"]["per_layer"] == pytest.approx(1 / layers)
+    assert rows["total"]["per_step"] == len(one_step)
+    assert rows["total"]["us_per_step"] == pytest.approx(sum(d for _, d in one_step))
+    assert rows["gemm"]["names"] == "nvjet_qkv, nvjet_o, nvjet_lm_head"
+
+
+def test_every_kind_a_name_can_get_is_listed_for_display():
+    from bench.profiling import _KIND_PATTERNS
+    assert {kind for kind, _ in _KIND_PATTERNS} | {"other"} == set(KERNEL_KINDS)
+
+
+def test_census_refuses_zero_steps():
+    with pytest.raises(ValueError, match="num_steps"):
+        kernel_census([], 0, 2)
+
+
+def test_short_kernel_name_drops_return_type_and_templates():
+    assert short_kernel_name("void at::native::reduce_kernel<512, 1>(T)") == "at::native::reduce_kernel"
+    assert len(short_kernel_name("x" * 100, width=20)) == 20
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_kernels_suite_refuses_to_count_without_cuda():
+    from bench import kernels
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        kernels.run("tiny-llama")
+
+
+@pytest.mark.gpu
+def test_census_of_the_tiny_decode_graph_has_one_attention_kernel_per_layer():
+    from bench import kernels
+    report = kernels.run("tiny-llama", batches="1", num_steps=2)
+    rows = {(r["part"], r["kind"]): r for r in report.rows}
+    layers = report.meta["num_layers"]
+    assert rows[("decode_graph", "attention")]["per_layer"] == 1.0
+    assert ("decode_graph", "kv_store") not in rows          # the store is fused into the decode kernel
+    assert ("decode_graph", "attention_merge") not in rows   # one split per sequence: no merge launch
+    assert rows[("decode_graph", "gemm")]["per_step"] >= 4 * layers + 1   # qkv, o, gate_up, down, lm head
+    assert rows[("sample_greedy", "total")]["per_step"] >= 1
