@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>)")
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
                         "e2e: default 1,16,64; kernels: 1,8")
-    parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); kernels: one context (default 512)")
+    parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); "
+                        "kernels: one context (default 512)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")

@@ -26,7 +26,8 @@ NAMES = {
     "Memset (Device)": "copy",
     "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<"
     "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>>(int, T1)": "copy",
-    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::ArgMaxOps<float>>>": "reduce",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, "
+    "at::native::ArgMaxOps<float>>>": "reduce",
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, T2, T3)": "elementwise",
     "some_unknown_kernel": "other",
 }

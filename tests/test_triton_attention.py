@@ -175,6 +175,26 @@ def test_decode_padding_rows_are_zero_and_never_stored():
     check_close(out, ref, 2, torch.float16)
 
 
+@pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
+def test_decode_last_split_merges_in_the_same_launch_and_leaves_counters_at_zero(fuse_store):
+    """4 splits, sequences whose keys fill 1, 2, 3 and 4 of them (tiles of 16 keys under the
+    interpreter, 64 on the GPU: the lengths span both): the splits holding keys write partials and
+    the last to arrive merges them into out; the arrival counters are 0 again after every launch,
+    so a second launch with fresh inputs is right too."""
+    from custom_ops import triton_decode
+    device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    layer = make_layer(8, 2, 16)
+    for lens in ([9, 20, 40, 64], [70, 130, 200, 1]):
+        q, k, v, cache, meta = make_batch([n - 1 for n in lens], [1] * len(lens), layer, block_size=8,
+                                          dtype=torch.float32, device=DEVICE)
+        ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+        out = run_paged(q, k, v, cache, meta, layer, num_splits=4, fuse_decode_store=fuse_store)
+        assert torch.equal(cache.cpu(), ref_cache)
+        check_close(out.cpu(), ref, len(lens), torch.float32)
+        counters = triton_decode._arrivals[device].buffer
+        assert counters.dtype == torch.int32 and not counters.any(), "an arrival counter was left non-zero"
+
+
 def test_num_splits_fill_the_gpu_and_respect_length():
     from custom_ops.triton_decode import decode_num_splits
     assert decode_num_splits(1, 8, 8192, 132) == 33      # batch 1, 8k: ~2 waves of programs
