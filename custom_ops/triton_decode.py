@@ -24,6 +24,7 @@ import triton.language as tl
 
 from custom_ops.triton_common import interpreting, load_kv_tile, log2_scores
 from custom_ops.triton_prefill import dot_precision
+from custom_ops.workspace import Workspace
 
 
 @triton.jit
@@ -166,45 +167,9 @@ MAX_SPLITS = 128
 _sm_counts: dict[int, int] = {}
 
 
-class _SplitWorkspace:
-    """One scratch buffer per device for the split partials (float32) or the arrival counters
-    (int32, zeroed: every launch leaves them at 0), sliced per launch.
-
-    Sized at first use to the largest need the automatic split count can produce for that launch's
-    head group and head size (decode_num_splits keeps programs x splits below ~4 waves: rows <=
-    4 * SMs * group, about 1-2 MiB), and grown only when a launch needs more (an explicit
-    num_splits, a model with wider groups). Bounded, unlike a buffer per (batch, splits) shape.
-    A graph records the buffer's address, so a buffer that a capture used is kept alive when a
-    larger one replaces it; a launch inside a capture never grows it (it takes a temporary from the
-    graph's own pool instead, which the captured graph owns; a zeroed temporary is zeroed by a memset
-    the graph records, so every replay starts from zeros).
-    """
-
-    def __init__(self, dtype: torch.dtype = torch.float32, zeroed: bool = False) -> None:
-        self.dtype = dtype
-        self.zeroed = zeroed
-        self.buffer: torch.Tensor | None = None
-        self.captured = False               # the current buffer is recorded in some graph
-        self.retired: list[torch.Tensor] = []  # older buffers that graphs still read
-
-    def _new(self, numel: int, device: torch.device) -> torch.Tensor:
-        return (torch.zeros if self.zeroed else torch.empty)(numel, dtype=self.dtype, device=device)
-
-    def take(self, num_elements: int, bound_elements: int, device: torch.device) -> torch.Tensor:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if self.buffer is None or self.buffer.numel() < num_elements:
-            if capturing:
-                return self._new(num_elements, device)
-            if self.buffer is not None and self.captured:
-                self.retired.append(self.buffer)
-            self.buffer = self._new(max(num_elements, bound_elements), device)
-            self.captured = False
-        self.captured |= capturing
-        return self.buffer[:num_elements]
-
-
-_workspaces: dict[torch.device, _SplitWorkspace] = {}
-_arrivals: dict[torch.device, _SplitWorkspace] = {}
+# One bounded scratch per device (custom_ops.workspace): split partials, and the arrival counters.
+_workspaces: dict[torch.device, Workspace] = {}
+_arrivals: dict[torch.device, Workspace] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -239,11 +204,11 @@ def decode_config(head_dim: int) -> dict:
 def _partials(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int, num_splits: int,
               block_d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(acc [rows, block_d], max [rows], sum [rows]) for the split partials: views of the device's
-    one workspace (see _SplitWorkspace)."""
+    one workspace (custom_ops.workspace)."""
     rows = num_seqs * num_heads * num_splits
     group = num_heads // num_kv_heads
     bound_rows = 4 * _sm_count(device) * group if device.type == "cuda" else rows  # CPU: the interpreter
-    workspace = _workspaces.setdefault(device, _SplitWorkspace())
+    workspace = _workspaces.setdefault(device, Workspace())
     flat = workspace.take(rows * (block_d + 2), bound_rows * (block_d + 2), device)
     return (flat[:rows * block_d].view(rows, block_d), flat[rows * block_d:rows * (block_d + 1)],
             flat[rows * (block_d + 1):])
@@ -254,7 +219,7 @@ def _arrival_counters(device: torch.device, num_seqs: int, num_kv_heads: int) ->
     written their partials in the running launch (its last split resets it to 0)."""
     programs = num_seqs * num_kv_heads
     bound = 4 * _sm_count(device) if device.type == "cuda" else programs  # splits > 1 only below 2 * SMs
-    counters = _arrivals.setdefault(device, _SplitWorkspace(torch.int32, zeroed=True))
+    counters = _arrivals.setdefault(device, Workspace(torch.int32, zeroed=True))
     return counters.take(programs, bound, device)
 
 

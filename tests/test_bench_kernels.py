@@ -90,3 +90,39 @@ def test_census_of_the_tiny_decode_graph_has_one_attention_kernel_per_layer():
     assert ("decode_graph", "attention_merge") not in rows   # one split per sequence: no merge launch
     assert rows[("decode_graph", "gemm")]["per_step"] >= 4 * layers + 1   # qkv, o, gate_up, down, lm head
     assert rows[("sample_greedy", "total")]["per_step"] >= 1
+
+
+# ---- the gemm suite (bench/gemm.py)
+
+def test_decode_gemm_shapes_are_the_models_fused_linears():
+    from bench.gemm import model_gemm_shapes
+    assert model_gemm_shapes("llama-3.2-3b") == [("qkv", 5120, 3072), ("o", 3072, 3072), ("gate_up", 16384, 3072),
+                                                 ("down", 3072, 8192), ("lm_head", 128256, 3072)]
+    assert dict((name, (n, k)) for name, n, k in model_gemm_shapes("gemma-3-1b"))["qkv"] == (1536, 1152)
+
+
+def test_gemm_step_note_weighs_layers_and_the_lm_head_once():
+    from bench.gemm import step_note
+    rows = [dict(shape=s, batch=1, variant="cublas", us=us, weight_mib=mib)
+            for s, us, mib in (("qkv", 10.0, 1.0), ("o", 5.0, 1.0), ("gate_up", 20.0, 1.0), ("down", 10.0, 1.0),
+                               ("lm_head", 100.0, 1.0))]
+    picks = {r["shape"]: {1: dict(us=r["us"] / 2)} for r in rows}
+    note = step_note("tiny-llama", picks, rows, read_bytes_per_s=2**20 * 1e6)  # 1 MiB per us
+    assert "cuBLAS 0.190 ms, picks 0.095 ms, read floor 0.009 ms" in note  # 2 layers x 45 us + 100 us
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_gemm_suite_refuses_to_time_without_cuda():
+    from bench import gemm
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        gemm.run("tiny-llama")
+
+
+@pytest.mark.gpu
+def test_gemm_shape_measures_every_variant_and_agrees_with_cublas():
+    from bench.gemm import CONFIGS, measure_shape
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    results = measure_shape(1536, 1152, 8, l2, configs=CONFIGS[:4])
+    assert {r["variant"] for r in results} == {"cublas", "cublas_fp32_reduce", "cublaslt", "triton_gemv"}
+    assert all(r["us"] > 0 and r["rel_err"] < 2e-2 for r in results)
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # settings restored

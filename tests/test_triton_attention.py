@@ -372,9 +372,9 @@ def test_decode_split_scratch_is_one_buffer_per_device_sliced_for_every_shape():
 
 
 def test_split_workspace_grows_only_when_needed_and_keeps_what_a_graph_recorded():
-    from custom_ops.triton_decode import _SplitWorkspace
+    from custom_ops.workspace import Workspace
     cpu = torch.device("cpu")
-    workspace = _SplitWorkspace()
+    workspace = Workspace()
     first = workspace.take(100, 1000, cpu)
     assert workspace.take(500, 1000, cpu).data_ptr() == first.data_ptr() and workspace.buffer.numel() == 1000
     workspace.captured = True  # as if a graph had recorded it: replacing it must keep it alive
