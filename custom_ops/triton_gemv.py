@@ -7,7 +7,8 @@ shapes, with a separate split-K reduce kernel after some of them (issue 11). Her
 - Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: a program owns BLOCK_N weight rows and one of SPLIT_K equal
   runs of K, so a narrow matrix (N = 1152..3072) still spreads over every SM.
 - M < 16: CUDA cores. Each weight tile is loaded once and reused for every row of x (the x rows
-  are a few KiB, served from L1/L2); no shared-memory round trip for an MMA operand.
+  are a few KiB, served from L1/L2); no shared-memory round trip for an MMA operand. At M = 1 the
+  products accumulate per element and are reduced across K once per program.
   M >= 16: ``tl.dot`` on BLOCK_M-row tiles of x.
 - SPLIT_K > 1: each split writes its float32 partial; the split that arrives last (an arrival
   counter per N tile, as the decode attention kernel does) sums the partials in split order and
@@ -50,6 +51,9 @@ def _gemv_kernel(
         offs_m = m_start + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if BLOCK_M == 1:
+            # One row: products accumulate element-wise and are reduced across K once, at the end.
+            acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k_start in range(k_begin, k_end, BLOCK_K):
             k = k_start + offs_k
             k_mask = k < k_end
@@ -58,6 +62,9 @@ def _gemv_kernel(
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            elif BLOCK_M == 1:
+                x_0 = tl.load(x_ptr + m_start * stride_xm + k, mask=k_mask, other=0.0).to(tl.float32)
+                acc_k += w.to(tl.float32) * x_0[None, :]
             else:
                 w32 = w.to(tl.float32)
                 for i in tl.static_range(BLOCK_M):
@@ -66,6 +73,8 @@ def _gemv_kernel(
                                   mask=k_mask & row_valid, other=0.0).to(tl.float32)
                     row = tl.sum(w32 * x_i[None, :], 1)
                     acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, row[None, :], 0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(acc_k, 1)[None, :]
         mn_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         if SPLIT_K == 1:
