@@ -79,6 +79,31 @@ def test_kernels_suite_refuses_to_count_without_cuda():
         kernels.run("tiny-llama")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the suite's plumbing")
+def test_kernels_suite_runs_every_part_through_the_engine_runner_on_cpu(monkeypatch):
+    """Without CUDA there are no kernels to count: the profiler is replaced by one that runs the step
+    for real (a wrong buffer or metadata would fail here) and reports one synthetic GEMM per call."""
+    from bench import kernels
+    calls = {}
+
+    def fake_profile(step, num_steps=kernels.STEPS, warmup=3):
+        result = step()
+        calls[len(calls)] = result
+        return [("nvjet_fake", 2.0)] * num_steps
+
+    monkeypatch.setattr(kernels, "_require_cuda", lambda: None)
+    monkeypatch.setattr(kernels, "profile_steps", fake_profile)
+    monkeypatch.setattr(kernels, "PREFILL_TOKENS", 32)
+    report = kernels.run("tiny-llama", batches="1,2", contexts="16", num_steps=2)
+    parts = [(r["part"], r["batch"]) for r in report.rows if r["kind"] == "total"]
+    assert parts == [("decode_pieces", 1), ("sample_greedy", 1), ("sample_topp", 1), ("decode_pieces", 2),
+                     ("sample_greedy", 2), ("sample_topp", 2), ("prefill_pieces", 1)]
+    assert all(r["per_step"] == 1.0 and r["per_layer"] == 0.5 for r in report.rows)  # 2 layers
+    logits, greedy = calls[3], calls[4]
+    assert logits.shape == (2, 256) and torch.equal(greedy, logits.argmax(-1))
+    assert calls[6].shape == (1, 256)
+
+
 @pytest.mark.gpu
 def test_census_of_the_tiny_decode_graph_has_one_attention_kernel_per_layer():
     from bench import kernels
