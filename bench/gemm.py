@@ -118,21 +118,34 @@ def measure_shape(n: int, k: int, batch: int, l2_bytes: int, configs=CONFIGS) ->
     for cfg in configs:
         if cfg.split_k > 1 and math.ceil(k / cfg.block_k) < cfg.split_k:
             continue  # more splits than K tiles: some splits would get no work
-        err = rel_err(gemv(x, weights[0], cfg, out=out), reference)
-        us = graph_us_per_call(lambda w: gemv(x, w, cfg, out=out), weights)
+        try:
+            err = rel_err(gemv(x, weights[0], cfg, out=out), reference)
+            us = graph_us_per_call(lambda w: gemv(x, w, cfg, out=out), weights)
+        except Exception as exc:  # a config the compiler or the device refuses must not lose the run
+            results.append(dict(variant="triton_gemv", config=cfg.label(), us=None, rel_err=None,
+                                error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+            continue
         results.append(dict(variant="triton_gemv", config=cfg.label(), us=us, rel_err=err))
     del weights
     torch.cuda.empty_cache()
     return results
 
 
-def run(model: str, batches=None, **_: object) -> Report:
+def _require_cuda() -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("the gemm suite needs a CUDA device: it times cuBLAS and Triton kernels")
+
+
+def l2_cache_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+
+
+def run(model: str, batches=None, **_: object) -> Report:
+    _require_cuda()
     batches = parse_ints(batches, BATCHES)
     ceilings = measure_ceilings()
     read_bw = read_bytes_per_s()
-    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    l2_bytes = l2_cache_bytes()
     report = Report("gemm", model, ceilings.device_name, COLUMNS)
     report.meta.update(torch=torch.__version__, copy_bytes_per_s=ceilings.copy_bytes_per_s, read_bytes_per_s=read_bw,
                        l2_bytes=l2_bytes, batches=batches, sweep=[])
@@ -145,8 +158,8 @@ def run(model: str, batches=None, **_: object) -> Report:
             results = measure_shape(n, k, batch, l2_bytes)
             for r in results:
                 report.meta["sweep"].append(dict(shape=name, batch=batch, **r))
-            best_triton = min((r for r in results if r["variant"] == "triton_gemv" and r["rel_err"] <= MAX_REL_ERR),
-                              key=lambda r: r["us"], default=None)
+            best_triton = min((r for r in results if r["variant"] == "triton_gemv" and r["us"] is not None
+                               and r["rel_err"] <= MAX_REL_ERR), key=lambda r: r["us"], default=None)
             shown = [r for r in results if r["variant"] != "triton_gemv"] + ([best_triton] if best_triton else [])
             for r in shown:
                 gbps = nbytes / (r["us"] * 1e-6) / 1e9
@@ -160,8 +173,13 @@ def run(model: str, batches=None, **_: object) -> Report:
                                                      speedup_vs_cublas=cublas_us / best["us"])
             gbps = nbytes / (best["us"] * 1e-6) / 1e9
             report.add(shape=name, batch=batch, n=n, k=k, weight_mib=n * k * 2 / 2**20,
-                       variant="pick: " + best["variant"], config=best["config"], us=best["us"], gbps=gbps, x_copy=gbps * 1e9 / ceilings.copy_bytes_per_s,
-                       x_read=gbps * 1e9 / read_bw, rel_err=best["rel_err"])
+                       variant="pick: " + best["variant"], config=best["config"], us=best["us"], gbps=gbps,
+                       x_copy=gbps * 1e9 / ceilings.copy_bytes_per_s, x_read=gbps * 1e9 / read_bw,
+                       rel_err=best["rel_err"])
+            failed = [r["config"] for r in results if r["us"] is None]
+            if failed:
+                report.notes.append(f"{name} batch {batch}: triton configs that failed (errors in meta.sweep): "
+                                    + ", ".join(failed))
     report.meta["picks"] = picks
     report.notes.append(step_note(model, picks, report.rows, read_bw))
     return report

@@ -143,6 +143,37 @@ def test_gemm_suite_refuses_to_time_without_cuda():
         gemm.run("tiny-llama")
 
 
+def test_gemm_report_shows_the_best_valid_triton_config_and_picks_the_fastest_variant(monkeypatch):
+    """The suite's bookkeeping over stand-in timings: a wrong or failed Triton config is never shown
+    nor picked, the fastest valid variant is, and every row's bandwidth is bytes over time."""
+    from bench import gemm
+    from bench.measure import Ceilings
+
+    def fake_measure(n, k, batch, l2_bytes, configs=gemm.CONFIGS):
+        fast = 5.0 if (n, k) == (128, 64) else 50.0   # the Triton kernel wins only on tiny-llama's qkv
+        return [dict(variant="cublas", config="-", us=10.0, rel_err=0.0),
+                dict(variant="cublas_fp32_reduce", config="-", us=11.0, rel_err=0.0),
+                dict(variant="cublaslt", config="-", us=9.0, rel_err=0.0),
+                dict(variant="triton_gemv", config="wrong", us=1.0, rel_err=0.5),
+                dict(variant="triton_gemv", config="failed", us=None, rel_err=None, error="OutOfResources"),
+                dict(variant="triton_gemv", config="good", us=fast, rel_err=1e-3)]
+
+    monkeypatch.setattr(gemm, "_require_cuda", lambda: None)
+    monkeypatch.setattr(gemm, "measure_ceilings", lambda: Ceilings(2e12, 1e15, "fake"))
+    monkeypatch.setattr(gemm, "read_bytes_per_s", lambda: 4e12)
+    monkeypatch.setattr(gemm, "l2_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(gemm, "measure_shape", fake_measure)
+    report = gemm.run("tiny-llama", batches="1")
+    picks = report.meta["picks"]
+    assert picks["qkv"][1]["variant"] == "triton_gemv" and picks["qkv"][1]["config"] == "good"
+    assert picks["o"][1]["variant"] == "cublaslt" and picks["o"][1]["speedup_vs_cublas"] == pytest.approx(10 / 9)
+    assert not any(r["config"] in ("wrong", "failed") for r in report.rows)
+    qkv = next(r for r in report.rows if r["shape"] == "qkv" and r["variant"] == "cublas")
+    assert qkv["gbps"] == pytest.approx((128 * 64 + 64 + 128) * 2 / 10e-6 / 1e9)
+    assert qkv["x_read"] == pytest.approx(qkv["gbps"] * 1e9 / 4e12)
+    assert any("failed" in note for note in report.notes) and "picks" in report.notes[-1]
+
+
 @pytest.mark.gpu
 def test_gemm_shape_measures_every_variant_and_agrees_with_cublas():
     from bench.gemm import CONFIGS, measure_shape
