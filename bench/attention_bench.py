@@ -98,7 +98,7 @@ def bench_decode(batch, context, copy_gbps, num_splits=None, config=None, layer=
     kv_bytes = 2 * batch * visible * layer.num_kv_heads * layer.head_dim * elem
     num_layers = max(1, min(16, math.ceil(1.5e9 / kv_bytes)))
     q, k, v, out, caches, meta = decode_setup(batch, context, layer, num_layers=num_layers)
-    kwargs = dict(num_splits=num_splits, config=config, fuse_decode_store=fuse)
+    kwargs = dict(num_splits=num_splits, config=config, fuse_store=fuse)
 
     def one():
         triton_attention.paged_attention(q, k, v, out, layer, caches[0], meta, **kwargs)

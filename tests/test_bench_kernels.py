@@ -112,7 +112,9 @@ def test_census_of_the_tiny_decode_graph_has_one_attention_kernel_per_layer():
     layers = report.meta["num_layers"]
     assert rows[("decode_graph", "attention")]["per_layer"] == 1.0
     assert ("decode_graph", "kv_store") not in rows          # the store is fused into the decode kernel
-    assert ("decode_graph", "attention_merge") not in rows   # one split per sequence: no merge launch
+    assert ("decode_graph", "attention_merge") not in rows   # the last split merges in the same launch
+    assert ("prefill_pieces", "kv_store") not in rows        # the prefill kernel stores too
+    assert rows[("prefill_pieces", "attention")]["per_layer"] == 1.0
     assert rows[("decode_graph", "gemm")]["per_step"] >= 4 * layers + 1   # qkv, o, gate_up, down, lm head
     assert rows[("sample_greedy", "total")]["per_step"] >= 1
 

@@ -134,15 +134,31 @@ def test_dense_causal_reads_strided_qkv_views():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 4.0)])
-def test_paged_extend_matches_reference(dtype, window, softcap):
-    """Three sequences: a fresh prefill, a decode-like single token, a chunk after a cached prefix."""
+@pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
+def test_paged_extend_matches_reference(dtype, window, softcap, fuse_store):
+    """Three sequences: a fresh prefill, a decode-like single token, a chunk after a cached prefix;
+    padding rows are never stored (the reference cache is compared exactly)."""
     layer = make_layer(4, 1, 16, window, softcap)  # GQA 4
     q, k, v, cache, meta = make_batch([0, 5, 19], [7, 1, 12], layer, block_size=8, dtype=dtype,
                                       device=DEVICE, pad_tokens=3)
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-    out = run_paged(q, k, v, cache, meta, layer)
+    out = run_paged(q, k, v, cache, meta, layer, fuse_store=fuse_store)
     assert torch.equal(cache.cpu(), ref_cache)
     check_close(out, ref, meta.num_actual_tokens, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_paged_prefill_stores_and_reads_new_keys_over_several_query_tiles(window):
+    """Chunks longer than one 16-row query tile, after cached prefixes that end mid-tile and mid-page
+    (GQA 2): every tile's rows are stored once, and keys on both sides of the cached/new boundary
+    are read from the right place."""
+    layer = make_layer(4, 2, 16, window)
+    q, k, v, cache, meta = make_batch([21, 0], [37, 18], layer, block_size=8, dtype=torch.float32,
+                                      device=DEVICE, pad_tokens=2)
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    out = run_paged(q, k, v, cache, meta, layer, fuse_store=True)
+    assert torch.equal(cache.cpu(), ref_cache)
+    check_close(out, ref, meta.num_actual_tokens, torch.float32)
 
 
 @pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
@@ -154,7 +170,7 @@ def test_decode_matches_reference(num_splits, window, softcap, fuse_store):
                                       device=DEVICE)
     assert meta.is_uniform_decode
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-    out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits, fuse_decode_store=fuse_store)
+    out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits, fuse_store=fuse_store)
     assert torch.equal(cache.cpu(), ref_cache)
     check_close(out, ref, meta.num_actual_tokens, torch.float32)
 
@@ -188,7 +204,7 @@ def test_decode_last_split_merges_in_the_same_launch_and_leaves_counters_at_zero
         q, k, v, cache, meta = make_batch([n - 1 for n in lens], [1] * len(lens), layer, block_size=8,
                                           dtype=torch.float32, device=DEVICE)
         ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-        out = run_paged(q, k, v, cache, meta, layer, num_splits=4, fuse_decode_store=fuse_store)
+        out = run_paged(q, k, v, cache, meta, layer, num_splits=4, fuse_store=fuse_store)
         assert torch.equal(cache.cpu(), ref_cache)
         check_close(out.cpu(), ref, len(lens), torch.float32)
         counters = triton_decode._arrivals[device].buffer

@@ -2,10 +2,10 @@
 
 The interpreter runs the kernels' logic on the CPU but never lowers them: an op the GPU compiler
 rejects (an atomic's semantics, a cache modifier, a layout) would first fail on the GPU machine.
-Here Triton compiles them for an H100 (sm_90) ahead of time, in a subprocess without
-TRITON_INTERPRET (the kernels must be defined as compilable functions), and the PTX is checked for
-what the one-launch split merge relies on: an acquire-release arrival, a counter reset, L2 (.cg)
-reads of the partials. Skipped where a GPU exists (the gpu-marked tests run the real kernels there).
+Here Triton compiles them (and the prefill kernel with its fused K/V store) for an H100 (sm_90)
+ahead of time, in a subprocess without TRITON_INTERPRET (the kernels must be defined as compilable
+functions), and the PTX is checked for what the one-launch split merge relies on: an
+acquire-release arrival, a counter reset, L2 (.cg) reads of the partials. Skipped where a GPU exists (the gpu-marked tests run the real kernels there).
 """
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ try:
             NUM_HEADS=24, NUM_KV_HEADS=8, GROUP=3, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
             PAGE_SIZE=16, NUM_SPLITS=splits, SOFTCAP=True, WINDOW=True, DOT_PRECISION="tf32",
             FUSE_STORE=True), num_warps=4, num_stages=2)
+    from custom_ops import triton_prefill
+    PREFILL = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
+                   query_start_loc_ptr="*i32", seq_lens_ptr="*i32", k_new_ptr="*bf16", v_new_ptr="*bf16",
+                   slot_ptr="*i64", scale="fp32", softcap="fp32", **{name: "i32" for name in (
+                       "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
+                       "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh",
+                       "stride_vnt", "stride_vnh", "num_stores", "dense_len", "window")})
+    out["prefill-fused-store"] = ptx(triton_prefill._prefill_kernel, PREFILL, dict(
+        GROUP=3, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128, PAGE_SIZE=16, PAGED=True,
+        SOFTCAP=False, WINDOW=True, DOT_PRECISION="tf32", FUSE_STORE=True), num_warps=8, num_stages=3)
 except (RuntimeError, FileNotFoundError) as exc:
     if "ptxas" in str(exc):
         print(json.dumps({"skip": f"no ptxas in this Triton install: {exc}"})); sys.exit(0)
@@ -93,3 +103,8 @@ def test_split_kernels_build_for_sm90_with_a_one_launch_merge(sm90_ptx, name):
 @pytest.mark.parametrize("name", ["gemv-m8-s1", "decode-s1"])
 def test_unsplit_kernels_build_for_sm90_without_atomics(sm90_ptx, name):
     assert ".entry" in sm90_ptx[name] and "atom.global" not in sm90_ptx[name]
+
+
+def test_prefill_with_the_fused_store_builds_for_sm90(sm90_ptx):
+    """The prefill kernel with the K/V store in its launch (FUSE_STORE) lowers for the GPU."""
+    assert ".entry" in sm90_ptx["prefill-fused-store"] and "st.global" in sm90_ptx["prefill-fused-store"]
