@@ -66,8 +66,8 @@ try:
                        "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh",
                        "stride_vnt", "stride_vnh", "num_stores", "dense_len", "window")})
     out["prefill-fused-store"] = ptx(triton_prefill._prefill_kernel, PREFILL, dict(
-        GROUP=3, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128, PAGE_SIZE=16, PAGED=True,
-        SOFTCAP=False, WINDOW=True, DOT_PRECISION="tf32", FUSE_STORE=True), num_warps=8, num_stages=3)
+        GROUP=3, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, PAGED=True,
+        SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", FUSE_STORE=True), num_warps=4, num_stages=2)
 except (RuntimeError, FileNotFoundError) as exc:
     if "ptxas" in str(exc):
         print(json.dumps({"skip": f"no ptxas in this Triton install: {exc}"})); sys.exit(0)
