@@ -29,33 +29,20 @@ def _attend_keys(
     acc, l_i, m_i, q, q_pos, start, end,
     k_ptr, v_ptr, block_table_ptr, kv_head,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end,
+    k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     offs_d, d_mask, scale, softcap, window,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOURCE: tl.constexpr,
 ):
     """Keys [start, end) into the running softmax. SOURCE 0: the cache (or dense k/v); 1: the new
-    k/v (pointers offset so that position p reads its token's row); 2: both, split at cached_end."""
+    k/v (pointers offset so that position p reads its token's row), in the cache's dtype, as if
+    they had been stored first."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         n = start_n + offs_n
         n_valid = n < end
-        if SOURCE == 2:
-            # A tile across the cached/new boundary: positions below cached_end from the cache, the
-            # rest from the new k/v, in the cache's dtype (as if the new keys had been stored first).
-            in_cache = n < cached_end
-            k_c, v_c = load_kv_tile(
-                k_ptr, v_ptr, block_table_ptr, n, n_valid & in_cache, kv_head,
-                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
-                PAGE_SIZE=PAGE_SIZE, PAGED=True, MASKED=True, EVEN_D=EVEN_D)
-            k_n, v_n = load_kv_tile(
-                k_new_ptr, v_new_ptr, block_table_ptr, n, n_valid & (n >= cached_end), kv_head,
-                0, stride_knt, stride_knh, 0, stride_vnt, stride_vnh, offs_d, d_mask,
-                PAGE_SIZE=PAGE_SIZE, PAGED=False, MASKED=True, EVEN_D=EVEN_D)
-            k = tl.where(in_cache[:, None], k_c, k_n.to(k_c.dtype))
-            v = tl.where(in_cache[:, None], v_c, v_n.to(v_c.dtype))
-        elif SOURCE == 1:  # new tokens only: dense rows of k/v
+        if SOURCE == 1:  # new tokens only: dense rows of k/v
             k, v = load_kv_tile(
                 k_new_ptr, v_new_ptr, block_table_ptr, n, n_valid, kv_head,
                 0, stride_knt, stride_knh, 0, stride_vnt, stride_vnh, offs_d, d_mask,
@@ -100,35 +87,48 @@ def _attend_span(
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSE_STORE: tl.constexpr,
 ):
-    """Keys [start, end). Under FUSE_STORE cut, in whole tiles from start (so an unmasked span stays
-    unmasked), into cached tiles, the one tile across cached_end, and new tiles: each reads its
-    keys from one place, and only the boundary tile reads both."""
+    """Keys [start, end), under FUSE_STORE from the cache below cached_end and from the new k/v
+    from there on. An unmasked span stays unmasked in whole tiles from its start: its cached tiles,
+    the tile across cached_end (as two masked partial tiles, one per source) and its new tiles."""
     if FUSE_STORE:
-        cut = tl.minimum(start + (tl.maximum(cached_end - start, 0) // BLOCK_N) * BLOCK_N, end)
-        new_from = tl.minimum(cut + BLOCK_N, end)
+        if MASKED:
+            boundary = tl.maximum(tl.minimum(cached_end, end), start)
+            cut = boundary
+            new_from = boundary
+        else:
+            cut = tl.minimum(start + (tl.maximum(cached_end - start, 0) // BLOCK_N) * BLOCK_N, end)
+            new_from = tl.minimum(cut + BLOCK_N, end)
+            boundary = tl.maximum(tl.minimum(cached_end, new_from), cut)
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, start, cut, k_ptr, v_ptr, block_table_ptr, kv_head,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end, offs_d, d_mask,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
             scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED,
             EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=0)
-        acc, l_i, m_i = _attend_keys(
-            acc, l_i, m_i, q, q_pos, cut, new_from, k_ptr, v_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end, offs_d, d_mask,
-            scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED,
-            EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=2)
+        if not MASKED:  # the boundary tile: its cached part, then its new part, both masked
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q, q_pos, cut, boundary, k_ptr, v_ptr, block_table_ptr, kv_head,
+                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
+                scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
+                EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=0)
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q, q_pos, boundary, new_from, k_ptr, v_ptr, block_table_ptr, kv_head,
+                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
+                scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
+                EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=1)
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, new_from, end, k_ptr, v_ptr, block_table_ptr, kv_head,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end, offs_d, d_mask,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
             scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED,
             EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=1)
     else:
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, start, end, k_ptr, v_ptr, block_table_ptr, kv_head,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end, offs_d, d_mask,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
             scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED,
             EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=0)
     return acc, l_i, m_i
