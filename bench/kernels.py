@@ -76,8 +76,9 @@ def run(model: str, batches=None, contexts=None, full_graph_compile: str | None 
     context = parse_ints(contexts, (CONTEXT,))[0]
     net = build_model(model)
     num_layers = net.config.num_layers
-    llm = LLM(net, max_num_seqs=max(batches), max_model_len=max(context, PREFILL_TOKENS) + BLOCK_SIZE,
-              num_gpu_blocks=max(1 + blocks_per_seq(PREFILL_TOKENS),
+    max_model_len = max(context, PREFILL_TOKENS) + BLOCK_SIZE
+    llm = LLM(net, max_num_seqs=max(batches), max_model_len=max_model_len,
+              num_gpu_blocks=max(1 + blocks_per_seq(max_model_len),  # the engine's minimum for one request
                                  *(decode_blocks_needed(b, context) for b in batches)),
               decode_graph_sizes=tuple(sorted(set(batches))), show_progress=False,
               max_num_batched_tokens=max(PREFILL_TOKENS, max(batches)), compile=True,

@@ -95,6 +95,8 @@ def test_kernels_suite_runs_every_part_through_the_engine_runner_on_cpu(monkeypa
     monkeypatch.setattr(kernels, "profile_steps", fake_profile)
     monkeypatch.setattr(kernels, "PREFILL_TOKENS", 32)
     report = kernels.run("tiny-llama", batches="1,2", contexts="16", num_steps=2)
+    assert [(r["part"], r["batch"]) for r in kernels.run("tiny-llama", batches="1", contexts="16", num_steps=1).rows
+            if r["kind"] == "total"][-1] == ("prefill_pieces", 1)  # one short sequence: the pool still fits
     parts = [(r["part"], r["batch"]) for r in report.rows if r["kind"] == "total"]
     assert parts == [("decode_pieces", 1), ("sample_greedy", 1), ("sample_topp", 1), ("decode_pieces", 2),
                      ("sample_greedy", 2), ("sample_topp", 2), ("prefill_pieces", 1)]
