@@ -48,9 +48,9 @@ case "${1:-smoke}" in
     suite 150 kernels --model gemma-3-1b
     ;;
   gemm)  # every decode matmul shape: cuBLAS variants vs the Triton GEMV sweep, ~2-3 min a model
-    suite 280 gemm --model llama-3.2-3b  # the first model also compiles the Triton configs
-    suite 180 gemm --model qwen3-4b
-    suite 180 gemm --model gemma-3-1b
+    suite 240 gemm --model llama-3.2-3b  # the first model also compiles the Triton configs
+    suite 170 gemm --model qwen3-4b
+    suite 170 gemm --model gemma-3-1b
     ;;
   rest)
     bash bench/notebooks/run_gpu.sh 140 >>"$LOG" 2>&1
