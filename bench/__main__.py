@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity")
+SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity", "kernels",
+          "gemm")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama-3.2-3b, qwen3-4b, gemma-3-1b (real configs, random weights) or a model dir")
     parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>)")
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
-                        "e2e: default 1,16,64")
-    parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768")
+                        "e2e: default 1,16,64; kernels, gemm: 1,8")
+    parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768; "
+                        "kernels: one context (default 512)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")

@@ -4,8 +4,9 @@
 
 - copy ceiling: a 1 GiB device-to-device copy, bytes read + written.
 - decode (Llama-3-8B heads: 32 q heads, 8 kv heads, D 128, bf16, 16-token pages scattered at
-  random): the whole op (store + split-K decode + merge) captured in a CUDA graph, as the engine runs
-  it; bytes = KV read + q read + out written + the new K/V stored. Fraction of the copy ceiling.
+  random): the whole op (split-K decode with the store and the split merge fused in) captured in a
+  CUDA graph, as the engine runs it; bytes = KV read + q read + out written + the new K/V stored.
+  Fraction of the copy ceiling.
   A sweep over split counts and tile configs shows where the heuristic lands.
 - prefill: one causal sequence of T tokens, dense path and paged path (store + paged prefill), against
   `scaled_dot_product_attention` with the flash backend on the same shapes.
@@ -97,7 +98,7 @@ def bench_decode(batch, context, copy_gbps, num_splits=None, config=None, layer=
     kv_bytes = 2 * batch * visible * layer.num_kv_heads * layer.head_dim * elem
     num_layers = max(1, min(16, math.ceil(1.5e9 / kv_bytes)))
     q, k, v, out, caches, meta = decode_setup(batch, context, layer, num_layers=num_layers)
-    kwargs = dict(num_splits=num_splits, config=config, fuse_decode_store=fuse)
+    kwargs = dict(num_splits=num_splits, config=config, fuse_store=fuse)
 
     def one():
         triton_attention.paged_attention(q, k, v, out, layer, caches[0], meta, **kwargs)

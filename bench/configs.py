@@ -52,8 +52,21 @@ TINY_LLAMA = {
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
 }
 
+# A tiny Gemma 3: sliding-window layers (their own KV group, engine.kv_groups) next to a full one.
+TINY_GEMMA3 = {
+    **{k: v for k, v in GEMMA_3_1B.items() if k not in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                        "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                        "vocab_size", "sliding_window", "sliding_window_pattern",
+                                                        "query_pre_attn_scalar", "max_position_embeddings",
+                                                        "eos_token_id", "torch_dtype")},
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "sliding_window": 8,
+    "sliding_window_pattern": 3, "query_pre_attn_scalar": 16, "max_position_embeddings": 2048,
+    "eos_token_id": 2, "torch_dtype": "float32",
+}
+
 BENCH_MODELS = {"llama-3.2-3b": LLAMA_3_2_3B, "qwen3-4b": QWEN3_4B, "gemma-3-1b": GEMMA_3_1B,
-                "tiny-llama": TINY_LLAMA}
+                "tiny-llama": TINY_LLAMA, "tiny-gemma3": TINY_GEMMA3}
 
 
 def load_config(name_or_dir: str) -> dict:

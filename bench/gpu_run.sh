@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|peers  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|peers|kernels|gemm  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -41,6 +41,16 @@ case "${1:-smoke}" in
   peers)  # the decode suite again with transformers eager measured through generate(); then gemma's e2e
     suite 330 decode --model llama-3.2-3b --time-budget 290
     suite 250 e2e --model gemma-3-1b --time-budget 180
+    ;;
+  kernels)  # kernels per decode layer by kind (census), ~1.5-2 min a model (compile + captures)
+    suite 180 kernels --model llama-3.2-3b
+    suite 180 kernels --model qwen3-4b
+    suite 150 kernels --model gemma-3-1b
+    ;;
+  gemm)  # every decode matmul shape: cuBLAS variants vs the Triton GEMV sweep, ~2-3 min a model
+    suite 240 gemm --model llama-3.2-3b  # the first model also compiles the Triton configs
+    suite 170 gemm --model qwen3-4b
+    suite 170 gemm --model gemma-3-1b
     ;;
   rest)
     bash bench/notebooks/run_gpu.sh 140 >>"$LOG" 2>&1

@@ -55,3 +55,89 @@ def per_step_idle(intervals: list[tuple[float, float]], num_steps: int) -> list[
     cuts = sorted(gaps[:num_steps - 1])
     bounds = [0, *cuts, len(ordered)]
     return [idle_fraction(ordered[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+# ---- kernel census: how many kernels of which kind one step launches -------------------------------
+
+# (kind, substrings of the lower-cased kernel name), first match wins. Inductor's kernels are named
+# triton_{poi,per,red}_fused_<aten ops> (triton_tem_ for its matmul templates), so a norm is an Inductor
+# kernel with rsqrt in it; our own Triton kernels carry their Python names (custom_ops/triton_*.py).
+# cuBLAS: nvjet_* (Hopper), *gemm*/*gemv*, cutlass/xmma, and splitKreduce_kernel after a split-K GEMM.
+_KIND_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention_merge", ("merge_splits",)),
+    ("attention", ("_decode_kernel", "_prefill_kernel", "flash", "fmha", "attention")),
+    ("kv_store", ("store_kv",)),
+    ("gemm", ("triton_tem_", "_gemv_kernel", "_splitk_gemv")),
+    ("norm", ()),               # decided below: an Inductor kernel with rsqrt or a norm in its name
+    ("fused_elementwise", ()),  # decided below: any other Inductor kernel
+    ("gemm_splitk_reduce", ("splitkreduce",)),
+    ("gemm", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "cublas")),
+    ("copy", ("memcpy", "memset", "copy_kernel", "catarraybatchedcopy")),
+    ("reduce", ("reduce_kernel", "argmax", "argmin", "softmax", "sort", "scan", "topk")),
+    ("elementwise", ("elementwise_kernel",)),
+)
+# Display order: the matmuls, attention, then the small kernels fusion is about.
+KERNEL_KINDS: tuple[str, ...] = ("gemm", "gemm_splitk_reduce", "attention", "attention_merge", "kv_store", "norm",
+                                 "fused_elementwise", "copy", "reduce", "elementwise", "other")
+_INDUCTOR_PREFIXES = ("triton_poi_", "triton_per_", "triton_red_", "triton_for_")
+
+
+def classify_kernel(name: str) -> str:
+    """The kind of one GPU kernel (one of KERNEL_KINDS) from its name as the profiler reports it."""
+    low = name.lower()
+    inductor = low.startswith(_INDUCTOR_PREFIXES)
+    for kind, patterns in _KIND_PATTERNS:
+        if kind == "norm":
+            if inductor and ("rsqrt" in low or "norm" in low):
+                return kind
+        elif kind == "fused_elementwise":
+            if inductor:
+                return kind
+        elif any(p in low for p in patterns):
+            return kind
+    return "other"
+
+
+def kernel_events(prof) -> list[tuple[str, float]]:
+    """(name, duration_us) of every device kernel, memcpy and memset in a finished torch.profiler.profile."""
+    from torch.autograd import DeviceType
+    return [(event.name, float(event.time_range.end - event.time_range.start))
+            for event in prof.events() if event.device_type == DeviceType.CUDA]
+
+
+def kernel_census(events: Iterable[tuple[str, float]], num_steps: int, num_layers: int) -> list[dict]:
+    """Kernels per step and per layer, and GPU microseconds per step, by kind, from the device events
+    of `num_steps` identical steps of a model with `num_layers` decoder layers.
+
+    One row per kind that occurs (in KERNEL_KINDS order), then a "total" row. `per_layer` is the
+    per-step count over the layers: a kind launched once per layer reads 1.0, one launched once per
+    step (the LM head, the sampler) 1 / num_layers. `names` lists the distinct kernel names of the
+    kind (shortened), so a reader sees what was counted."""
+    if num_steps < 1 or num_layers < 1:
+        raise ValueError(f"kernel_census needs num_steps >= 1 and num_layers >= 1, got {num_steps}, {num_layers}")
+    counts: dict[str, int] = {}
+    micros: dict[str, float] = {}
+    names: dict[str, dict[str, None]] = {}
+    for name, duration_us in events:
+        kind = classify_kernel(name)
+        counts[kind] = counts.get(kind, 0) + 1
+        micros[kind] = micros.get(kind, 0.0) + duration_us
+        names.setdefault(kind, {})[short_kernel_name(name)] = None
+    rows = []
+    for kind in KERNEL_KINDS:
+        if kind in counts:
+            rows.append(dict(kind=kind, per_step=counts[kind] / num_steps,
+                             per_layer=counts[kind] / num_steps / num_layers,
+                             us_per_step=micros[kind] / num_steps, names=", ".join(list(names[kind])[:4])))
+    total = sum(counts.values())
+    rows.append(dict(kind="total", per_step=total / num_steps, per_layer=total / num_steps / num_layers,
+                     us_per_step=sum(micros.values()) / num_steps, names=""))
+    return rows
+
+
+def short_kernel_name(name: str, width: int = 48) -> str:
+    """A kernel name without its C++ return type and template arguments, cut to `width` characters."""
+    base = name.split("<", 1)[0].split("(", 1)[0].strip()
+    if base.startswith("void "):
+        base = base[5:]
+    return base if len(base) <= width else base[:width - 3] + "..."

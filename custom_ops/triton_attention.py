@@ -1,12 +1,14 @@
 """The CUDA implementation of `torch.ops.infer.attention`: Triton kernels behind two entry points.
 
 - `dense_causal_attention(q, k, v, out, layer)`: no forward context, one causal sequence, no cache.
-- `paged_attention(q, k, v, out, layer, kv_cache, meta)`: store the real rows' K/V by slot mapping,
-  then decode (``meta.is_uniform_decode``) or prefill/extend attention reading the paged cache.
+- `paged_attention(q, k, v, out, layer, kv_cache, meta)`: decode (``meta.is_uniform_decode``) or
+  prefill/extend attention over the paged cache, each storing the real rows' K/V by slot mapping in
+  the same launch (one kernel per layer).
 
 No host syncs and launch grids from python ints only, so both are CUDA-graph capturable; the split
-scratch of decode is one bounded workspace per device, sliced per launch (triton_decode). Kernels live in `triton_kv_store`,
-`triton_decode`, `triton_prefill`; the KV layout is documented in `custom_ops.metadata`.
+scratch of decode is one bounded workspace per device, sliced per launch (triton_decode). Kernels
+live in `triton_kv_store` (the unfused store, `fuse_store=False`), `triton_decode`,
+`triton_prefill`; the KV layout is documented in `custom_ops.metadata`.
 """
 from __future__ import annotations
 
@@ -50,19 +52,20 @@ def dense_causal_attention(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer,
     kv_cache: torch.Tensor, meta: AttentionMetadata,
-    *, num_splits: int | None = None, config: dict | None = None, fuse_decode_store: bool = True,
+    *, num_splits: int | None = None, config: dict | None = None, fuse_store: bool = True,
 ) -> None:
-    """Store the step's K/V, then attend every sequence over its cached prefix plus its new tokens.
+    """Store the step's K/V and attend every sequence over its cached prefix plus its new tokens.
 
-    Decode fuses the store into the attention launch (one kernel fewer on the critical path:
-    ``fuse_decode_store=False`` runs the separate store kernel first). ``num_splits`` / ``config``
-    override the decode split count and tile shapes (tests, benchmarks).
+    Decode and prefill kernels both store the new K/V in their own launch (one kernel and one
+    host-side launch fewer per layer: the launch between two piecewise graphs is host time the GPU
+    waits for). ``fuse_store=False`` runs the separate store kernel first. ``num_splits`` /
+    ``config`` override the decode split count and tile shapes (tests, benchmarks).
     """
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     _check_qkv(q, k, v, out, layer)
     n = meta.num_actual_tokens
-    fused = meta.is_uniform_decode and fuse_decode_store
-    if not fused:
+    new_kv = (k, v, meta.slot_mapping, n) if fuse_store else None
+    if not fuse_store:
         store_kv(k, v, kv_cache, meta.slot_mapping, n)
     common = dict(
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
@@ -70,12 +73,11 @@ def paged_attention(
         config=config)
     if meta.is_uniform_decode:
         launch_decode(q, kv_cache, out, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                      max_seq_len=meta.max_seq_len, num_splits=num_splits,
-                      new_kv=(k, v, meta.slot_mapping, n) if fused else None, **common)
+                      max_seq_len=meta.max_seq_len, num_splits=num_splits, new_kv=new_kv, **common)
     else:
         launch_prefill(q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs,
                        max_query_len=meta.max_query_len, block_tables=meta.block_tables,
                        query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                       page_size=kv_cache.shape[2], **common)
+                       page_size=kv_cache.shape[2], new_kv=new_kv, **common)
     if n < out.shape[0]:
         out[n:].zero_()  # padding rows read nothing; zeros keep them deterministic (as the reference)

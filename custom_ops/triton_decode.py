@@ -4,9 +4,13 @@ Grid ``(num_seqs, num_kv_heads, num_splits)``: every program serves all ``Hq / H
 its kv head (the group's queries form the M side of one ``tl.dot``), so each key/value byte is read
 once per step, which is what bounds decode. A sequence's visible keys
 ``[max(0, seq_len - window), seq_len)`` are cut into ``num_splits`` equal runs of whole
-``BLOCK_N`` tiles; keys before the window are never loaded. With one split the kernel normalizes
-and writes ``out`` itself; otherwise each split writes its unnormalized accumulator, running max
-and sum to scratch and a second kernel merges the splits.
+``BLOCK_N`` tiles; keys before the window are never loaded. The splits that hold keys are the
+sequence's active splits. With one active split (a short sequence, or ``num_splits == 1``) that
+split normalizes and writes ``out`` itself. Otherwise each active split writes its unnormalized
+accumulator, running max and sum to scratch and bumps a per-(sequence, kv head) arrival counter; the
+split that arrives last merges the partials into ``out`` and zeroes the counter for the next launch.
+So decode attention is ONE launch whatever the split count (a separate merge kernel cost a launch
+per layer and the drain between the two).
 
 The grid depends only on python ints the caller fixes (batch size, heads, and ``num_splits`` from
 ``max_seq_len``), and lengths and page tables are read from device tensors, so the launch is CUDA-graph
@@ -20,17 +24,18 @@ import triton.language as tl
 
 from custom_ops.triton_common import interpreting, load_kv_tile, log2_scores
 from custom_ops.triton_prefill import dot_precision
+from custom_ops.workspace import Workspace
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, k_new_ptr, v_new_ptr, slot_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, k_new_ptr, v_new_ptr, slot_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     stride_knt, stride_knh, stride_vnt, stride_vnh, num_stores,
     scale, softcap, window,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr,
@@ -43,7 +48,10 @@ def _decode_kernel(
         start = tl.maximum(seq_len - window, 0)
     else:
         start = 0
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - start, BLOCK_N), NUM_SPLITS)
+    num_tiles = tl.cdiv(seq_len - start, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    # Splits past the keys hold nothing and take no part; a sequence of length 0 (padding) has one.
+    active = tl.maximum(tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)), 1)
     begin = start + split * tiles_per_split * BLOCK_N
     end = tl.minimum(begin + tiles_per_split * BLOCK_N, seq_len)
 
@@ -112,42 +120,46 @@ def _decode_kernel(
                 tl.store(v_ptr + dst_v + offs_d, tl.load(v_new_row, mask=d_mask).to(v_ptr.dtype.element_ty),
                          mask=d_mask)
 
+    o_ptrs = out_ptr + seq64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (a padding sequence): write zeros
-        o = acc / l_safe[:, None]
-        tl.store(out_ptr + seq64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
-        # partials are [num_seqs, NUM_HEADS, NUM_SPLITS(, BLOCK_D)] fp32
-        row = (seq64 * NUM_HEADS + heads) * NUM_SPLITS + split
-        g_mask = offs_g < GROUP
-        tl.store(part_max_ptr + row, m_i, mask=g_mask)
-        tl.store(part_sum_ptr + row, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
-
-
-@triton.jit
-def _merge_splits_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    rows = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_max_ptr + rows, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_sum_ptr + rows, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_ref)  # empty splits have m = -inf: weight 0
-    denom = tl.sum(w * l, 0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+        if active == 1:
+            if split == 0:
+                l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+                tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
+        elif split < active:
+            # partials are [num_seqs, NUM_HEADS, NUM_SPLITS(, BLOCK_D)] fp32
+            rows = (seq64 * NUM_HEADS + heads) * NUM_SPLITS
+            g_mask = offs_g < GROUP
+            tl.store(part_max_ptr + rows + split, m_i, mask=g_mask)
+            tl.store(part_sum_ptr + rows + split, l_i, mask=g_mask)
+            tl.store(part_acc_ptr + (rows + split)[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+            # Every thread's partial stores complete before the one arrival (acq_rel: released to
+            # the last arriver, whose loads below then see them; .cg reads L2, never a stale L1).
+            tl.debug_barrier()
+            counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == active - 1:
+                m_run = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_run = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_run = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for s in range(0, active):
+                    m_s = tl.load(part_max_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_sum_ptr + rows + s, mask=g_mask, other=0.0, cache_modifier=".cg")
+                    acc_s = tl.load(part_acc_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :],
+                                    mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_run, m_s)
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits weigh 0
+                    alpha = tl.exp2(m_run - m_ref)
+                    beta = tl.exp2(m_s - m_ref)
+                    l_run = l_run * alpha + l_s * beta
+                    acc_run = acc_run * alpha[:, None] + acc_s * beta[:, None]
+                    m_run = m_new
+                o = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+                tl.atomic_xchg(counter, 0)  # every active split has arrived: ready for the next launch
 
 
 MIN_TOKENS_PER_SPLIT = 64
@@ -155,37 +167,9 @@ MAX_SPLITS = 128
 _sm_counts: dict[int, int] = {}
 
 
-class _SplitWorkspace:
-    """One float32 scratch buffer per device for the split partials, sliced per launch.
-
-    Sized at first use to the largest need the automatic split count can produce for that launch's
-    head group and head size (decode_num_splits keeps programs x splits below ~4 waves: rows <=
-    4 * SMs * group, about 1-2 MiB), and grown only when a launch needs more (an explicit
-    num_splits, a model with wider groups). Bounded, unlike a buffer per (batch, splits) shape.
-    A graph records the buffer's address, so a buffer that a capture used is kept alive when a
-    larger one replaces it; a launch inside a capture never grows it (it takes a temporary from the
-    graph's own pool instead, which the captured graph owns).
-    """
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-        self.captured = False               # the current buffer is recorded in some graph
-        self.retired: list[torch.Tensor] = []  # older buffers that graphs still read
-
-    def take(self, num_floats: int, bound_floats: int, device: torch.device) -> torch.Tensor:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if self.buffer is None or self.buffer.numel() < num_floats:
-            if capturing:
-                return torch.empty(num_floats, dtype=torch.float32, device=device)
-            if self.buffer is not None and self.captured:
-                self.retired.append(self.buffer)
-            self.buffer = torch.empty(max(num_floats, bound_floats), dtype=torch.float32, device=device)
-            self.captured = False
-        self.captured |= capturing
-        return self.buffer[:num_floats]
-
-
-_workspaces: dict[torch.device, _SplitWorkspace] = {}
+# One bounded scratch per device (custom_ops.workspace): split partials, and the arrival counters.
+_workspaces: dict[torch.device, Workspace] = {}
+_arrivals: dict[torch.device, Workspace] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -220,14 +204,23 @@ def decode_config(head_dim: int) -> dict:
 def _partials(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int, num_splits: int,
               block_d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(acc [rows, block_d], max [rows], sum [rows]) for the split partials: views of the device's
-    one workspace (see _SplitWorkspace)."""
+    one workspace (custom_ops.workspace)."""
     rows = num_seqs * num_heads * num_splits
     group = num_heads // num_kv_heads
     bound_rows = 4 * _sm_count(device) * group if device.type == "cuda" else rows  # CPU: the interpreter
-    workspace = _workspaces.setdefault(device, _SplitWorkspace())
+    workspace = _workspaces.setdefault(device, Workspace())
     flat = workspace.take(rows * (block_d + 2), bound_rows * (block_d + 2), device)
     return (flat[:rows * block_d].view(rows, block_d), flat[rows * block_d:rows * (block_d + 1)],
             flat[rows * (block_d + 1):])
+
+
+def _arrival_counters(device: torch.device, num_seqs: int, num_kv_heads: int) -> torch.Tensor:
+    """int32 [num_seqs * num_kv_heads], all 0: how many splits of each (sequence, kv head) have
+    written their partials in the running launch (its last split resets it to 0)."""
+    programs = num_seqs * num_kv_heads
+    bound = 4 * _sm_count(device) if device.type == "cuda" else programs  # splits > 1 only below 2 * SMs
+    counters = _arrivals.setdefault(device, Workspace(torch.int32, zeroed=True))
+    return counters.take(programs, bound, device)
 
 
 def launch_decode(
@@ -259,28 +252,24 @@ def launch_decode(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
         part_acc, part_max, part_sum = _partials(q.device, num_seqs, num_heads, num_kv_heads, num_splits, block_d)
+        arrivals = _arrival_counters(q.device, num_seqs, num_kv_heads)
     else:
-        part_acc = part_max = part_sum = out  # unused under NUM_SPLITS == 1
+        part_acc = part_max = part_sum = arrivals = out  # unused under NUM_SPLITS == 1
     if new_kv is not None:
         k_new, v_new, slots, num_stores = new_kv
     else:
         k_new = v_new = slots = q  # unused under FUSE_STORE=False
         num_stores = 0
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, k_new, v_new, slots,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, arrivals, k_new, v_new,
+        slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), min(num_stores, num_seqs),
         float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
         DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, **cfg,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2,
-        )

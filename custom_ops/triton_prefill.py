@@ -2,9 +2,12 @@
 
 One program owns ``BLOCK_M`` query rows of one sequence and one query head, and streams that
 sequence's keys in ``BLOCK_N`` tiles with an online softmax (flash-attention style). Keys come
-either from the paged cache (``PAGED``: the new tokens were stored there first, so cached prefix and
-new tokens are read the same way) or from dense ``k, v [T, Hkv, D]`` (the op without a forward
-context: one sequence at positions ``0..T-1``).
+either from the paged cache (``PAGED``) or from dense ``k, v [T, Hkv, D]`` (the op without a forward
+context: one sequence at positions ``0..T-1``). Paged with ``FUSE_STORE``, the same launch stores the
+step's new K/V: the cached prefix is read from the cache, the sequence's new tokens straight from
+``k, v``, and the first query head of each kv group writes its rows' keys and values to their slots
+(no program of the launch reads a new token's slot, so there is no race). Without it the new tokens
+were stored by a separate kernel first and every key is read from the cache.
 
 Query row ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` total sits at position
 ``seq_len - q_len + i`` and sees key ``kp`` iff ``0 <= pos - kp < window``. The key range of a tile is
@@ -26,18 +29,30 @@ def _attend_keys(
     acc, l_i, m_i, q, q_pos, start, end,
     k_ptr, v_ptr, block_table_ptr, kv_head,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     offs_d, d_mask, scale, softcap, window,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOURCE: tl.constexpr,
 ):
+    """Keys [start, end) into the running softmax. SOURCE 0: the cache (or dense k/v); 1: the new
+    k/v (pointers offset so that position p reads its token's row), in the cache's dtype, as if
+    they had been stored first."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         n = start_n + offs_n
         n_valid = n < end
-        k, v = load_kv_tile(
-            k_ptr, v_ptr, block_table_ptr, n, n_valid, kv_head,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
-            PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED, EVEN_D=EVEN_D)
+        if SOURCE == 1:  # new tokens only: dense rows of k/v
+            k, v = load_kv_tile(
+                k_new_ptr, v_new_ptr, block_table_ptr, n, n_valid, kv_head,
+                0, stride_knt, stride_knh, 0, stride_vnt, stride_vnh, offs_d, d_mask,
+                PAGE_SIZE=PAGE_SIZE, PAGED=False, MASKED=MASKED, EVEN_D=EVEN_D)
+            k, v = k.to(k_ptr.dtype.element_ty), v.to(v_ptr.dtype.element_ty)
+        else:
+            k, v = load_kv_tile(
+                k_ptr, v_ptr, block_table_ptr, n, n_valid, kv_head,
+                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+                PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED, EVEN_D=EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = log2_scores(s, scale, softcap, SOFTCAP=SOFTCAP)
         if MASKED:
@@ -62,14 +77,75 @@ def _attend_keys(
 
 
 @triton.jit
+def _attend_span(
+    acc, l_i, m_i, q, q_pos, start, end,
+    k_ptr, v_ptr, block_table_ptr, kv_head,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end,
+    offs_d, d_mask, scale, softcap, window,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSE_STORE: tl.constexpr,
+):
+    """Keys [start, end), under FUSE_STORE from the cache below cached_end and from the new k/v
+    from there on. An unmasked span stays unmasked in whole tiles from its start: its cached tiles,
+    the tile across cached_end (as two masked partial tiles, one per source) and its new tiles."""
+    if FUSE_STORE:
+        if MASKED:
+            boundary = tl.maximum(tl.minimum(cached_end, end), start)
+            cut = boundary
+            new_from = boundary
+        else:
+            cut = tl.minimum(start + (tl.maximum(cached_end - start, 0) // BLOCK_N) * BLOCK_N, end)
+            new_from = tl.minimum(cut + BLOCK_N, end)
+            boundary = tl.maximum(tl.minimum(cached_end, new_from), cut)
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, start, cut, k_ptr, v_ptr, block_table_ptr, kv_head,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
+            scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED,
+            EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=0)
+        if not MASKED:  # the boundary tile: its cached part, then its new part, both masked
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q, q_pos, cut, boundary, k_ptr, v_ptr, block_table_ptr, kv_head,
+                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
+                scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
+                EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=0)
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q, q_pos, boundary, new_from, k_ptr, v_ptr, block_table_ptr, kv_head,
+                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
+                scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
+                EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=1)
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, new_from, end, k_ptr, v_ptr, block_table_ptr, kv_head,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
+            scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED,
+            EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=1)
+    else:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, start, end, k_ptr, v_ptr, block_table_ptr, kv_head,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, offs_d, d_mask,
+            scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=MASKED,
+            EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, SOURCE=0)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    k_new_ptr, v_new_ptr, slot_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, num_stores,
     dense_len, scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSE_STORE: tl.constexpr,
 ):
     head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # most work first
@@ -97,6 +173,30 @@ def _prefill_kernel(
     tokens = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    cached_end = seq_len - q_len  # the new tokens are positions [cached_end, seq_len)
+    if FUSE_STORE:
+        # Row r of this sequence's new tokens is token q_start + r: position p reads token row
+        # p - cached_end + q_start through these offset pointers.
+        k_new_seq = k_new_ptr + (q_start - cached_end).to(tl.int64) * stride_knt
+        v_new_seq = v_new_ptr + (q_start - cached_end).to(tl.int64) * stride_vnt
+        if head % GROUP == 0:  # one query head per kv group stores its rows' K/V
+            store_rows = row_valid & (tokens < num_stores)  # padding tokens write nothing
+            slots = tl.load(slot_ptr + tokens, mask=store_rows, other=-1).to(tl.int64)
+            store_rows = store_rows & (slots >= 0)
+            kv_mask = store_rows[:, None] & d_mask[None, :]
+            k_rows = tl.load(k_new_ptr + tokens[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :],
+                             mask=kv_mask, other=0.0)
+            v_rows = tl.load(v_new_ptr + tokens[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                             mask=kv_mask, other=0.0)
+            page = slots // PAGE_SIZE
+            in_page = slots % PAGE_SIZE
+            tl.store(k_ptr + (page * stride_kb + in_page * stride_ko + kv_head * stride_kh)[:, None] + offs_d[None, :],
+                     k_rows.to(k_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_ptr + (page * stride_vb + in_page * stride_vo + kv_head * stride_vh)[:, None] + offs_d[None, :],
+                     v_rows.to(v_ptr.dtype.element_ty), mask=kv_mask)
+    else:
+        k_new_seq = k_new_ptr
+        v_new_seq = v_new_ptr
 
     first_pos = seq_len - q_len + m_tile * BLOCK_M
     last_pos = first_pos + BLOCK_M - 1  # counts rows past q_len too: only makes masking safer
@@ -116,21 +216,24 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW:
-        acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i = _attend_span(
             acc, l_i, m_i, q, q_pos, lo, edge_end, k_ptr, v_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+            k_new_seq, v_new_seq, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end, offs_d, d_mask,
             scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
-            EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION)
-    acc, l_i, m_i = _attend_keys(
+            EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, FUSE_STORE=FUSE_STORE)
+    acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, q, q_pos, edge_end, diag_start, k_ptr, v_ptr, block_table_ptr, kv_head,
-        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+        k_new_seq, v_new_seq, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end, offs_d, d_mask,
         scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=False,
-        EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION)
-    acc, l_i, m_i = _attend_keys(
+        EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, FUSE_STORE=FUSE_STORE)
+    acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, q, q_pos, diag_start, hi, k_ptr, v_ptr, block_table_ptr, kv_head,
-        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
+        stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+        k_new_seq, v_new_seq, stride_knt, stride_knh, stride_vnt, stride_vnh, cached_end, offs_d, d_mask,
         scale, softcap, window, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASKED=True,
-        EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION)
+        EVEN_D=EVEN_D, SOFTCAP=SOFTCAP, WINDOW=WINDOW, DOT_PRECISION=DOT_PRECISION, FUSE_STORE=FUSE_STORE)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -167,9 +270,15 @@ def launch_prefill(
     paged: bool, num_seqs: int, max_query_len: int, dense_len: int = 0,
     block_tables: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None, page_size: int = 1, config: dict | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:
     """Launch the prefill kernel. Paged: ``k_src/v_src`` are ``cache[0]/cache[1]`` ``[NB, BS, Hkv, D]``;
-    dense: ``[T, Hkv, D]`` with ``dense_len = T`` and ``num_seqs = 1``."""
+    dense: ``[T, Hkv, D]`` with ``dense_len = T`` and ``num_seqs = 1``.
+
+    Paged, ``new_kv = (k, v, slot_mapping, num_tokens)`` fuses the store: the new tokens' keys are
+    read from ``k, v`` and written to their slots by the same launch (the cache need not hold them)."""
+    if new_kv is not None and not paged:
+        raise ValueError("launch_prefill: new_kv (a fused store) needs the paged cache")
     cfg = dict(prefill_config(head_dim, q.dtype))
     cfg.update(config or {})
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
@@ -184,14 +293,20 @@ def launch_prefill(
         stride_vb, stride_vo, stride_vh = 0, v_src.stride(0), v_src.stride(1)
         block_tables = query_start_loc = seq_lens = q  # unused pointers under PAGED=False
         stride_bt = 0
+    if new_kv is not None:
+        k_new, v_new, slots, num_stores = new_kv
+    else:
+        k_new = v_new = slots = q  # unused under FUSE_STORE=False
+        num_stores = 0
     grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
     _prefill_kernel[grid](
-        q, k_src, v_src, out, block_tables, query_start_loc, seq_lens,
+        q, k_src, v_src, out, block_tables, query_start_loc, seq_lens, k_new, v_new, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), num_stores,
         dense_len, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,
         SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window), DOT_PRECISION=dot_precision(q.dtype),
-        **cfg,
+        FUSE_STORE=new_kv is not None, **cfg,
     )

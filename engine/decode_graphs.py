@@ -74,9 +74,9 @@ class DecodeGraphs:
         runner.load_dummy(largest, largest, uniform_decode=True)
         return {b: runner.buffers.metadata(b, b, b, 1, runner.max_model_len, True) for b in batch_sizes}
 
-    def _forward(self, meta: AttentionMetadata, batch_size: int) -> torch.Tensor:
+    def _forward(self, meta: AttentionMetadata, batch_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.runner.run_forward(meta, RuntimeMode.FULL, batch_size)
-        return self.runner.model.compute_logits(hidden)
+        return self.runner.model.compute_logits(hidden, out=out)
 
     def _warm_up(self, metas: dict[int, AttentionMetadata]) -> None:
         """One eager forward per size, queued on the capture stream without waiting in between."""
@@ -95,7 +95,8 @@ class DecodeGraphs:
         with torch.cuda.stream(self.stream):
             graph.capture_begin(pool=self.pool)
             try:
-                self.logits[:batch_size].copy_(self._forward(meta, batch_size))
+                # The LM head writes the static logits itself: no copy pass over the vocabulary.
+                self._forward(meta, batch_size, out=self.logits[:batch_size])
             finally:
                 graph.capture_end()
         return graph

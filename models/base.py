@@ -85,14 +85,27 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, V] of hidden [N, H]. `out` (a [N, V] buffer in the logits' dtype): written and
+        returned, by the matmul itself on one rank (no copy pass over the vocabulary: the decode
+        graphs' static logits), by a copy after the gather under tensor parallelism."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        cap = self.config.final_logit_softcap
+        if out is not None and self.tp.world_size == 1 and weight.shape[0] == self.config.vocab_size:
+            if out.shape != (hidden.shape[0], weight.shape[0]) or out.dtype != hidden.dtype:
+                raise ValueError(f"compute_logits out {tuple(out.shape)} {out.dtype} must be "
+                                 f"[{hidden.shape[0]}, {weight.shape[0]}] {hidden.dtype}")
+            torch.mm(hidden, weight.t(), out=out)  # what F.linear runs, into out
+            if cap:  # in place, the same ops as below
+                out.div_(cap).tanh_().mul_(cap)
+            return out
         # Each rank computes its vocabulary shard's logits; the gather gives every rank the whole row
         # (only rank 0 samples) and drops the padding rows of the last shard.
         logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, :self.config.vocab_size]
-        cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if out is not None:
+            return out.copy_(logits)
         return logits
 
     def init_random_(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

@@ -178,9 +178,10 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        # v is a strided slice of the fused projection; kernels (and the paged-cache store) get a
-        # dense [T, Hkv, D] tensor instead of having to honour the fused row stride.
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
+        # v stays a strided view of the fused projection (row stride q_size + 2 * kv_size): every
+        # attention path (the Triton store, decode and prefill kernels, the reference) honours token
+        # and head strides, and a .contiguous() here was one copy kernel per layer per step.
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

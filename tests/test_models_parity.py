@@ -86,6 +86,21 @@ def test_prefill_logits_match_transformers(pair):
 
 
 @torch.no_grad()
+def test_logits_written_into_a_buffer_are_the_same_bits(pair):
+    """compute_logits(out=) (the decode graphs' static logits, no copy pass) returns that buffer,
+    holding exactly what the plain call returns (the Gemma case has a final softcap)."""
+    _, ours = pair
+    hidden = ours(torch.tensor(_prompt(7, 3)), torch.arange(7))
+    expected = ours.compute_logits(hidden)
+    buffer = torch.full((9, VOCAB), float("nan"))
+    got = ours.compute_logits(hidden, out=buffer[:7])
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(got, expected) and buffer[7:].isnan().all()
+    with pytest.raises(ValueError, match="compute_logits out"):
+        ours.compute_logits(hidden, out=buffer[:6])
+
+
+@torch.no_grad()
 def test_32_greedy_tokens_match_transformers_generate(pair):
     hf, ours = pair
     prompts = [_prompt(11, 1), _prompt(6, 2)]

@@ -134,15 +134,31 @@ def test_dense_causal_reads_strided_qkv_views():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 4.0)])
-def test_paged_extend_matches_reference(dtype, window, softcap):
-    """Three sequences: a fresh prefill, a decode-like single token, a chunk after a cached prefix."""
+@pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
+def test_paged_extend_matches_reference(dtype, window, softcap, fuse_store):
+    """Three sequences: a fresh prefill, a decode-like single token, a chunk after a cached prefix;
+    padding rows are never stored (the reference cache is compared exactly)."""
     layer = make_layer(4, 1, 16, window, softcap)  # GQA 4
     q, k, v, cache, meta = make_batch([0, 5, 19], [7, 1, 12], layer, block_size=8, dtype=dtype,
                                       device=DEVICE, pad_tokens=3)
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-    out = run_paged(q, k, v, cache, meta, layer)
+    out = run_paged(q, k, v, cache, meta, layer, fuse_store=fuse_store)
     assert torch.equal(cache.cpu(), ref_cache)
     check_close(out, ref, meta.num_actual_tokens, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_paged_prefill_stores_and_reads_new_keys_over_several_query_tiles(window):
+    """Chunks longer than one 16-row query tile, after cached prefixes that end mid-tile and mid-page
+    (GQA 2): every tile's rows are stored once, and keys on both sides of the cached/new boundary
+    are read from the right place."""
+    layer = make_layer(4, 2, 16, window)
+    q, k, v, cache, meta = make_batch([21, 0], [37, 18], layer, block_size=8, dtype=torch.float32,
+                                      device=DEVICE, pad_tokens=2)
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    out = run_paged(q, k, v, cache, meta, layer, fuse_store=True)
+    assert torch.equal(cache.cpu(), ref_cache)
+    check_close(out, ref, meta.num_actual_tokens, torch.float32)
 
 
 @pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
@@ -154,7 +170,7 @@ def test_decode_matches_reference(num_splits, window, softcap, fuse_store):
                                       device=DEVICE)
     assert meta.is_uniform_decode
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-    out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits, fuse_decode_store=fuse_store)
+    out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits, fuse_store=fuse_store)
     assert torch.equal(cache.cpu(), ref_cache)
     check_close(out, ref, meta.num_actual_tokens, torch.float32)
 
@@ -173,6 +189,54 @@ def test_decode_padding_rows_are_zero_and_never_stored():
     assert torch.equal(cache[:, SCRATCH_BLOCK], before[:, SCRATCH_BLOCK])
     ref, _ = reference_paged(q, k, v, before, meta, layer)
     check_close(out, ref, 2, torch.float16)
+
+
+@pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
+def test_decode_last_split_merges_in_the_same_launch_and_leaves_counters_at_zero(fuse_store):
+    """4 splits, sequences whose keys fill 1, 2, 3 and 4 of them (tiles of 16 keys under the
+    interpreter, 64 on the GPU: the lengths span both): the splits holding keys write partials and
+    the last to arrive merges them into out; the arrival counters are 0 again after every launch,
+    so a second launch with fresh inputs is right too."""
+    from custom_ops import triton_decode
+    device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    layer = make_layer(8, 2, 16)
+    for lens in ([9, 20, 40, 64], [70, 130, 200, 1]):
+        q, k, v, cache, meta = make_batch([n - 1 for n in lens], [1] * len(lens), layer, block_size=8,
+                                          dtype=torch.float32, device=DEVICE)
+        ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+        out = run_paged(q, k, v, cache, meta, layer, num_splits=4, fuse_store=fuse_store)
+        assert torch.equal(cache.cpu(), ref_cache)
+        check_close(out.cpu(), ref, len(lens), torch.float32)
+        counters = triton_decode._arrivals[device].buffer
+        assert counters.dtype == torch.int32 and not counters.any(), "an arrival counter was left non-zero"
+
+
+def _fused_views(q, k, v):
+    """q, k, v as the models pass them: views of one fused [T, (Hq + 2 Hkv) * D] projection, so k and
+    v have the fused row stride (v is not made contiguous)."""
+    t = q.shape[0]
+    fused = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    qs, ks = q[0].numel(), k[0].numel()
+    return (fused[:, :qs].view(q.shape).contiguous(), fused[:, qs:qs + ks].view(k.shape),
+            fused[:, qs + ks:].view(v.shape))
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode-fused-store", "prefill-store-kernel"])
+def test_attention_reads_k_and_v_as_strided_views_of_the_fused_projection(decode):
+    from custom_ops.triton_attention import dense_causal_attention
+    layer = make_layer(4, 2, 16)
+    prefix, query = ([6, 17], [1, 1]) if decode else ([0, 9], [5, 3])
+    q, k, v, cache, meta = make_batch(prefix, query, layer, block_size=4, dtype=torch.float32, device=DEVICE)
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    qf, kf, vf = _fused_views(q, k, v)
+    assert kf.stride(0) == vf.stride(0) == q[0].numel() + 2 * k[0].numel()
+    out = run_paged(qf, kf, vf, cache, meta, layer, num_splits=2 if decode else None)
+    assert torch.equal(cache.cpu(), ref_cache)
+    check_close(out, ref, meta.num_actual_tokens, torch.float32)
+    dense = torch.full_like(q, float("nan"))
+    dense_causal_attention(qf, kf, vf, dense, layer)
+    check_close(dense.cpu(), reference.causal_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(),
+                                                        layer), q.shape[0], torch.float32)
 
 
 def test_num_splits_fill_the_gpu_and_respect_length():
@@ -352,9 +416,9 @@ def test_decode_split_scratch_is_one_buffer_per_device_sliced_for_every_shape():
 
 
 def test_split_workspace_grows_only_when_needed_and_keeps_what_a_graph_recorded():
-    from custom_ops.triton_decode import _SplitWorkspace
+    from custom_ops.workspace import Workspace
     cpu = torch.device("cpu")
-    workspace = _SplitWorkspace()
+    workspace = Workspace()
     first = workspace.take(100, 1000, cpu)
     assert workspace.take(500, 1000, cpu).data_ptr() == first.data_ptr() and workspace.buffer.numel() == 1000
     workspace.captured = True  # as if a graph had recorded it: replacing it must keep it alive

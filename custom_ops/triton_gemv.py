@@ -1,0 +1,172 @@
+"""Triton GEMV / split-K GEMM for decode-sized matmuls: ``out[M, N] = x[M, K] @ weight[N, K]^T``.
+
+At decode (M = batch, 1..16) a linear layer is a pass over its weight: the kernel is bound by how
+fast it streams ``weight`` from memory, and cuBLAS measured 56-92% of read bandwidth on Llama's
+shapes, with a separate split-K reduce kernel after some of them (issue 11). Here:
+
+- Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: a program owns BLOCK_N weight rows and one of SPLIT_K equal
+  runs of K, so a narrow matrix (N = 1152..3072) still spreads over every SM.
+- M < 16: CUDA cores. Each weight tile is loaded once and reused for every row of x (the x rows
+  are a few KiB, served from L1/L2); no shared-memory round trip for an MMA operand. At M = 1 the
+  products accumulate per element and are reduced across K once per program.
+  M >= 16: ``tl.dot`` on BLOCK_M-row tiles of x.
+- SPLIT_K > 1: each split writes its float32 partial; the split that arrives last (an arrival
+  counter per N tile, as the decode attention kernel does) sums the partials in split order and
+  writes ``out``, then resets its counter. One launch, no reduce kernel, and the sum's order is
+  fixed, so results do not depend on which split finishes first.
+
+The grid and every constexpr depend only on shapes, so a launch is CUDA-graph capturable; the
+scratch is one bounded workspace per device (custom_ops.workspace).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.triton_prefill import dot_precision
+from custom_ops.workspace import Workspace
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+
+    for m_start in range(0, M, BLOCK_M):
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if BLOCK_M == 1:
+            # One row: products accumulate element-wise and are reduced across K once, at the end.
+            acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k_start in range(k_begin, k_end, BLOCK_K):
+            k = k_start + offs_k
+            k_mask = k < k_end
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if USE_DOT:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            elif BLOCK_M == 1:
+                x_0 = tl.load(x_ptr + m_start * stride_xm + k, mask=k_mask, other=0.0).to(tl.float32)
+                acc_k += w.to(tl.float32) * x_0[None, :]
+            else:
+                w32 = w.to(tl.float32)
+                for i in tl.static_range(BLOCK_M):
+                    row_valid = (offs_k * 0 + m_start + i) < M  # a vector: the interpreter refuses scalar masks
+                    x_i = tl.load(x_ptr + (m_start + i) * stride_xm + k,
+                                  mask=k_mask & row_valid, other=0.0).to(tl.float32)
+                    row = tl.sum(w32 * x_i[None, :], 1)
+                    acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, row[None, :], 0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(acc_k, 1)[None, :]
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
+        else:
+            # partials are [SPLIT_K, M, N] float32
+            tl.store(part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=mn_mask)
+
+    if SPLIT_K > 1:
+        # All of this program's partial stores complete before its one arrival (acq_rel: released to
+        # the last arriver, whose loads then see them; .cg reads L2, never a stale L1 line).
+        tl.debug_barrier()
+        counter = arrivals_ptr + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            for m_start in range(0, M, BLOCK_M):
+                offs_m = m_start + tl.arange(0, BLOCK_M)
+                mn_mask = (offs_m < M)[:, None] & n_mask[None, :]
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    total += tl.load(part_ptr + (s * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :],
+                                     mask=mn_mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                         total.to(out_ptr.dtype.element_ty), mask=mn_mask)
+            tl.atomic_xchg(counter, 0)  # every split has arrived: ready for the next launch
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name}={value} must be a power of two")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"GemvConfig split_k={self.split_k}, num_stages={self.num_stages} must be >= 1")
+
+    def label(self) -> str:
+        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}"
+
+
+_partials: dict[torch.device, Workspace] = {}
+_arrivals: dict[torch.device, Workspace] = {}
+# First-use sizes on CUDA (grown when a launch needs more): 4 MiB of partials holds split 8 of
+# 8 rows of a 16k-wide matrix; 16k counters, N tiles of a 262k vocabulary at BLOCK_N 16.
+_PARTIAL_BOUND_FLOATS = 1 << 20
+_ARRIVAL_BOUND = 1 << 14
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"gemv: x is {x.dtype} and weight {weight.dtype}; they must match")
+    if weight.stride(1) != 1:
+        raise ValueError("gemv: weight needs a contiguous last dimension (a [N, K] row-major matrix)")
+    cfg = config or GemvConfig()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"gemv out {tuple(out.shape)} {out.dtype} must be [{m}, {n}] {x.dtype}, last dim contiguous")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_m = 16 if m >= 16 else triton.next_power_of_2(m)
+    if block_m >= 16 and min(cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"gemv at M={m} uses tl.dot, which needs block_n and block_k >= 16 ({cfg})")
+    tiles_n = triton.cdiv(n, cfg.block_n)
+    if cfg.split_k > 1:
+        cuda = x.device.type == "cuda"
+        parts = _partials.setdefault(x.device, Workspace()).take(
+            cfg.split_k * m * n, _PARTIAL_BOUND_FLOATS if cuda else 0, x.device)
+        arrivals = _arrivals.setdefault(x.device, Workspace(torch.int32, zeroed=True)).take(
+            tiles_n, _ARRIVAL_BOUND if cuda else 0, x.device)
+    else:
+        parts = arrivals = out  # unused under SPLIT_K == 1
+    _gemv_kernel[(tiles_n, cfg.split_k)](
+        x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        USE_DOT=block_m >= 16, DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,110 @@
+"""The GPU build of the split-K kernels, checked on a machine without a GPU.
+
+The interpreter runs the kernels' logic on the CPU but never lowers them: an op the GPU compiler
+rejects (an atomic's semantics, a cache modifier, a layout) would first fail on the GPU machine.
+Here Triton compiles them (and the prefill kernel with its fused K/V store) for an H100 (sm_90)
+ahead of time, in a subprocess without TRITON_INTERPRET (the kernels must be defined as compilable
+functions), and the PTX is checked for what the one-launch split merge relies on: an
+acquire-release arrival, a counter reset, L2 (.cg) reads of the partials. Skipped where a GPU exists (the gpu-marked tests run the real kernels there).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real kernels instead")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_COMPILE = r'''
+import json, sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as exc:
+    print(json.dumps({"skip": f"no ahead-of-time Triton API: {exc}"})); sys.exit(0)
+from custom_ops import triton_decode, triton_gemv
+
+def ptx(fn, signature, constexprs, **options):
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel.asm["ptx"]
+
+GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "arrivals_ptr": "*i32",
+        **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}}
+DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+              out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32",
+              arrivals_ptr="*i32", k_new_ptr="*bf16", v_new_ptr="*bf16", slot_ptr="*i64", scale="fp32",
+              softcap="fp32", **{name: "i32" for name in (
+                  "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
+                  "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh", "stride_vnt",
+                  "stride_vnh", "num_stores", "window")})
+out = {}
+try:
+    for block_m, split_k in ((1, 4), (8, 1), (16, 4)):
+        out[f"gemv-m{block_m}-s{split_k}"] = ptx(triton_gemv._gemv_kernel, GEMV, dict(
+            BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=block_m >= 16,
+            DOT_PRECISION="tf32"), num_warps=4, num_stages=3)
+    for splits in (1, 8):
+        out[f"decode-s{splits}"] = ptx(triton_decode._decode_kernel, DECODE, dict(
+            NUM_HEADS=24, NUM_KV_HEADS=8, GROUP=3, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
+            PAGE_SIZE=16, NUM_SPLITS=splits, SOFTCAP=True, WINDOW=True, DOT_PRECISION="tf32",
+            FUSE_STORE=True), num_warps=4, num_stages=2)
+    from custom_ops import triton_prefill
+    PREFILL = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
+                   query_start_loc_ptr="*i32", seq_lens_ptr="*i32", k_new_ptr="*bf16", v_new_ptr="*bf16",
+                   slot_ptr="*i64", scale="fp32", softcap="fp32", **{name: "i32" for name in (
+                       "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
+                       "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh",
+                       "stride_vnt", "stride_vnh", "num_stores", "dense_len", "window")})
+    out["prefill-fused-store"] = ptx(triton_prefill._prefill_kernel, PREFILL, dict(
+        GROUP=3, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, PAGED=True,
+        SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", FUSE_STORE=True), num_warps=4, num_stages=2)
+except (RuntimeError, FileNotFoundError) as exc:
+    if "ptxas" in str(exc):
+        print(json.dumps({"skip": f"no ptxas in this Triton install: {exc}"})); sys.exit(0)
+    raise
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"sm_90 compile failed:\n{done.stderr[-4000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    return result
+
+
+def assert_one_launch_merge(ptx: str) -> None:
+    assert "atom.global.gpu.acq_rel.add" in ptx      # the arrival releases the partials, acquires the others'
+    assert "atom.global.gpu.acq_rel.exch" in ptx     # the last arriver resets the counter
+    assert "ld.global.cg" in ptx                     # partials read from L2, never a stale L1 line
+
+
+@pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8"])
+def test_split_kernels_build_for_sm90_with_a_one_launch_merge(sm90_ptx, name):
+    assert_one_launch_merge(sm90_ptx[name])
+
+
+@pytest.mark.parametrize("name", ["gemv-m8-s1", "decode-s1"])
+def test_unsplit_kernels_build_for_sm90_without_atomics(sm90_ptx, name):
+    assert ".entry" in sm90_ptx[name] and "atom.global" not in sm90_ptx[name]
+
+
+def test_prefill_with_the_fused_store_builds_for_sm90(sm90_ptx):
+    """The prefill kernel with the K/V store in its launch (FUSE_STORE) lowers for the GPU."""
+    assert ".entry" in sm90_ptx["prefill-fused-store"] and "st.global" in sm90_ptx["prefill-fused-store"]
