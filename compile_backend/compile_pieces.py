@@ -5,8 +5,8 @@ sees fake inputs with the symbolic token dimension, and each compute piece is co
 those (Inductor's `compile_fx`, or the FX piece itself for "eager").
 
 Identical compute pieces (every middle layer of a model is one) are compiled once: a piece's
-structural key (its nodes with placeholders numbered, constants, and its inputs' fake shapes, strides
-and dtypes) maps to one compiled callable. Weights are graph inputs, so one callable serves every
+structural key (its nodes with placeholders numbered, constants, its inputs' fake shapes, strides
+and dtypes, and which of its inputs share storage) maps to one compiled callable. Weights are graph inputs, so one callable serves every
 layer; Inductor's own caches would find the same artifact, but only after tracing and hashing each
 piece again (~0.2 s per piece on an H100 host).
 
@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from compile_backend.split import SplitGraph, op_name
 
@@ -109,10 +110,13 @@ def _target_name(target: Any) -> str:
     return f"{module}.{getattr(target, '__qualname__', None) or target}"
 
 
-def _input_key(value: Any) -> str:
+def _input_key(value: Any, storages: dict[Any, int]) -> str:
     if isinstance(value, torch.Tensor):
+        # which earlier input (if any) shares this one's storage: code compiled for aliased inputs
+        # (a mutation seen through a view) is not code for separate ones, and the reverse
+        storage = storages.setdefault(StorageWeakRef(value.untyped_storage()), len(storages))
         return (f"T{tuple(value.shape)}{tuple(value.stride())}+{value.storage_offset()}|{value.dtype}|"
-                f"{value.device}|{value.requires_grad}")
+                f"{value.device}|{value.requires_grad}@{storage}")
     return f"{type(value).__name__}:{value}"
 
 
@@ -128,7 +132,8 @@ def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | No
         target = "" if node.op == "placeholder" else _target_name(node.target)
         operands = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: numbers[n])
         parts.append(f"{node.op} {target} {operands!r}")
-    parts.extend(_input_key(a) for a in args)
+    storages: dict[Any, int] = {}
+    parts.extend(_input_key(a, storages) for a in args)
     return "\n".join(parts)
 
 
