@@ -16,6 +16,7 @@ direct Python calls of their implementations (the custom op exists for tracing).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -154,7 +155,9 @@ class _PieceCompiler(torch.fx.Interpreter):
                 key = structural_key(piece, args) if not kwargs else None
                 compiled = self.by_key.get(key) if key is not None else None
                 if compiled is None:
-                    compiled = _compile_inductor(piece, args)
+                    # Inductor rewrites the module it compiles (one with a single output comes to
+                    # return a 1-tuple): it gets a copy, and the piece stays what the split calls.
+                    compiled = _compile_inductor(torch.fx.GraphModule(piece, copy.deepcopy(piece.graph)), args)
                     if key is not None:
                         self.by_key[key] = compiled
                 self.compiled[target] = compiled

@@ -243,3 +243,16 @@ def test_pieces_alike_but_for_which_inputs_alias_are_compiled_apart():
     expected = _mutate_then_read_twice(*inputs())
     assert torch.equal(got, expected), (got, expected)
     assert backend.stats.compute_pieces == 3 and backend.stats.piece_compilations == 3
+
+
+def test_a_compute_piece_with_one_output_feeds_the_splitting_op_after_it():
+    """Inductor turns the piece it compiles into one returning a 1-tuple; the fake run that compiles
+    the pieces in turn passed that tuple to the op (a compile error) instead of the tensor."""
+    def f(x):
+        return torch.ops.infer_test.barrier(x * 2) + 1
+
+    torch._dynamo.reset()
+    backend = InferGraphsBackend(BackendConfig(splitting_ops=("infer_test::barrier",)))
+    x = torch.randn(5)
+    assert torch.equal(torch.compile(f, backend=backend, fullgraph=True)(x), f(x))
+    assert backend.stats.compute_pieces == 2
