@@ -111,11 +111,14 @@ def _target_name(target: Any) -> str:
     return f"{module}.{getattr(target, '__qualname__', None) or target}"
 
 
-def _input_key(value: Any, storages: dict[Any, int]) -> str:
+def _input_key(value: Any, storages: dict[Any, int]) -> str | None:
     if isinstance(value, torch.Tensor):
         # which earlier input (if any) shares this one's storage: code compiled for aliased inputs
         # (a mutation seen through a view) is not code for separate ones, and the reverse
-        storage = storages.setdefault(StorageWeakRef(value.untyped_storage()), len(storages))
+        try:
+            storage = storages.setdefault(StorageWeakRef(value.untyped_storage()), len(storages))
+        except (RuntimeError, NotImplementedError):  # no storage to compare (a wrapper subclass)
+            return None
         return (f"T{tuple(value.shape)}{tuple(value.stride())}+{value.storage_offset()}|{value.dtype}|"
                 f"{value.device}|{value.requires_grad}@{storage}")
     return f"{type(value).__name__}:{value}"
@@ -123,7 +126,8 @@ def _input_key(value: Any, storages: dict[Any, int]) -> str:
 
 def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | None:
     """Equal keys mean one compiled callable computes both pieces; None: the piece reads module state
-    (get_attr, call_module), which a shared callable could not see, so it is compiled on its own."""
+    (get_attr, call_module), which a shared callable could not see, or an input has no storage to
+    compare, so it is compiled on its own."""
     numbers: dict[torch.fx.Node, str] = {}
     parts = []
     for node in piece.graph.nodes:
@@ -134,8 +138,10 @@ def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | No
         operands = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: numbers[n])
         parts.append(f"{node.op} {target} {operands!r}")
     storages: dict[Any, int] = {}
-    parts.extend(_input_key(a, storages) for a in args)
-    return "\n".join(parts)
+    inputs = [_input_key(a, storages) for a in args]
+    if None in inputs:
+        return None
+    return "\n".join(parts + inputs)
 
 
 class _PieceCompiler(torch.fx.Interpreter):
