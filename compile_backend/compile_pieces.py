@@ -6,9 +6,9 @@ those (Inductor's `compile_fx`, or the FX piece itself for "eager").
 
 Identical compute pieces (every middle layer of a model is one) are compiled once: a piece's
 structural key (its nodes with placeholders numbered, constants, its inputs' fake shapes, strides
-and dtypes, and which of its inputs share storage) maps to one compiled callable. Weights are graph inputs, so one callable serves every
-layer; Inductor's own caches would find the same artifact, but only after tracing and hashing each
-piece again (~0.2 s per piece on an H100 host).
+and dtypes, and which of its inputs share storage) maps to one compiled callable. Weights are graph
+inputs, so one callable serves every layer; Inductor's own caches would find the same artifact, but
+only after tracing and hashing each piece again (~0.2 s per piece on an H100 host).
 
 Splitting pieces: an op called through the dispatcher costs ~20 us (TOOLCHAIN), once per layer per
 step, on the host path between two graph replays. A piece that only calls known ops is replaced by
