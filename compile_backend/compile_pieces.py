@@ -5,10 +5,10 @@ sees fake inputs with the symbolic token dimension, and each compute piece is co
 those (Inductor's `compile_fx`, or the FX piece itself for "eager").
 
 Identical compute pieces (every middle layer of a model is one) are compiled once: a piece's
-structural key (its nodes with placeholders numbered, constants, and its inputs' fake shapes, strides
-and dtypes) maps to one compiled callable. Weights are graph inputs, so one callable serves every
-layer; Inductor's own caches would find the same artifact, but only after tracing and hashing each
-piece again (~0.2 s per piece on an H100 host).
+structural key (its nodes with placeholders numbered, constants, its inputs' fake shapes, strides
+and dtypes, and which of its inputs share storage) maps to one compiled callable. Weights are graph
+inputs, so one callable serves every layer; Inductor's own caches would find the same artifact, but
+only after tracing and hashing each piece again (~0.2 s per piece on an H100 host).
 
 Splitting pieces: an op called through the dispatcher costs ~20 us (TOOLCHAIN), once per layer per
 step, on the host path between two graph replays. A piece that only calls known ops is replaced by
@@ -16,11 +16,13 @@ direct Python calls of their implementations (the custom op exists for tracing).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from compile_backend.split import SplitGraph, op_name
 
@@ -109,16 +111,23 @@ def _target_name(target: Any) -> str:
     return f"{module}.{getattr(target, '__qualname__', None) or target}"
 
 
-def _input_key(value: Any) -> str:
+def _input_key(value: Any, storages: dict[Any, int]) -> str | None:
     if isinstance(value, torch.Tensor):
+        # which earlier input (if any) shares this one's storage: code compiled for aliased inputs
+        # (a mutation seen through a view) is not code for separate ones, and the reverse
+        try:
+            storage = storages.setdefault(StorageWeakRef(value.untyped_storage()), len(storages))
+        except (RuntimeError, NotImplementedError):  # no storage to compare (a wrapper subclass)
+            return None
         return (f"T{tuple(value.shape)}{tuple(value.stride())}+{value.storage_offset()}|{value.dtype}|"
-                f"{value.device}|{value.requires_grad}")
+                f"{value.device}|{value.requires_grad}@{storage}")
     return f"{type(value).__name__}:{value}"
 
 
 def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | None:
     """Equal keys mean one compiled callable computes both pieces; None: the piece reads module state
-    (get_attr, call_module), which a shared callable could not see, so it is compiled on its own."""
+    (get_attr, call_module), which a shared callable could not see, or an input has no storage to
+    compare, so it is compiled on its own."""
     numbers: dict[torch.fx.Node, str] = {}
     parts = []
     for node in piece.graph.nodes:
@@ -128,8 +137,11 @@ def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | No
         target = "" if node.op == "placeholder" else _target_name(node.target)
         operands = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: numbers[n])
         parts.append(f"{node.op} {target} {operands!r}")
-    parts.extend(_input_key(a) for a in args)
-    return "\n".join(parts)
+    storages: dict[Any, int] = {}
+    inputs = [_input_key(a, storages) for a in args]
+    if None in inputs:
+        return None
+    return "\n".join(parts + inputs)
 
 
 class _PieceCompiler(torch.fx.Interpreter):
@@ -149,7 +161,9 @@ class _PieceCompiler(torch.fx.Interpreter):
                 key = structural_key(piece, args) if not kwargs else None
                 compiled = self.by_key.get(key) if key is not None else None
                 if compiled is None:
-                    compiled = _compile_inductor(piece, args)
+                    # Inductor rewrites the module it compiles (one with a single output comes to
+                    # return a 1-tuple): it gets a copy, and the piece stays what the split calls.
+                    compiled = _compile_inductor(torch.fx.GraphModule(piece, copy.deepcopy(piece.graph)), args)
                     if key is not None:
                         self.by_key[key] = compiled
                 self.compiled[target] = compiled
