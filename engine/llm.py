@@ -145,10 +145,12 @@ class LLM:
                                       "are matched on the text); use stop_token_ids", param="stop")
         return Request(request_id, ids, params)
 
-    def encode(self, text: str) -> list[int]:
-        """A text prompt's token ids, as `add_request` encodes it (callers that tokenize off the engine's
-        thread, like the server, use this and pass the ids)."""
-        return self.tokenizer(text)["input_ids"]
+    def encode(self, text: str, tokenizer: Any = None) -> list[int]:
+        """A text prompt's token ids, as `add_request` encodes it. Callers that tokenize on another
+        thread than the engine's (the server) pass their own copy of the tokenizer: a fast tokenizer
+        is not documented as thread-safe (its Rust state is borrowed per call, and an encode may
+        reconfigure truncation/padding, which fails with "Already borrowed" under a concurrent call)."""
+        return (tokenizer or self.tokenizer)(text)["input_ids"]
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request; it runs from the next `step`. Returns its id."""

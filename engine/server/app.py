@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import functools
 import hmac
 import json
 import logging
@@ -47,7 +49,9 @@ def _sse(obj: Any) -> str:
 def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20) -> FastAPI:
     llm = engine.llm
-    tokenizer = llm.tokenizer
+    # The tokenizer thread's own copy: the engine thread detokenizes with llm.tokenizer meanwhile
+    # (LLM.encode says why two threads must not share one).
+    tokenizer = copy.deepcopy(llm.tokenizer)
     max_model_len = llm.config.max_model_len
     metrics = ServerMetrics()
     # One thread: requests are tokenized in arrival order, and the tokenizer is never entered by two
@@ -133,7 +137,8 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
         else:
             prompt, default_max = req.prompt, DEFAULT_COMPLETION_MAX_TOKENS
             if isinstance(prompt, str) and prompt and tokenizer is not None:  # the engine would encode it alike
-                prompt = await loop.run_in_executor(tokenize_pool, llm.encode, prompt)
+                prompt = await loop.run_in_executor(tokenize_pool, functools.partial(llm.encode, tokenizer=tokenizer),
+                                                    prompt)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = engine.submit(prompt, req.sampling_params(default_max), request_id)
         watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
