@@ -82,6 +82,63 @@ def test_gemma_generation_with_a_window_pool_equals_transformers(gemma, async_sc
     assert pool.sliding[0].num_free_blocks == pool.sliding[0].num_usable_blocks
 
 
+class _EagerDecodeGraphs:
+    """Stands in for engine.decode_graphs.DecodeGraphs where there is no CUDA: a replay runs the
+    forward under the metadata a capture at that batch size records (every row real, max_seq_len =
+    max_model_len, the static buffers' addresses) and writes the static logits through
+    compute_logits(out=), over whatever the step staged: what a CUDA graph replay computes."""
+
+    def __init__(self, runner, sizes: tuple[int, ...]) -> None:
+        self.runner, self.sizes = runner, tuple(sorted(sizes))
+        self.metas = {b: runner.buffers.metadata(b, b, b, 1, runner.max_model_len, True) for b in sizes}
+        self.logits = None
+        self.replays, self.padded_replays, self.replays_by_size = 0, 0, {}
+        self.capture_seconds, self.graph_bytes = 0.0, 0
+
+    def replay(self, batch_size: int, num_real: int) -> torch.Tensor:
+        from custom_ops import RuntimeMode
+        hidden = self.runner.run_forward(self.metas[batch_size], RuntimeMode.FULL, batch_size)
+        if self.logits is None:
+            self.logits = torch.empty(self.runner.buffers.max_seqs, self.runner.model.config.vocab_size,
+                                      dtype=hidden.dtype)
+        self.runner.model.compute_logits(hidden, out=self.logits[:batch_size])
+        self.replays += 1
+        self.padded_replays += batch_size > num_real
+        return self.logits[:num_real]
+
+    def release(self) -> None:
+        self.logits = None
+
+
+def test_full_decode_steps_with_a_window_pool_run_the_triton_kernels_as_a_graph_replay_would(gemma, monkeypatch):
+    """What only a GPU runs otherwise: full-decode steps (padding rows on the scratch block of every
+    KV group, each group's slots and tables in its own static buffers) through the Triton kernels (the
+    interpreter here): split-K decode and prefill each storing K/V in their own launch, into the
+    sliding group's pool by its own slot mapping, v a strided view of the fused projection. Async
+    loop, prefix caching, chunked prefill; tokens equal transformers'."""
+    from custom_ops import reference, triton_attention
+    from engine.dispatch import Dispatcher
+
+    def triton_paged(q, k, v, out, layer, kv_cache, meta):
+        assert v.shape[0] == 1 or v.stride(0) > v.shape[1] * v.shape[2]  # the model's v: a view of the fused rows
+        triton_attention.paged_attention(q, k, v, out, layer, kv_cache, meta,
+                                         num_splits=3 if meta.is_uniform_decode else None)
+
+    monkeypatch.setattr(reference, "paged_attention", triton_paged)
+    path, expected = gemma
+    llm = LLM(str(path), **SMALL, compile=False, async_scheduling=True, enable_prefix_caching=True)
+    runner = llm.runtime.runner
+    graphs = runner.decode_graphs = _EagerDecodeGraphs(runner, (1, 4))  # batches of 2 and 3 pad to 4
+    runner.dispatcher = Dispatcher(graphs.sizes, (), decode_graphs_wanted=True)
+    outputs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.stats()["modes"]["full"] == graphs.replays > 0 and graphs.padded_replays > 0
+    pool = llm.runtime.block_pool
+    assert pool.sliding[0].released_blocks > 0
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert pool.sliding[0].num_free_blocks == pool.sliding[0].num_usable_blocks
+
+
 def test_a_long_sequence_holds_a_bounded_number_of_sliding_blocks(gemma):
     path, expected = gemma
     llm = LLM(str(path), **SMALL)

@@ -375,6 +375,87 @@ def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
 
 
 @pytest.mark.gpu
+def test_gpu_decode_graphs_of_two_sizes_share_the_split_workspace_and_a_graph_without_one_uses_temporaries():
+    """The engine's decode-graph pattern on the kernel alone: graphs at batch 8 then 4 captured into one
+    pool record slices of the device's one split workspace (partials and arrival counters); a graph
+    captured while the device has no workspace yet takes zeroed temporaries from its graph pool.
+    Replayed in turn with new lengths, tables and slots (sliding window, split-K, fused store), each
+    equals an eager call on the same values and the float64 reference, and the shared arrival
+    counters are 0 after every replay."""
+    from custom_ops import triton_attention, triton_decode
+    device = torch.device("cuda", torch.cuda.current_device())
+    layer = make_layer(16, 2, 128, 700, None)  # every size gets 11 splits on an H100 (visible keys: 700)
+    block_size, max_blocks, num_blocks, dtype = 16, 128, 4096, torch.bfloat16
+    cache = torch.randn(2, num_blocks, block_size, 2, 128, dtype=dtype, device="cuda")
+
+    def static(batch):
+        q = torch.randn(batch, 16, 128, dtype=dtype, device="cuda")
+        k, v = (torch.randn(batch, 2, 128, dtype=dtype, device="cuda") for _ in range(2))
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            seq_lens=torch.ones(batch, dtype=torch.int32, device="cuda"),
+            block_tables=torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda"),
+            num_actual_tokens=batch, max_query_len=1, max_seq_len=max_blocks * block_size, is_uniform_decode=True)
+        return q, k, v, torch.empty_like(q), meta
+
+    def fill(seed, q, k, v, meta):
+        g = torch.Generator().manual_seed(seed)
+        batch = q.shape[0]
+        lens = torch.randint(1, max_blocks * block_size, (batch,), generator=g)
+        lens[0] = 1
+        tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * max_blocks] + 1).view(batch, max_blocks)
+        slots = tables[torch.arange(batch), (lens - 1) // block_size] * block_size + (lens - 1) % block_size
+        meta.seq_lens.copy_(lens)
+        meta.block_tables.copy_(tables)
+        meta.slot_mapping.copy_(slots)
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=g).to(dtype))
+
+    sizes = (8, 4, 2)
+    bufs = {b: static(b) for b in sizes}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for b in sizes:  # compiles, and sizes the device's workspace outside any capture
+            fill(0, *bufs[b][:3], bufs[b][4])
+            triton_attention.paged_attention(*bufs[b][:4], layer, cache, bufs[b][4])
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    shared_counters = triton_decode._arrivals[device].buffer
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    saved = None
+    try:
+        for b in sizes:  # largest first, as DecodeGraphs captures
+            if b == 2:  # no workspace on the device: this capture takes temporaries from the pool
+                saved = triton_decode._workspaces.pop(device), triton_decode._arrivals.pop(device)
+            graphs[b] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[b], pool=pool):
+                triton_attention.paged_attention(*bufs[b][:4], layer, cache, bufs[b][4])
+        assert triton_decode._workspaces[device].buffer is None, "a capture grew the shared workspace"
+        for seed in (1, 2, 3):
+            for b in (4, 8, 2, 8):
+                q, k, v, out, meta = bufs[b]
+                fill(seed * 10 + b, q, k, v, meta)
+                out.fill_(float("nan"))
+                graphs[b].replay()
+                torch.cuda.synchronize()
+                assert not shared_counters.any(), f"batch {b}: an arrival counter was left non-zero"
+                replayed = out.clone()
+                eager = torch.full_like(out, float("nan"))
+                triton_attention.paged_attention(q, k, v, eager, layer, cache, meta)
+                torch.cuda.synchronize()
+                assert torch.equal(replayed, eager), f"batch {b}: the replay differs from an eager call"
+                ref, _ = reference_paged(q, k, v, cache, meta, layer)
+                check_close(replayed.cpu(), ref, b, dtype)
+    finally:
+        if saved is not None:  # the module's workspaces again (graphs 8 and 4 recorded their buffers)
+            triton_decode._workspaces[device], triton_decode._arrivals[device] = saved
+        graphs.clear()
+
+
+@pytest.mark.gpu
 def test_gpu_op_dispatches_to_triton_with_and_without_context():
     from custom_ops import forward_context, register_attention_layer
     layer = make_layer(8, 2, 64, 32, None)
