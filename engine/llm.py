@@ -16,6 +16,7 @@ timeline (engine/startup.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -192,8 +193,12 @@ class LLM:
 
         With async scheduling, the step launched now reports its tokens at the next call, and this
         call reports the previous step's (a call with nothing to launch only reads them).
+        The engine's device is current meanwhile: Triton launches its kernels on the current device,
+        and an engine on cuda:1 is stepped by callers whose current device is cuda:0.
         """
-        launched, sampling = self._overlap.step() if self._overlap is not None else self._sync_step()
+        device = self.runtime.runner.device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            launched, sampling = self._overlap.step() if self._overlap is not None else self._sync_step()
         self._detokenize(sampling)
         self.num_steps += launched
         self.num_generated_tokens += len(sampling)

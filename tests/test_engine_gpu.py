@@ -134,3 +134,16 @@ def test_gemma_context_longer_than_the_sliding_window_matches_transformers(tmp_p
         outputs = llm.generate(prompts, SamplingParams(max_tokens=40))
     assert [o.token_ids for o in outputs] == expected
     assert max(len(p) + len(o.token_ids) for p, o in zip(prompts, outputs)) > 100  # window is 16
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_an_engine_on_the_second_gpu_steps_correctly_while_the_first_is_current(model_dirs):
+    """Triton launches on the current device: the engine makes its own current while it builds and
+    steps, so a caller whose current device is cuda:0 gets cuda:1's engine right (graphs included)."""
+    with _engine(model_dirs["gemma3"], prefill_graphs=True) as llm:
+        expected = _run_workload(llm)
+    torch.cuda.set_device(0)
+    with _engine(model_dirs["gemma3"], prefill_graphs=True, device="cuda:1") as llm:
+        assert _run_workload(llm) == expected
+        assert torch.cuda.current_device() == 0  # the caller's device is left as it was
+        assert llm.stats()["modes"]["full"] > 0
