@@ -58,6 +58,7 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after its shutdown
         pass
     finally:
+        app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         engine.stop()
         if engine.is_alive():  # a step still running (a stuck collective): closing would free its memory
             logger.error("the engine loop did not stop in time; exiting without closing the engine")

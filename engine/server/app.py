@@ -58,6 +58,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
     # encoders at once (a fast tokenizer borrows its Rust state per call).
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     app = FastAPI(title="infer_graphs", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tokenize_pool = tokenize_pool  # its owner (serve_llm) shuts it down with the server
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
