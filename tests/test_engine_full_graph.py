@@ -81,7 +81,8 @@ def test_full_graph_compile_names_its_choices():
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_gpu_unsplit_decode_graphs_give_the_tokens_of_the_piecewise_ones(tmp_path, arch):
-    from tests.test_engine_gpu import WORKLOAD, _build_hf, _engine, _run_workload
+    from tests.test_engine_generate import _build_hf
+    from tests.test_engine_gpu import WORKLOAD, _engine, _run_workload
     _build_hf(arch).save_pretrained(tmp_path)
     results = {}
     for variant in ("piecewise", "unsplit"):

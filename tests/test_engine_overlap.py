@@ -224,7 +224,8 @@ def _mixed_workload(llm: LLM) -> dict[str, tuple[list[int], str]]:
     dict(cuda_graphs=False, prefill_graphs=False),                                  # NONE only
 ], ids=["decode_graphs_unsplit", "decode_and_prefill_graphs_piecewise", "graphs_off"])
 def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path, graphs):
-    from tests.test_engine_gpu import _build_hf, _engine
+    from tests.test_engine_generate import _build_hf
+    from tests.test_engine_gpu import _engine
     _build_hf("llama").save_pretrained(tmp_path)
     results, stats = {}, {}
     for async_scheduling in (False, True):
@@ -248,7 +249,8 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path, graphs):
 def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampling, step_kind):
     """Nothing on the launch path waits for the device (a pageable copy to CUDA, a .tolist(), an
     .item() would): with a long sleep queued ahead of a step, step() returns before it has run."""
-    from tests.test_engine_gpu import _build_hf, _engine
+    from tests.test_engine_generate import _build_hf
+    from tests.test_engine_gpu import _engine
     _build_hf("llama").save_pretrained(tmp_path)
     llm = _engine(tmp_path, cuda_graphs=True, prefill_graphs=True)
     params = SamplingParams(max_tokens=40, ignore_eos=True, **(
