@@ -320,6 +320,23 @@ def test_gpu_dense_causal_matches_reference(head_dim, dtype):
         check_close(out.cpu(), ref, t, dtype)
 
 
+def fill_decode_step(seed, q, k, v, meta, block_size, max_blocks, num_blocks):
+    """New random lengths (the first sequence at 1 token), tables, slots and q/k/v for a decode step's
+    static tensors; disjoint pages: two sequences never write one slot, so replay and eager are
+    bit-equal."""
+    g = torch.Generator().manual_seed(seed)
+    batch = q.shape[0]
+    lens = torch.randint(1, max_blocks * block_size, (batch,), generator=g)
+    lens[0] = 1
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * max_blocks] + 1).view(batch, max_blocks)
+    slots = tables[torch.arange(batch), (lens - 1) // block_size] * block_size + (lens - 1) % block_size
+    meta.seq_lens.copy_(lens)
+    meta.block_tables.copy_(tables)
+    meta.slot_mapping.copy_(slots)
+    for x in (q, k, v):
+        x.copy_(torch.randn(x.shape, generator=g).to(q.dtype))
+
+
 @pytest.mark.gpu
 def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
     """Capture decode at batch 8 with max_seq_len 4096 (split-K), then change lengths, page tables,
@@ -340,17 +357,7 @@ def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
         num_actual_tokens=batch, max_query_len=1, max_seq_len=max_blocks * block_size, is_uniform_decode=True)
 
     def fill(seed):
-        g = torch.Generator().manual_seed(seed)
-        lens = torch.randint(1, max_blocks * block_size, (batch,), generator=g)
-        lens[0] = 1
-        # disjoint pages: two sequences never write one slot, so replay and eager are bit-equal
-        tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * max_blocks] + 1).view(batch, max_blocks)
-        slots = tables[torch.arange(batch), (lens - 1) // block_size] * block_size + (lens - 1) % block_size
-        meta.seq_lens.copy_(lens)
-        meta.block_tables.copy_(tables)
-        meta.slot_mapping.copy_(slots)
-        for x in (q, k, v):
-            x.copy_(torch.randn(x.shape, generator=g).to(dtype))
+        fill_decode_step(seed, q, k, v, meta, block_size, max_blocks, num_blocks)
 
     fill(0)
     stream = torch.cuda.Stream()
@@ -400,17 +407,7 @@ def test_gpu_decode_graphs_of_two_sizes_share_the_split_workspace_and_a_graph_wi
         return q, k, v, torch.empty_like(q), meta
 
     def fill(seed, q, k, v, meta):
-        g = torch.Generator().manual_seed(seed)
-        batch = q.shape[0]
-        lens = torch.randint(1, max_blocks * block_size, (batch,), generator=g)
-        lens[0] = 1
-        tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * max_blocks] + 1).view(batch, max_blocks)
-        slots = tables[torch.arange(batch), (lens - 1) // block_size] * block_size + (lens - 1) % block_size
-        meta.seq_lens.copy_(lens)
-        meta.block_tables.copy_(tables)
-        meta.slot_mapping.copy_(slots)
-        for x in (q, k, v):
-            x.copy_(torch.randn(x.shape, generator=g).to(dtype))
+        fill_decode_step(seed, q, k, v, meta, block_size, max_blocks, num_blocks)
 
     sizes = (8, 4, 2)
     bufs = {b: static(b) for b in sizes}
