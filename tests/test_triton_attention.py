@@ -320,6 +320,16 @@ def test_gpu_dense_causal_matches_reference(head_dim, dtype):
         check_close(out.cpu(), ref, t, dtype)
 
 
+def static_decode_metadata(batch, block_size, max_blocks):
+    """A decode step's metadata over static CUDA tensors (one token per sequence), for graphs to record."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.ones(batch, dtype=torch.int32, device="cuda"),
+        block_tables=torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda"),
+        num_actual_tokens=batch, max_query_len=1, max_seq_len=max_blocks * block_size, is_uniform_decode=True)
+
+
 def fill_decode_step(seed, q, k, v, meta, block_size, max_blocks, num_blocks):
     """New random lengths (the first sequence at 1 token), tables, slots and q/k/v for a decode step's
     static tensors; disjoint pages: two sequences never write one slot, so replay and eager are
@@ -349,12 +359,7 @@ def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
     q = torch.randn(batch, 16, 128, dtype=dtype, device="cuda")
     k, v = (torch.randn(batch, 4, 128, dtype=dtype, device="cuda") for _ in range(2))
     out = torch.empty_like(q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.ones(batch, dtype=torch.int32, device="cuda"),
-        block_tables=torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda"),
-        num_actual_tokens=batch, max_query_len=1, max_seq_len=max_blocks * block_size, is_uniform_decode=True)
+    meta = static_decode_metadata(batch, block_size, max_blocks)
 
     def fill(seed):
         fill_decode_step(seed, q, k, v, meta, block_size, max_blocks, num_blocks)
@@ -398,12 +403,7 @@ def test_gpu_decode_graphs_of_two_sizes_share_the_split_workspace_and_a_graph_wi
     def static(batch):
         q = torch.randn(batch, 16, 128, dtype=dtype, device="cuda")
         k, v = (torch.randn(batch, 2, 128, dtype=dtype, device="cuda") for _ in range(2))
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
-            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-            seq_lens=torch.ones(batch, dtype=torch.int32, device="cuda"),
-            block_tables=torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda"),
-            num_actual_tokens=batch, max_query_len=1, max_seq_len=max_blocks * block_size, is_uniform_decode=True)
+        meta = static_decode_metadata(batch, block_size, max_blocks)
         return q, k, v, torch.empty_like(q), meta
 
     def fill(seed, q, k, v, meta):
