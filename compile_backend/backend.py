@@ -7,7 +7,6 @@ compiled.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -60,17 +59,14 @@ class InferGraphsBackend:
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode, fake_inputs = graph_fake_inputs(example_inputs)
         unsplit = None
-        if self.config.full_graph_compile == "unsplit":
-            # the split rewrites gm's graph (torch.Size rebuilds): the unsplit compile gets its own copy
-            whole = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        if self.config.full_graph_compile == "unsplit":  # before the split, which rewrites gm
+            unsplit = compile_unsplit(gm, fake_mode, fake_inputs, self.config.piece_compiler)
+            self.stats.unsplit_compilations += 1
         split = split_graph(gm, self.config.splitting_ops)
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
             logger.warning("infer_graphs: no node of %s in the traced graph; it runs as one piece",
                            ", ".join(self.config.splitting_ops))
         runners, distinct = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler)
-        if self.config.full_graph_compile == "unsplit":
-            unsplit = compile_unsplit(whole, fake_mode, fake_inputs, self.config.piece_compiler)
-            self.stats.unsplit_compilations += 1
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
         graph = CompiledGraph(split, runners, fake_inputs, input_names, self.config, self.stats, pool,
                               full_forward=unsplit)

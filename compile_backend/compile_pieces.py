@@ -88,20 +88,28 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
     return DirectCalls(calls)
 
 
+def _private_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A module over a copy of gm's graph (attributes shared): what a compiler or the split may rewrite
+    while gm stays what its callers run."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
 def compile_unsplit(gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any], compiler: str,
                     ) -> Callable[..., Any]:
-    """The whole traced graph as one callable (FULL steps under full_graph_compile="unsplit"); `gm`
-    must be a copy the split never touched."""
+    """The whole traced graph as one callable (FULL steps under full_graph_compile="unsplit"). Call it
+    before the split, which rewrites gm's graph (torch.Size rebuilds); gm itself is left as it was."""
     if compiler != "inductor":
-        return gm.forward
+        return _private_copy(gm).forward
     with fake_mode:
         return _compile_inductor(gm, fake_inputs)
 
 
 def _compile_inductor(piece: torch.fx.GraphModule, fake_args: Sequence[Any]) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
-    # Inductor's own cudagraphs stay off: this backend captures per token count itself.
-    return compile_fx(piece, list(fake_args), config_patches={"triton.cudagraphs": False})
+    # Inductor rewrites the module it compiles (one with a single output comes to return a 1-tuple):
+    # it gets a copy, and the piece stays what its caller runs. Inductor's own cudagraphs stay off:
+    # this backend captures per token count itself.
+    return compile_fx(_private_copy(piece), list(fake_args), config_patches={"triton.cudagraphs": False})
 
 
 def _target_name(target: Any) -> str:
@@ -161,9 +169,7 @@ class _PieceCompiler(torch.fx.Interpreter):
                 key = structural_key(piece, args) if not kwargs else None
                 compiled = self.by_key.get(key) if key is not None else None
                 if compiled is None:
-                    # Inductor rewrites the module it compiles (one with a single output comes to
-                    # return a 1-tuple): it gets a copy, and the piece stays what the split calls.
-                    compiled = _compile_inductor(torch.fx.GraphModule(piece, copy.deepcopy(piece.graph)), args)
+                    compiled = _compile_inductor(piece, args)
                     if key is not None:
                         self.by_key[key] = compiled
                 self.compiled[target] = compiled

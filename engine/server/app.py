@@ -52,6 +52,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
     # The tokenizer thread's own copy: the engine thread detokenizes with llm.tokenizer meanwhile
     # (LLM.encode says why two threads must not share one).
     tokenizer = copy.deepcopy(llm.tokenizer)
+    encode = functools.partial(llm.encode, tokenizer=tokenizer)
     max_model_len = llm.config.max_model_len
     metrics = ServerMetrics()
     # One thread: requests are tokenized in arrival order, and the tokenizer is never entered by two
@@ -138,8 +139,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
         else:
             prompt, default_max = req.prompt, DEFAULT_COMPLETION_MAX_TOKENS
             if isinstance(prompt, str) and prompt and tokenizer is not None:  # the engine would encode it alike
-                prompt = await loop.run_in_executor(tokenize_pool, functools.partial(llm.encode, tokenizer=tokenizer),
-                                                    prompt)
+                prompt = await loop.run_in_executor(tokenize_pool, encode, prompt)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = engine.submit(prompt, req.sampling_params(default_max), request_id)
         watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
