@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, help="serving, prefix: arrival rate, requests/s")
     parser.add_argument("--workloads", help="serving: comma-separated (default baseline,continuous_batching,"
                                             "chunked_prefill,prefix_caching)")
+    parser.add_argument("--configs", help="serving: comma-separated, of off, decode, prefill (default all three: "
+                                          "graphs off, decode graphs, decode + prefill graphs)")
     parser.add_argument("--url", help="serving: a running server to send the workloads to (default: start one "
                                       "per configuration)")
     parser.add_argument("--full-graph-compile", choices=("unsplit", "piecewise"),

@@ -43,6 +43,7 @@ CONFIGS = {
     "decode graphs": [],
     "decode + prefill graphs": ["--prefill-graphs"],
 }
+CONFIG_ALIASES = {"off": "graphs off", "decode": "decode graphs", "prefill": "decode + prefill graphs"}
 WORKLOADS = ("baseline", "continuous_batching", "chunked_prefill", "prefix_caching")
 BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every server, so the report's note states what ran
 COLUMNS = ["config", "workload", "sent", "completed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
@@ -223,7 +224,7 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     prefix_flag = "--enable-prefix-caching" in ENGINE_OPTIONS
     if "prefix_caching" in chosen and not prefix_flag:
         report.notes.append("prefix_caching ran WITHOUT a prefix cache: this engine has no --enable-prefix-caching")
-    targets = {"external": None} if url else {name: CONFIGS[name] for name in (configs or CONFIGS)}
+    targets = {"external": None} if url else {name: CONFIGS[name] for name in config_names(configs)}
     for name, flags in targets.items():
         # one server per configuration; prefix_caching gets its own, started with the prefix cache on
         # (the others run without it: their prompts share nothing, so it would only add bookkeeping)
@@ -246,6 +247,22 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     return report
 
 
+def config_names(configs: str | list[str] | None) -> list[str]:
+    """`--configs off,decode,prefill` (or the full names) -> the CONFIGS keys, in the order given."""
+    if configs is None:
+        return list(CONFIGS)
+    names = [c.strip() for c in configs.split(",")] if isinstance(configs, str) else list(configs)
+    unknown = [n for n in names if n not in CONFIGS and n not in CONFIG_ALIASES]
+    if unknown:
+        raise ValueError(f"--configs: unknown {unknown}; choose from {sorted(CONFIG_ALIASES)} or {sorted(CONFIGS)}")
+    return [CONFIG_ALIASES.get(n, n) for n in names]
+
+
+def _progress(row: dict) -> None:
+    # the suite writes its report at the end; a run cut short by a time limit still leaves its rows in the log
+    print("row", json.dumps(row, default=str), file=sys.stderr, flush=True)
+
+
 def _measure(report: Report, config: str, workload: str, url: str, specs: list[RequestSpec],
              concurrency: int | None, warm_up: list[RequestSpec]) -> None:
     import httpx
@@ -256,6 +273,7 @@ def _measure(report: Report, config: str, workload: str, url: str, specs: list[R
     row = summarize(specs, results, makespan)
     errors = row.pop("errors")
     report.add(config=config, workload=workload, graph_mib=graph_bytes / 2**20, **row)
+    _progress(report.rows[-1])
     if errors:
         report.notes.append(f"{config} / {workload}: errors {errors}")
 
@@ -296,6 +314,7 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
                itl_p50_ms=ms(percentile(itls, 50)), itl_p99_ms=ms(percentile(itls, 99)),
                e2e_p50_ms=ms(percentile(e2es, 50)), e2e_p99_ms=ms(percentile(e2es, 99)), graph_mib=None,
                makespan_s=makespan)
+    _progress(report.rows[-1])
 
 
 def _serve_main(argv: list[str]) -> int:

@@ -435,3 +435,11 @@ def test_prefix_report_compares_caching_on_and_off_on_shared_and_unique_prompts(
     assert specs[0].prompt_ids[:64] == specs[2].prompt_ids[:64] and specs[0].prompt_ids != specs[2].prompt_ids
     assert prefix.host_us_per_step(specs, True, 4, 96) > 0 and prefix.prepare_us(4, 64, steps=3) > 0
     assert prefix.bookkeeping_us_per_block(True, num_requests=6, blocks_per_request=2) > 0
+
+
+def test_serving_configs_take_short_names_and_reject_unknown_ones():
+    from bench import serving
+    assert serving.config_names("prefill,off") == ["decode + prefill graphs", "graphs off"]
+    assert serving.config_names(None) == list(serving.CONFIGS)
+    with pytest.raises(ValueError, match="unknown.*'fast'"):
+        serving.config_names("decode,fast")
