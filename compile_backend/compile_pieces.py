@@ -152,6 +152,31 @@ def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | No
     return "\n".join(parts + inputs)
 
 
+def _compile_deduplicated(piece: torch.fx.GraphModule, args: Sequence[Any],
+                          by_key: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
+    key = structural_key(piece, args)
+    compiled = by_key.get(key) if key is not None else None
+    if compiled is None:
+        compiled = _compile_inductor(piece, args)
+        if key is not None:
+            by_key[key] = compiled
+    return compiled
+
+
+def _recorded_inputs(piece: torch.fx.GraphModule) -> list[Any] | None:
+    """The fake values Dynamo recorded for a piece's inputs (split_module copies each input node's
+    meta onto the piece's placeholder, in call order), or None if one is missing. The same graph
+    value is the same fake tensor in every piece that reads it, and views share its fake storage, so
+    structural keys see the aliasing that fake propagation would have produced."""
+    values = []
+    for node in piece.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val", node.meta.get("example_value"))
+        if value is None:
+            return None
+        values.append(value)
+    return values
+
+
 class _PieceCompiler(torch.fx.Interpreter):
     """Propagates fake values through the split module, compiling each compute piece on its way."""
 
@@ -166,13 +191,8 @@ class _PieceCompiler(torch.fx.Interpreter):
         piece = self.fetch_attr(target)
         if target in self.compute:
             if self.compiler == "inductor":
-                key = structural_key(piece, args) if not kwargs else None
-                compiled = self.by_key.get(key) if key is not None else None
-                if compiled is None:
-                    compiled = _compile_inductor(piece, args)
-                    if key is not None:
-                        self.by_key[key] = compiled
-                self.compiled[target] = compiled
+                self.compiled[target] = (_compile_deduplicated(piece, args, self.by_key) if not kwargs
+                                         else _compile_inductor(piece, args))
             else:
                 self.compiled[target] = piece.forward
         return piece(*args, **kwargs)
@@ -193,12 +213,24 @@ def compile_pieces(split: SplitGraph, fake_mode: Any, fake_inputs: Sequence[Any]
                    compiler: str) -> tuple[dict[str, Callable[..., Any]], int]:
     """(name -> callable for every piece: compiled compute pieces and direct-call splitting pieces,
     number of distinct compilations)."""
-    interpreter = _PieceCompiler(split, compiler)
-    with fake_mode:
-        interpreter.run(*fake_inputs)
-    runners = dict(interpreter.compiled)
+    compute = [split.piece(info) for info in split.summary.pieces if not info.is_splitting]
+    recorded = [_recorded_inputs(piece) for piece in compute] if compiler == "inductor" else [None]
+    if all(args is not None for args in recorded):
+        # Each piece compiles from the values the trace recorded for its inputs: running the whole
+        # split module on fake tensors to find them costs about as much as the warm-cache compile.
+        runners, by_key = {}, {}
+        with fake_mode:
+            for info, piece, args in zip((i for i in split.summary.pieces if not i.is_splitting), compute, recorded):
+                runners[info.name] = _compile_deduplicated(piece, args, by_key)
+        compiled = dict(runners)
+    else:
+        interpreter = _PieceCompiler(split, compiler)
+        with fake_mode:
+            interpreter.run(*fake_inputs)
+        compiled = interpreter.compiled
+    runners = dict(compiled)
     for info in split.summary.pieces:
         if info.is_splitting:
             runners[info.name] = splitting_runner(split.piece(info))
-    distinct = len({id(fn) for fn in interpreter.compiled.values()}) if compiler == "inductor" else 0
+    distinct = len({id(fn) for fn in compiled.values()}) if compiler == "inductor" else 0
     return runners, distinct

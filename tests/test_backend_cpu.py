@@ -55,6 +55,16 @@ def test_inductor_pieces_match_eager_within_1e5_over_many_token_counts_with_one_
     assert backend.stats.piece_compilations == 3  # first, middle (x3), last
 
 
+def test_pieces_compiled_from_propagated_fakes_match_the_recorded_ones(monkeypatch):
+    """The fallback for a piece without Dynamo's recorded input values (fake propagation through the
+    split module) compiles the same distinct pieces and computes the same outputs."""
+    import compile_backend.compile_pieces as compile_pieces
+    monkeypatch.setattr(compile_pieces, "_recorded_inputs", lambda piece: None)
+    model = models.from_config(hf_config("llama", num_hidden_layers=4), dtype=torch.float32)
+    backend = compare_over_token_counts(model, BackendConfig(), 96, exact=False)
+    assert backend.stats.piece_compilations == 3
+
+
 _out_ptrs: list[int] = []
 
 
