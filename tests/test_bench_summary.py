@@ -1,0 +1,92 @@
+"""bench.summary: each issue's goals read from the suites' JSON; met, missed, and "not run" when absent."""
+from __future__ import annotations
+
+from bench.measure import Report
+from bench.summary import goal_rows, main
+
+E2E_COLUMNS = ["batch", "prompt_len", "itl_ms", "graph_replay_ms", "floor_ms", "itl_x_floor", "replay_x_floor",
+               "itl_x_replay"]
+
+
+def _e2e_row(report: Report, batch: int, itl_ms: float, replay_ms: float, floor_ms: float) -> None:
+    report.add(batch=batch, prompt_len=512, itl_ms=itl_ms, graph_replay_ms=replay_ms, floor_ms=floor_ms,
+               itl_x_floor=itl_ms / floor_ms, replay_x_floor=replay_ms / floor_ms, itl_x_replay=itl_ms / replay_ms)
+
+
+def _by_goal(rows):
+    return {goal: (target, measured, status) for goal, target, measured, status in rows}
+
+
+def test_issue11_goals_from_the_e2e_reports(tmp_path):
+    llama = Report("e2e", "llama-3.2-3b", "dev", E2E_COLUMNS)
+    _e2e_row(llama, 1, itl_ms=2.48, replay_ms=2.45, floor_ms=2.0)  # replay 1.225x floor: missed; ITL 1.24x: met
+    _e2e_row(llama, 64, itl_ms=4.2, replay_ms=4.0, floor_ms=3.5)   # ITL 1.2x floor: met; 1.05x replay: missed
+    llama.write(str(tmp_path))
+    rows = _by_goal(goal_rows(str(tmp_path))[11])
+    assert rows["graph replay, batch 1, llama-3.2-3b"] == ("<= 1.2x floor", "2.450 ms vs floor 2.000 ms = 1.23x",
+                                                           "**missed**")
+    assert rows["ITL through LLM.generate, batch 1, llama-3.2-3b"][2] == "met"
+    assert rows["ITL through LLM.generate, batch 64, 512-token prompts, llama-3.2-3b"][2] == "met"
+    assert rows["host overlap, llama-3.2-3b"][2] == "**missed** (batch 64)"
+    for absent in ("graph replay, batch 1, qwen3-4b", "ITL through LLM.generate, batch 1, gemma-3-1b",
+                   "host overlap, gemma-3-1b", "piecewise prefill"):
+        assert rows[absent][1:] == ("not run", "n/a"), absent
+
+
+def test_issue12_goals_from_the_capture_report_with_its_largest_startup_phases(tmp_path):
+    report = Report("capture", "llama-3.2-3b", "dev", ["cache", "kind", "size", "capture_s", "graph_mib", "note"])
+    for cache, phases, ready_s in (("warm", {"setup": 4.0, "compile": 5.0, "decode capture": 0.5, "kv pool": 0.1}, 11.0),
+                                   ("cold", {"setup": 4.0, "compile": 25.0, "decode capture": 2.0}, 31.0)):
+        for name, seconds in phases.items():
+            report.add(cache=cache, kind=f"startup: {name}", size="-", capture_s=seconds, graph_mib=None)
+        report.add(cache=cache, kind="decode total", size=10, capture_s=phases["decode capture"], graph_mib=30.0)
+        report.add(cache=cache, kind="ready", size="-", capture_s=ready_s, graph_mib=1000.0)
+    report.write(str(tmp_path))
+    rows = _by_goal(goal_rows(str(tmp_path))[12])
+    target, measured, status = rows["ready, llama-3.2-3b, warm compile cache"]
+    assert (target, status) == ("<= 12 s", "met")
+    assert measured == "11.0 s; largest phases: compile 5.0 s, setup 4.0 s, decode capture 0.5 s; 4 phases sum to 9.6 of 11.0 s"
+    assert rows["ready, llama-3.2-3b, cold compile cache"][2] == "**missed**"
+    assert rows["ready, gemma-3-1b, warm compile cache"][1:] == ("not run", "n/a")
+    assert rows["decode graph capture, llama-3.2-3b, warm compile cache"][1:] == (
+        "10 graphs in 0.50 s = 0.050 s per graph", "met")
+    assert rows["decode graph capture, llama-3.2-3b, cold compile cache"][2] == "**missed**"
+
+
+def test_issue13_goals_from_the_serving_report(tmp_path):
+    report = Report("serving", "llama-3.2-3b", "dev", ["config", "workload", "sent", "completed", "ttft_p50_ms",
+                                                       "ttft_p99_ms", "itl_p50_ms"])
+    report.add(config="decode + prefill graphs", workload="baseline", sent=6, completed=6, ttft_p50_ms=11.0,
+               ttft_p99_ms=13.0, itl_p50_ms=3.3)
+    report.add(config="decode + prefill graphs", workload="continuous_batching", sent=48, completed=47,
+               ttft_p50_ms=20.0, ttft_p99_ms=80.0, itl_p50_ms=3.7)
+    report.add(config="decode + prefill graphs (in-process LLM)", workload="baseline", sent=6, completed=6,
+               ttft_p50_ms=8.0, ttft_p99_ms=9.0, itl_p50_ms=3.0)
+    report.write(str(tmp_path))
+    rows = _by_goal(goal_rows(str(tmp_path))[13])
+    assert rows["HTTP overhead on ITL, baseline, decode + prefill graphs, llama-3.2-3b"][1:] == (
+        "3.300 ms over HTTP vs 3.000 ms in-process = 1.100x", "**missed**")
+    assert rows["TTFT P50, baseline (512-token prompt), decode + prefill graphs, llama-3.2-3b"][2] == "met"
+    _, measured, status = rows["no request lost or hung, llama-3.2-3b"]
+    assert "lost: decode + prefill graphs / continuous_batching: 47 of 48" in measured
+    assert "not run: graphs off: all; decode graphs: all; decode + prefill graphs: chunked_prefill, prefix_caching" in measured
+    assert status == "**missed** (2 of 12 config x workload runs measured)"
+
+
+def test_summary_of_an_empty_directory_lists_every_issue_goal_as_not_run(tmp_path):
+    main([str(tmp_path)])
+    text = (tmp_path / "SUMMARY.md").read_text()
+    assert text.startswith("# Benchmark summary: goals of issues 6, 11, 12, 13 vs measured")
+    for issue in (6, 11, 12, 13):
+        assert f"\n## Issue {issue}: " in text
+    table_rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| goal ")]
+    assert len(table_rows) >= 15 and all(line.endswith("| not run | n/a |") for line in table_rows)
+
+
+def test_a_serving_report_from_before_the_http_suite_is_not_read_as_complete(tmp_path):
+    """Issue 6's serving rows (in-process, `requests` counted, no baseline): every issue-13 goal is n/a."""
+    report = Report("serving", "llama-3.2-3b", "dev", ["config", "requests", "ttft_p50_ms", "itl_p50_ms"])
+    report.add(config="decode + prefill graphs", requests=64, ttft_p50_ms=10.7, itl_p50_ms=5.4)
+    report.write(str(tmp_path))
+    assert [(measured, status) for _, _, measured, status in goal_rows(str(tmp_path))[13]] == [
+        ("no baseline rows", "n/a"), ("no baseline row", "n/a"), ("no sent / completed columns", "n/a")]
