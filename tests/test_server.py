@@ -266,6 +266,17 @@ BAD = [
     ("chat/completions", {"model": NAME, "messages": []}, "messages"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x " * 1000}]}, "messages"),
     ("chat/completions", {"model": NAME, "messages": MESSAGES, "n": 3, "stream": True}, "n"),
+    # sampling features this server does not implement: refused by name, never silently ignored
+    ("completions", {"model": NAME, "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
+    ("completions", {"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "presence_penalty": -1}, "presence_penalty"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES,
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ]
 
 
@@ -281,6 +292,14 @@ def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(url, rou
     ok = httpx.post(f"{url}/v1/completions", headers=_auth(), timeout=30,
                     json={"model": NAME, "prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_neutral_sampling_extras_are_accepted(client):
+    """Clients that send every field at its neutral value (or null) are served, not refused."""
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0, presence_penalty=0,
+                                    frequency_penalty=0, logit_bias={},
+                                    extra_body={"repetition_penalty": 1.0, "min_p": None, "min_tokens": 0})
+    assert out.usage.completion_tokens == 2
 
 
 def test_the_sdk_sees_an_openai_error_object(client):

@@ -42,6 +42,15 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
+    # Accepted only at the values that leave sampling as it is: a client that asks for a penalty, a
+    # bias or a format gets a 400 naming the field, not tokens sampled as if it had not asked.
+    presence_penalty: Optional[float] = None  # None (JSON null, as clients send for unset) is neutral
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # vLLM's extension
+    min_p: Optional[float] = None  # vLLM's extension
+    min_tokens: Optional[int] = None  # vLLM's extension
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a feature this server does not implement, else None."""
@@ -53,6 +62,14 @@ class _Sampling(BaseModel):
             return "echo", "echo is not supported"
         if self.logprobs not in (None, False):
             return "logprobs", "logprobs are not supported"
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_p", 0.0), ("min_tokens", 0)):
+            if getattr(self, name) not in (None, neutral):
+                return name, f"{name}={getattr(self, name)} is not supported (only {neutral:g}, which leaves sampling unchanged)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", f"response_format {self.response_format.get('type')!r} is not supported (only 'text')"
         return None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -70,6 +87,12 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int]]
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        return super().unsupported()
 
 
 class ChatMessage(BaseModel):
@@ -88,6 +111,15 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs:
+            return "top_logprobs", "logprobs are not supported"
+        if self.tools:  # ignoring them would answer as if the model had never been offered the tools
+            return "tools", "tools (function calling) are not supported"
+        return super().unsupported()
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
