@@ -8,8 +8,9 @@ chose at capture, and each decode batch size is captured as its own graph, so th
 graph replays the GEMV and every larger one cuBLAS.
 
 Models call it only when switched on (models.set_decode_gemv); switched off, their linears are plain
-F.linear and Inductor keeps its own matmul lowering. The cost of the switch: an opaque op is a
-Python dispatch per call in steps that run without a graph (~10 us a linear on the host).
+F.linear and Inductor keeps its own matmul lowering. The cost of the switch: a step that runs
+without a graph (NONE) calls the op through the dispatcher, ~20 us of host time per linear
+(shared/TOOLCHAIN.md; 4 per layer), where Inductor's own matmul costs a few; graph replays pay nothing.
 """
 from __future__ import annotations
 

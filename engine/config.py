@@ -64,8 +64,9 @@ class EngineConfig:
     # inside (fusions cross layers; compiled from the pieces' own trace), or "piecewise" the split pieces
     full_graph_compile: str = "unsplit"
     # batch-1 decode linears and LM head on the Triton GEMV where an H100 measurement of the kernel
-    # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS). Off until an
-    # end-to-end H100 measurement (`python -m bench decode --decode-gemv`) shows it helps a whole step.
+    # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS); steps without
+    # a graph then pay ~20 us of host time per linear (custom_ops.linear). Off until an end-to-end H100
+    # measurement (`python -m bench decode --decode-gemv`) shows it helps a whole step.
     decode_gemv: bool = False
     show_progress: bool = True             # tqdm bar during graph capture
     tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.tp
