@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "per configuration)")
     parser.add_argument("--full-graph-compile", choices=("unsplit", "piecewise"),
                         help="decode: what the engine's decode graphs record (EngineConfig.full_graph_compile)")
+    parser.add_argument("--decode-gemv", action="store_true", default=None,
+                        help="decode: also the rows full_graph_gemv, from an engine with EngineConfig.decode_gemv")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode, e2e: seconds after which peers are skipped (noted in the report)")
     args = parser.parse_args(argv)

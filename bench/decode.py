@@ -3,7 +3,9 @@
 Ours, through the engine's own runner (its static buffers and its full-decode graphs):
   eager        the model as an nn.Module, attention op through the dispatcher;
   compiled     torch.compile with the infer_graphs backend, RuntimeMode.NONE (pieces, no graphs);
-  full_graph   the engine's native decode graph for the batch (engine.decode_graphs), replayed.
+  full_graph   the engine's native decode graph for the batch (engine.decode_graphs), replayed;
+  full_graph_gemv  (--decode-gemv) the same from a second engine with EngineConfig.decode_gemv: the
+               Triton GEMV at batch 1 where custom_ops/gemv_table.py has the shape.
 Peers, same process, same GPU:
   ours_reduce_overhead  torch.compile(mode="reduce-overhead") on our model (Inductor + cudagraph trees);
   hf_eager              transformers' generate() (greedy, its default DynamicCache), as its users
@@ -96,9 +98,11 @@ def graph_replay_ms(runner, vocab_size: int, batch: int, context: int, iters: in
 
 
 def run(model: str, batches=None, contexts=None, peers: str | None = None, iters: int = 30,
-        time_budget_s: float | None = None, full_graph_compile: str | None = None) -> Report:
+        time_budget_s: float | None = None, full_graph_compile: str | None = None,
+        decode_gemv: bool = False) -> Report:
     """peers: "all" (default), "eager" (transformers eager only) or "none".
-    full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default)."""
+    full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default).
+    decode_gemv: also the full_graph_gemv rows (a second engine, EngineConfig.decode_gemv=True)."""
     from custom_ops import RuntimeMode
     from engine import LLM
 
@@ -131,10 +135,11 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
     max_context = max(c for _, c in grid)
     num_blocks = max(decode_blocks_needed(b, c) for b, c in grid)
     # compile=True: the engine's default on CUDA only, and the "compiled" rows must be compiled everywhere.
-    llm = LLM(net, max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE, num_gpu_blocks=num_blocks,
-              decode_graph_sizes=tuple(sorted({b for b, _ in grid})), show_progress=False,
-              max_num_batched_tokens=max(256, max_batch), compile=True,
-              **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
+    engine_fields = dict(max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE, num_gpu_blocks=num_blocks,
+                         decode_graph_sizes=tuple(sorted({b for b, _ in grid})), show_progress=False,
+                         max_num_batched_tokens=max(256, max_batch), compile=True,
+                         **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
+    llm = LLM(net, **engine_fields)
     report.meta["full_graph_compile"] = llm.stats()["full_graph_compile"]
     runner = llm.runtime.runner
     with torch.inference_mode():  # the engine made the pool in inference mode
@@ -195,15 +200,57 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
                     report.notes.append(f"ours_reduce_overhead bs{b} ctx{c} failed: {type(exc).__name__}: "
                                         f"{str(exc).splitlines()[0][:200]}")
     report.meta["engine_stats"] = {k: v for k, v in llm.stats().items() if k != "backend"}
+    has_graphs = runner.decode_graphs is not None
     llm.runtime.kv_cache.release()
-    del llm, runner, net
+    del llm, runner
     torch._dynamo.reset()
     free_device_memory()
+    if decode_gemv:
+        if not has_graphs:
+            report.notes.append("full_graph_gemv: no decode graphs on this device, nothing to time")
+        elif not deadline.allows(60):
+            report.notes.append("full_graph_gemv skipped: time budget")
+        else:
+            _add_gemv_rows(report, net, engine_fields, ours_points, add, iters)
+            torch._dynamo.reset()
+            free_device_memory()
+    del net
 
     if peers in ("all", "eager"):
         _run_hf_peers(report, model, add, peers, deadline, iters, contexts, batches)
     report.plots.append(("latency", plot_decode))
     return report
+
+
+def _add_gemv_rows(report: Report, net, engine_fields: dict, points, add, iters: int) -> None:
+    """full_graph_gemv rows: the decode graphs of an engine with decode_gemv=True over the same model,
+    replayed at the same points; `vs_cublas_eager_rel_err` compares its logits with the same step run
+    eager on cuBLAS (what the GEMV's rounding changes)."""
+    from custom_ops import RuntimeMode
+    from engine import LLM
+    from models import set_decode_gemv
+
+    llm = LLM(net, decode_gemv=True, **engine_fields)
+    try:
+        runner, vocab = llm.runtime.runner, net.config.vocab_size
+        with torch.inference_mode():
+            for t in llm.runtime.kv_cache.tensors:
+                t.normal_()
+            for b, c in points:
+                meta = load_decode_step(runner, vocab, b, c)
+                logits = runner.decode_graphs.replay(b, b).float()
+                set_decode_gemv(net, False)  # eager calls only: the graphs recorded their kernels
+                try:
+                    with runner.forward_context(meta, RuntimeMode.NONE, b):
+                        reference = net.compute_logits(net(runner.buffers.input_ids[:b], runner.buffers.positions[:b]))
+                finally:
+                    set_decode_gemv(net, True)
+                add("full_graph_gemv", b, c, graph_replay_ms(runner, vocab, b, c, iters))
+                report.rows[-1]["vs_cublas_eager_rel_err"] = rel_err(logits, reference)
+    finally:
+        llm.close()
+    report.notes.append("full_graph_gemv rows: a second engine over the same model with EngineConfig.decode_gemv=True "
+                        "(custom_ops/gemv_table.py: the Triton GEMV at batch 1 for the measured shapes)")
 
 
 def _run_hf_peers(report: Report, model: str, add, peers: str, deadline: Deadline, iters: int,

@@ -14,7 +14,8 @@ time per call = graph replay time / calls. GB/s counts W + x + out bytes; `x_cop
 the fractions of the copy bandwidth (bench.floor's ceiling, read + write) and of a read-only pass
 measured in the same run. A variant whose result differs from cuBLAS's (relative error > 2e-2) is
 reported and never picked. The `pick` rows name the fastest variant per (shape, batch): the table a
-run-time choice would read (the engine does not use it yet).
+run-time choice reads (custom_ops/gemv_table.py holds the batch-1 picks of an H100 run, used under
+EngineConfig.decode_gemv).
 """
 from __future__ import annotations
 

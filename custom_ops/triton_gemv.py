@@ -20,12 +20,11 @@ scratch is one bounded workspace per device (custom_ops.workspace).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from custom_ops.gemv_table import GemvConfig
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
@@ -100,26 +99,6 @@ def _gemv_kernel(
                 tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                          total.to(out_ptr.dtype.element_ty), mask=mn_mask)
             tl.atomic_xchg(counter, 0)  # every split has arrived: ready for the next launch
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int = 32
-    block_k: int = 256
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"GemvConfig.{name}={value} must be a power of two")
-        if self.split_k < 1 or self.num_stages < 1:
-            raise ValueError(f"GemvConfig split_k={self.split_k}, num_stages={self.num_stages} must be >= 1")
-
-    def label(self) -> str:
-        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}"
 
 
 _partials: dict[torch.device, Workspace] = {}

@@ -63,6 +63,11 @@ class EngineConfig:
     # what the decode graphs record when compiled: "unsplit" one Inductor graph with the attention op
     # inside (fusions cross layers; compiled from the pieces' own trace), or "piecewise" the split pieces
     full_graph_compile: str = "unsplit"
+    # batch-1 decode linears and LM head on the Triton GEMV where an H100 measurement of the kernel
+    # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS); steps without
+    # a graph then pay ~20 us of host time per linear (custom_ops.linear). Off until an end-to-end H100
+    # measurement (`python -m bench decode --decode-gemv`) shows it helps a whole step.
+    decode_gemv: bool = False
     show_progress: bool = True             # tqdm bar during graph capture
     tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.tp
 
@@ -96,6 +101,7 @@ class EngineConfig:
                "a bool")
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
         _check(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", self.hybrid_kv_cache, "a bool")
+        _check(isinstance(self.decode_gemv, bool), "decode_gemv", self.decode_gemv, "a bool")
         _check(self.full_graph_compile in _FULL_GRAPH_COMPILES, "full_graph_compile", self.full_graph_compile,
                f"one of {', '.join(_FULL_GRAPH_COMPILES)}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)

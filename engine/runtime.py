@@ -101,6 +101,11 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
             from compile_backend.pool import GraphPool
             with torch.cuda.device(device):
                 pool = GraphPool()
+        from models import set_decode_gemv
+        # before the compile and every capture: the switch is read when the forward is traced
+        if set_decode_gemv(model, config.decode_gemv) == 0 and config.decode_gemv:
+            logger.warning("EngineConfig.decode_gemv=True but %s has no models.layers.Linear: ignored",
+                           type(model).__name__)
         forward, mark_dynamic, backend, compiled = model, None, None, None
         if config.compile:
             from engine.compile import compile_model

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops import unique_prefix
+from custom_ops import run_linear, unique_prefix
 from models.config import ModelConfig, RopeParams
 from models.layers import Embedding, Linear, RotaryEmbedding, init_random_
 from models.parallel import SINGLE, Part, TensorParallel, vocab_range
@@ -55,6 +55,7 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     name_stem = "model_"  # layer-name prefix stem; subclasses name their architecture
+    decode_gemv = False   # the logits matmul through torch.ops.infer.linear (set_decode_gemv)
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         """`tp`: this rank's place in a tensor-parallel group; the model then holds only its shards."""
@@ -95,13 +96,17 @@ class CausalLM(nn.Module):
             if out.shape != (hidden.shape[0], weight.shape[0]) or out.dtype != hidden.dtype:
                 raise ValueError(f"compute_logits out {tuple(out.shape)} {out.dtype} must be "
                                  f"[{hidden.shape[0]}, {weight.shape[0]}] {hidden.dtype}")
-            torch.mm(hidden, weight.t(), out=out)  # what F.linear runs, into out
+            if self.decode_gemv:  # eager here (the decode graphs call this outside torch.compile)
+                run_linear(hidden, weight, out=out)
+            else:
+                torch.mm(hidden, weight.t(), out=out)  # what F.linear runs, into out
             if cap:  # in place, the same ops as below
                 out.div_(cap).tanh_().mul_(cap)
             return out
         # Each rank computes its vocabulary shard's logits; the gather gives every rank the whole row
         # (only rank 0 samples) and drops the padding rows of the last shard.
-        logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, :self.config.vocab_size]
+        local = torch.ops.infer.linear(hidden, weight, None) if self.decode_gemv else F.linear(hidden, weight)
+        logits = self.tp.all_gather_last(local)[:, :self.config.vocab_size]
         if cap:
             logits = torch.tanh(logits / cap) * cap
         if out is not None:
@@ -110,3 +115,18 @@ class CausalLM(nn.Module):
 
     def init_random_(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         init_random_(self, std, generator)
+
+
+def set_decode_gemv(model: nn.Module, on: bool) -> int:
+    """Switch every models.layers.Linear of `model` and its logits matmul (the LM head or the tied
+    embedding) to `torch.ops.infer.linear` (the Triton GEMV at one row where measured faster than
+    cuBLAS: custom_ops.gemv_table), or back to F.linear. Call it before the model is compiled or
+    captured: the switch is read when the forward is traced. Returns how many modules it set (0: the
+    model has no layer of ours).
+    """
+    switched = 0
+    for sub in model.modules():
+        if isinstance(sub, (Linear, CausalLM)):
+            sub.decode_gemv = bool(on)
+            switched += 1
+    return switched

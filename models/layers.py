@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import custom_ops  # noqa: F401  (registers torch.ops.infer.attention)
+import custom_ops  # noqa: F401  (registers torch.ops.infer.attention and torch.ops.infer.linear)
 from custom_ops import AttentionLayer, register_attention_layer
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
@@ -29,7 +29,13 @@ class Linear(nn.Module):
     it. Row-parallel (`input_parallel=True`): in_features is the full size, this rank holds
     in_features / world_size of it, and the partial products are summed across ranks before the
     (replicated) bias is added once.
+
+    `decode_gemv` (set for a whole model by models.set_decode_gemv, before it is compiled): the matmul
+    goes through `torch.ops.infer.linear`, the Triton GEMV at one row for the shapes measured faster
+    than cuBLAS (custom_ops.gemv_table), F.linear otherwise.
     """
+
+    decode_gemv = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, *,
                  parts: tuple[Part, ...] | None = None, tp: TensorParallel = SINGLE,
@@ -48,9 +54,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_shard is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # A Python bool read at trace time: switched off, the traced graph holds F.linear exactly as
+        # before (Inductor lowers it itself); on, the opaque op that picks the GEMV at one row.
+        if self.decode_gemv:
+            return torch.ops.infer.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class Embedding(nn.Module):

@@ -1,0 +1,51 @@
+"""Which decode matmuls run the Triton GEMV (custom_ops.triton_gemv), and with which tiles: measured
+data and the one function that reads it. No Triton import here: models consult the table at every
+call of `torch.ops.infer.linear`, on machines without Triton too."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name}={value} must be a power of two")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"GemvConfig split_k={self.split_k}, num_stages={self.num_stages} must be >= 1")
+
+    def label(self) -> str:
+        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}"
+
+
+# (N, K) -> the GEMV config that beat cuBLAS at one row: the "pick" rows at batch 1 of
+# bench/results/h100-2026-11-23/gemm-llama-3.2-3b.md (`python -m bench gemm`, bf16, NVIDIA H100; us
+# per call there, GEMV vs cuBLAS). Any model whose matmul has one of these shapes uses the entry.
+# A shape without an entry uses cuBLAS, and so does every shape at more than one row (at batch 8
+# cuBLAS won every shape, the GEMV 2-3x slower). fp16 streams the same bytes through the same tiles
+# as bf16 and shares the entries.
+GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (5120, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # llama-3.2-3b qkv: 13.5 vs 13.8
+    (3072, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # o: 9.4 vs 11.6
+    (16384, 3072): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4),  # gate_up: 36.7 vs 38.0
+    (3072, 8192): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.1 vs 22.3
+    (128256, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 253.9 vs 278.6
+}
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str) -> GemvConfig | None:
+    """The GEMV config for x [rows, K] @ weight[N, K]^T, or None for cuBLAS: the one place that decides."""
+    if rows != 1 or device_type != "cuda" or dtype not in GEMV_DTYPES:
+        return None
+    return GEMV_CONFIGS.get((n, k))

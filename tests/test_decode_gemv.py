@@ -1,0 +1,162 @@
+"""The batch-1 decode GEMV switch (EngineConfig.decode_gemv) on the CPU: `torch.ops.infer.linear`
+passes opcheck and equals F.linear wherever it does not pick the GEMV; the choice is the measured
+table's shapes at one row on CUDA in bf16/fp16 and nothing else; the wrapper around the kernel (rows,
+bias, `out`) is right, run in Triton's interpreter; a model switched on traces the op for every
+matmul and a model switched off traces exactly F.linear; row-parallel layers still all-reduce; an
+engine with the switch on generates what it generates with it off; the flag parses."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import custom_ops.linear
+import models
+from bench.configs import TINY_LLAMA
+from custom_ops import GEMV_CONFIGS, GemvConfig, gemv_config, run_linear
+from engine import LLM, ConfigError, EngineConfig, SamplingParams
+from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+from models.layers import Linear
+from models.parallel import TensorParallel
+
+LLAMA_3B_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (128256, 3072)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_shape", [(1, 24), (5, 24), (2, 3, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_op_passes_opcheck_and_is_f_linear_on_cpu(dtype, x_shape, bias):
+    x, weight = torch.randn(x_shape, dtype=dtype), torch.randn(40, 24, dtype=dtype)
+    b = torch.randn(40, dtype=dtype) if bias else None
+    torch.library.opcheck(torch.ops.infer.linear.default, (x, weight, b))
+    assert torch.equal(torch.ops.infer.linear(x, weight, b), F.linear(x, weight, b))
+
+
+def test_gemv_is_picked_only_for_the_measured_shapes_at_one_row_on_cuda_in_16_bits():
+    assert sorted(GEMV_CONFIGS) == sorted(LLAMA_3B_SHAPES)
+    for n, k in LLAMA_3B_SHAPES:
+        for dtype in (torch.bfloat16, torch.float16):
+            assert gemv_config(1, n, k, dtype, "cuda") is GEMV_CONFIGS[(n, k)]
+        assert gemv_config(2, n, k, torch.bfloat16, "cuda") is None   # cuBLAS won every shape at batch 8
+        assert gemv_config(8, n, k, torch.bfloat16, "cuda") is None
+        assert gemv_config(1, n, k, torch.float32, "cuda") is None
+        assert gemv_config(1, n, k, torch.bfloat16, "cpu") is None
+    assert gemv_config(1, 2560, 2560, torch.bfloat16, "cuda") is None  # qwen3-4b's o: not measured, cuBLAS
+    assert GEMV_CONFIGS[(3072, 8192)] == GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4)
+
+
+@pytest.mark.parametrize("x_shape", [(1, 80), (1, 1, 80), (3, 80)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_run_linear_with_a_gemv_choice_matches_f_linear(monkeypatch, x_shape, bias):
+    """The wrapper around the kernel (rows, bias, shape) with the kernel run by Triton's interpreter:
+    the table says "GEMV" for (48, 80) at one row; three rows stay on F.linear."""
+    chosen = []
+
+    def choose(rows, n, k, dtype, device_type):
+        chosen.append(rows)
+        return GemvConfig(block_n=16, block_k=32, split_k=2, num_warps=1) if (rows, n, k) == (1, 48, 80) else None
+    monkeypatch.setattr(custom_ops.linear, "gemv_config", choose)
+    x, weight = torch.randn(x_shape), torch.randn(48, 80)
+    b = torch.randn(48) if bias else None
+    y = run_linear(x, weight, b)
+    assert chosen == [x.numel() // 80]
+    assert y.shape == (*x_shape[:-1], 48)
+    torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    if not bias and x.dim() == 2:
+        out = torch.full((x_shape[0], 48), float("nan"))
+        assert run_linear(x, weight, out=out) is out
+        torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_run_linear_refuses_out_with_a_bias():
+    with pytest.raises(ValueError, match="no bias"):
+        run_linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(4), out=torch.empty(1, 4))
+
+
+def _traced_matmuls(net: torch.nn.Module) -> dict[str, int]:
+    counts = {"infer.linear": 0, "F.linear": 0}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is F.linear:
+                counts["F.linear"] += 1
+            elif node.op == "call_function" and node.target in (torch.ops.infer.linear,
+                                                                  torch.ops.infer.linear.default):
+                counts["infer.linear"] += 1
+        return gm.forward
+    torch._dynamo.reset()
+    step = torch.compile(lambda ids, pos: net.compute_logits(net(ids, pos)), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        step(torch.tensor([1, 5, 9]), torch.arange(3))
+    torch._dynamo.reset()
+    return counts
+
+
+def test_set_decode_gemv_traces_the_op_for_every_matmul_and_plain_f_linear_when_off():
+    net = models.from_config(TINY_LLAMA, dtype="float32", device="cpu", seed=0)
+    layers = TINY_LLAMA["num_hidden_layers"]
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    assert models.set_decode_gemv(net, True) == len(linears) + 1  # and the model's own logits matmul
+    assert all(m.decode_gemv for m in linears) and net.decode_gemv
+    # qkv, o, gate_up, down per layer, and the tied-embedding logits
+    assert _traced_matmuls(net) == {"infer.linear": 4 * layers + 1, "F.linear": 0}
+    models.set_decode_gemv(net, False)
+    assert not any(m.decode_gemv for m in linears) and not net.decode_gemv
+    assert _traced_matmuls(net) == {"infer.linear": 0, "F.linear": 4 * layers + 1}
+
+
+class RecordingTP(TensorParallel):
+    """Two ranks, this one rank 0; all_reduce records its input and "adds" an identical partial."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.reduced.append(x.clone())
+        return x + x
+
+
+def test_row_parallel_linear_with_the_op_still_all_reduces_before_its_bias():
+    tp = RecordingTP(rank=0, world_size=2, group=object())
+    tp.reduced = []
+    layer = Linear(16, 6, True, torch.float32, tp=tp, input_parallel=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer.decode_gemv = True
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        y = layer(x)
+    partial = F.linear(x, layer.weight)
+    assert len(tp.reduced) == 1 and torch.equal(tp.reduced[0], partial)  # the bias is not in the sum
+    torch.testing.assert_close(y, 2 * partial + layer.bias)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_engine_with_decode_gemv_generates_the_same_greedy_tokens(monkeypatch):
+    """On the CPU the op always runs F.linear: what this checks is the wiring (the engine switches the
+    model, the compiled forward and the logits go through the op) and that nothing else changes."""
+    calls = []
+    real = custom_ops.linear.run_linear
+    monkeypatch.setattr(custom_ops.linear, "run_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    net = models.from_config(TINY_LLAMA, dtype="float32", device="cpu", seed=0)
+    prompts = [[1, 5, 9, 13, 17], [1, 40, 41]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    tokens = {}
+    for on in (True, False):
+        calls.clear()
+        torch._dynamo.reset()
+        with LLM(net, device="cpu", decode_gemv=on, compile=True, piece_compiler="eager", block_size=4,
+                 max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, show_progress=False) as llm:
+            assert all(m.decode_gemv == on for m in net.modules() if isinstance(m, Linear))
+            tokens[on] = [out.token_ids for out in llm.generate(prompts, params)]
+        assert bool(calls) == on
+    torch._dynamo.reset()
+    assert all(len(t) == 5 for t in tokens[True])
+    assert tokens[True] == tokens[False]
+
+
+def test_decode_gemv_flag_parses_and_the_field_is_validated():
+    parser = OneLineErrorParser()
+    add_engine_args(parser)
+    assert engine_config_fields(parser.parse_args(["--decode-gemv"])) == {"decode_gemv": True}
+    assert "decode_gemv" not in engine_config_fields(parser.parse_args([]))  # EngineConfig's default: off
+    assert EngineConfig().decode_gemv is False
+    with pytest.raises(ConfigError, match="decode_gemv"):
+        EngineConfig(decode_gemv="yes")

@@ -1,0 +1,155 @@
+"""The batch-1 decode GEMV (EngineConfig.decode_gemv) on CUDA.
+
+Op level: `torch.ops.infer.linear` runs the Triton GEMV for every shape of the measured table at one
+row (bf16 and fp16, with and without bias) and equals x.float() @ W.float().T within the dtype's
+rounding; at two rows it is F.linear exactly; captured in a CUDA graph at one row, it replays the
+GEMV (split-K included) on fresh inputs.
+
+Engine level: a 2-layer model with llama-3.2-3b's real shapes (so every matmul of a decode step and
+the tied-embedding LM head is in the table), decode graphs on, greedy generation at batch 1 with
+the switch off and on. The GEMV rounds differently from cuBLAS, and with 128k random-weight logits a
+near-tie may flip a token, so exact equality of on and off would be a flaky test. Instead every
+generated token, of both engines, must be the argmax of a float32 copy of the model fed the same
+tokens (teacher forcing) up to 0.2 standard deviations of that position's logits: bf16 rounding
+moves a logit by a few hundredths of one, a wrong kernel, a stale input or a lost write by several. The
+engine with the switch on must also have recorded the GEMV for all five shapes in its captures,
+and the one with it off none.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import custom_ops.triton_gemv
+import models
+from bench.configs import LLAMA_3_2_3B
+from custom_ops import GEMV_CONFIGS
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # as tests/test_triton_gemv.py, against float32 here
+# This model's bf16 logits differ from float32's by at most 0.06 standard deviations of a row
+# (measured on the CPU); a wrong token is typically 3-5 below the max.
+LOGIT_GAP_STDS = 0.2
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """(N, K, capturing) of every GEMV launch (the op imports the kernel at each call: this spy)."""
+    calls = []
+    real = custom_ops.triton_gemv.gemv
+
+    def spy(x, weight, config=None, out=None):
+        calls.append((weight.shape[0], weight.shape[1], torch.cuda.is_current_stream_capturing()))
+        return real(x, weight, config, out)
+    monkeypatch.setattr(custom_ops.triton_gemv, "gemv", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_linear_op_runs_the_gemv_for_every_table_shape_at_one_row(gemv_calls, dtype):
+    failures = []
+    for (n, k), config in GEMV_CONFIGS.items():
+        weight = (torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
+        bias = torch.randn(n, device="cuda").to(dtype)
+        for b in (None, bias):
+            x = torch.randn(1, k, device="cuda").to(dtype)
+            gemv_calls.clear()
+            y = torch.ops.infer.linear(x, weight, b)
+            reference = x.float() @ weight.float().t() + (0 if b is None else b.float())
+            assert gemv_calls == [(n, k, False)], f"({n}, {k}) at one row did not run the GEMV"
+            assert y.shape == (1, n) and y.dtype == dtype
+            err = rel_err(y, reference)
+            if not err < TOL[dtype]:
+                failures.append(f"({n}, {k}) {config.label()} bias={b is not None}: rel err {err:.2e}")
+        x2 = torch.randn(2, k, device="cuda").to(dtype)
+        gemv_calls.clear()
+        assert torch.equal(torch.ops.infer.linear(x2, weight, bias), F.linear(x2, weight, bias))
+        assert gemv_calls == []  # two rows: cuBLAS
+        del weight
+    assert not failures, "\n".join(failures)
+
+
+def test_gpu_linear_op_captured_at_one_row_replays_the_split_k_gemv_on_fresh_inputs(gemv_calls):
+    n, k = 3072, 8192  # llama-3.2-3b down: split_k 4 in the table
+    assert GEMV_CONFIGS[(n, k)].split_k > 1
+    weight = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.infer.linear(x, weight, None)  # compiles the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.infer.linear(x, weight, None)
+    assert gemv_calls[-1] == (n, k, True)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, x.float() @ weight.float().t()) < TOL[torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------- engine
+
+# Untied: the LM head has the tied embedding's shape (128256, 3072), but a random model with tied
+# embeddings only ever repeats its last token (the largest logit is that token's own embedding), which
+# would pass with most of the step broken.
+CONFIG = {**LLAMA_3_2_3B, "num_hidden_layers": 2, "tie_word_embeddings": False}
+PROMPTS = [[128000, 791, 4062, 14198, 39935], [128000, 40, 1093]]
+MAX_TOKENS = 8
+ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, block_size=16, num_gpu_blocks=16,
+              decode_graph_sizes=(1, 2), show_progress=False)
+
+
+def _generate(net: torch.nn.Module, decode_gemv: bool) -> tuple[list[list[int]], dict]:
+    torch._dynamo.reset()  # every LLM compiles its own model with its own backend instance
+    with LLM(net, decode_gemv=decode_gemv, **ENGINE) as llm:
+        # one prompt at a time: every decode step is a batch of 1, the GEMV's graph
+        tokens = [llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+                  for p in PROMPTS]
+        stats = llm.stats()
+    torch._dynamo.reset()
+    return tokens, stats
+
+
+def _far_from_argmax(reference: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[str]:
+    """Generated tokens whose float32 teacher-forced logit is more than LOGIT_GAP_STDS below the max."""
+    ids = torch.tensor(prompt + tokens[:-1], device="cuda")
+    with torch.no_grad():
+        logits = reference.compute_logits(reference(ids, torch.arange(len(ids), device="cuda")))
+    bad = []
+    for i, token in enumerate(tokens):
+        row = logits[len(prompt) - 1 + i]
+        gap = float(row.max() - row[token])
+        if gap > LOGIT_GAP_STDS * float(row.std()):
+            bad.append(f"token {i} ({token}): {gap:.3f} below the max {int(row.argmax())}, std {float(row.std()):.3f}")
+    return bad
+
+
+def test_gpu_engine_with_decode_gemv_generates_float32_greedy_tokens_from_gemv_graphs(gemv_calls):
+    net = models.from_config(CONFIG, dtype="bfloat16", device="cuda", seed=0)
+    reference = models.from_config(CONFIG, dtype="float32", device="cuda")
+    reference.load_state_dict(net.state_dict())  # the same weights, in float32
+
+    tokens_off, stats_off = _generate(net, False)
+    assert gemv_calls == []
+    tokens_on, stats_on = _generate(net, True)
+    captured = {(n, k) for n, k, capturing in gemv_calls if capturing}
+    assert captured == set(GEMV_CONFIGS), f"shapes the decode graphs recorded on the GEMV: {sorted(captured)}"
+    for stats in (stats_off, stats_on):
+        assert stats["fallbacks"] == 0 and stats["decode_graph_replays_by_size"].get(1, 0) >= MAX_TOKENS
+
+    failures = []
+    for name, tokens in (("off", tokens_off), ("on", tokens_on)):
+        for prompt, out in zip(PROMPTS, tokens):
+            assert len(out) == MAX_TOKENS
+            failures += [f"decode_gemv {name}, prompt {prompt}: {line}" for line in _far_from_argmax(reference, prompt, out)]
+    assert not failures, "\n".join(failures)
