@@ -80,3 +80,29 @@ def test_a_bad_logprobs_value_is_refused_by_name(saved, value):
         with pytest.raises(InvalidRequestError, match="logprobs") as info:
             llm.generate(PROMPTS[0], SamplingParams(logprobs=value))
         assert info.value.param == "logprobs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_gpu_logprobs_under_decode_and_prefill_graphs_match_transformers(saved, arch):
+    """The logits a decode graph or a piecewise graph leaves in its static buffer are read for the
+    log-probabilities before the next replay overwrites them (the overlap loop launches that next
+    step before reading this one)."""
+    from tests.test_engine_gpu import _engine
+    path, hf = saved[arch]
+    llm = _engine(path, cuda_graphs=True, prefill_graphs=True)
+    params = [SamplingParams(max_tokens=12, logprobs=4, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, logprobs=1, temperature=0.9, seed=2, ignore_eos=True)]
+    outputs = llm.generate(PROMPTS[:3], params)
+    stats = llm.stats()
+    llm.close()
+    assert stats["modes"].get("full", 0) > 0 and stats["modes"].get("piecewise", 0) > 0 and stats["fallbacks"] == 0
+    assert outputs[1].logprobs is None
+    for prompt, sp, out in zip(PROMPTS, params, outputs):
+        if sp.logprobs is None:
+            continue
+        want = _reference(hf, prompt, out.token_ids)
+        for i, (token, got) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert got.logprob == pytest.approx(want[i, token].item(), abs=2e-3), (arch, i)
+            assert [t for t, _ in got.top] == want[i].topk(sp.logprobs).indices.tolist()
