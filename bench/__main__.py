@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="serving: a running server to send the workloads to (default: start one "
                                       "per configuration)")
     parser.add_argument("--full-graph-compile", choices=("unsplit", "piecewise"),
-                        help="decode: what the engine's decode graphs record (EngineConfig.full_graph_compile)")
+                        help="decode, capture: what the engine's decode graphs record (EngineConfig.full_graph_compile; "
+                             "write each choice to its own --out)")
     parser.add_argument("--decode-gemv", action="store_true", default=None,
                         help="decode: also the rows full_graph_gemv, from an engine with EngineConfig.decode_gemv")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",

@@ -31,8 +31,10 @@ def _require_cuda() -> None:
         raise RuntimeError("the capture suite needs a CUDA device: graphs are captured only there")
 
 
-def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024) -> dict:
-    """Run in THIS process: build the engine with every default graph; what its stats say it cost."""
+def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024,
+            full_graph_compile: str | None = None) -> dict:
+    """Run in THIS process: build the engine with every default graph; what its stats say it cost.
+    `full_graph_compile`: EngineConfig.full_graph_compile (None: the engine's default)."""
     _require_cuda()
     from engine import LLM
 
@@ -43,7 +45,7 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     llm = LLM(net, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, prefill_graphs=True,
-              show_progress=False)
+              show_progress=False, **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
     ready_s = time.perf_counter() - start
     stats = llm.stats()
     backend = stats.get("backend") or {}
@@ -59,6 +61,7 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
         "piecewise_pool_bytes": backend.get("graph_pool_bytes", 0),
         "decode_total_s": stats.get("decode_graph_capture_seconds", 0.0),
         "startup": stats.get("startup"),
+        "full_graph_compile": stats.get("full_graph_compile"),
         **{key: stats[key] for key in MEMORY_KEYS if key in stats},
     }
     llm.close()
@@ -83,12 +86,12 @@ def startup_phases(startup) -> list[tuple[str, float, float | None]]:
     return out
 
 
-def _child(model: str, cache_dir: str, timeout_s: float) -> dict:
+def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str | None = None) -> dict:
     env = dict(os.environ)
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, "-m", "bench.capture", model, out.name]
+        cmd = [sys.executable, "-m", "bench.capture", model, out.name, *([full_graph_compile] if full_graph_compile else [])]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -98,12 +101,14 @@ def _child(model: str, cache_dir: str, timeout_s: float) -> dict:
         return data
 
 
-def run(model: str, timeout_s: float = 400, **_: object) -> Report:
+def run(model: str, timeout_s: float = 400, full_graph_compile: str | None = None, **_: object) -> Report:
+    """`full_graph_compile`: what the decode graphs record ("unsplit" costs one more Inductor compile of
+    the whole graph at start-up; "piecewise" none). Write each choice to its own --out directory."""
     _require_cuda()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as cache_dir:
-        runs["cold"] = _child(model, cache_dir, timeout_s)
-        runs["warm"] = _child(model, cache_dir, timeout_s)
+        runs["cold"] = _child(model, cache_dir, timeout_s, full_graph_compile)
+        runs["warm"] = _child(model, cache_dir, timeout_s, full_graph_compile)
     return build_report(model, runs)
 
 
@@ -138,7 +143,9 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
     warm = runs.get("warm", any_run)
     report.notes.append(f"engine defaults: max_num_seqs=32 (decode batches {warm['decode_sizes']}), "
                         f"max_num_batched_tokens=1024 (piecewise sizes {warm['prefill_sizes'][0]}.."
-                        f"{warm['prefill_sizes'][-1]}, {len(warm['prefill_sizes'])} sizes), prefill graphs on")
+                        f"{warm['prefill_sizes'][-1]}, {len(warm['prefill_sizes'])} sizes), prefill graphs on, "
+                        f"decode graphs record the {warm.get('full_graph_compile') or 'default'} compile "
+                        "(EngineConfig.full_graph_compile)")
     report.notes.append("from the engine's own stats: 'startup: ...' rows are its start-up timeline (when it has "
                         "one); graph_mib: piecewise = the backend's graph pool growth, decode = device memory the "
                         "decode captures took, 'ready' = the KV pool")
@@ -177,6 +184,6 @@ def plot_capture(report: Report):
 
 
 if __name__ == "__main__":
-    data = measure(sys.argv[1])
+    data = measure(sys.argv[1], full_graph_compile=sys.argv[3] if len(sys.argv) > 3 else None)
     with open(sys.argv[2], "w") as f:
         json.dump(data, f, default=str)  # a timeline value JSON has no type for is kept as its text

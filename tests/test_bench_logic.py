@@ -415,6 +415,9 @@ def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
     assert rows[("warm", "decode total")]["note"] == "0.200 s per graph"
     assert rows[("warm", "ready")]["capture_s"] == 12.0 and rows[("warm", "ready")]["graph_mib"] == 1024
     assert rows[("warm", "compile")]["capture_s"] == 5.0
+    assert "decode graphs record the default compile" in report.notes[0]
+    piecewise = build_report("m", {"warm": {**child(None), "full_graph_compile": "piecewise"}})
+    assert "decode graphs record the piecewise compile" in piecewise.notes[0]
     import tempfile
     with tempfile.TemporaryDirectory() as out:
         report.write(out)
