@@ -2,7 +2,7 @@
 graphs, piecewise prefill graphs (through the infer_graphs backend), GPU sampling, the LLM API."""
 from engine.config import ConfigError, EngineConfig
 from engine.llm import LLM
-from engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
+from engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 
-__all__ = ["ConfigError", "EngineConfig", "LLM", "FinishReason", "InvalidRequestError", "RequestOutput",
+__all__ = ["ConfigError", "EngineConfig", "LLM", "FinishReason", "InvalidRequestError", "RequestOutput", "TokenLogprobs",
            "SamplingParams"]

@@ -113,6 +113,7 @@ class OutputTracker:
         start = request.num_prompt_tokens + self.num_reported_tokens
         new_text = "".join(self.pieces[self.num_reported_pieces:])
         times = request.token_times
+        logprobs = request.logprobs if request.params.logprobs is not None else None
         out = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -123,7 +124,8 @@ class OutputTracker:
             ttft_s=times[0] - request.arrival_time if times else None,
             num_preemptions=request.num_preemptions,
             history=TextHistory(request.token_ids, request.num_prompt_tokens, num_tokens, self.pieces,
-                                len(self.pieces), times),
+                                len(self.pieces), times, logprobs),
+            new_logprobs=None if logprobs is None else logprobs[self.num_reported_tokens:num_tokens],
         )
         self.num_reported_tokens = num_tokens
         self.num_reported_pieces = len(self.pieces)

@@ -216,8 +216,17 @@ class LLM:
             return False, []
         result = self.runtime.runner.execute(out, self.runtime.block_pool)
         sampling = [c.request for c in out.chunks if c.samples]
-        tokens = self.runtime.sampler(result.logits, sampling) if sampling else []
+        tokens, logprobs = [], None
+        if sampling:
+            sampler = self.runtime.sampler
+            sampled = sampler.sample(result.logits, sampling)
+            logprobs = sampler.logprobs(result.logits, sampled, sampling)
+            tokens = sampled.tolist()
         self.scheduler.update(out, tokens, time.perf_counter())
+        if logprobs is not None:
+            rows, packed = logprobs
+            for row, token_logprobs in sampler.unpack(rows, packed.tolist(), tokens, sampling):
+                sampling[row].logprobs.append(token_logprobs)
         return True, sampling
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

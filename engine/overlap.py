@@ -49,6 +49,13 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1  # an in-flight token on the host, inside a call; out of vocabulary: a missed gather fails loudly
 
 
+def _read_back(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, queued without waiting (read it after the step's event)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
 class TokenSlots:
     """One device token per request: where a sampled token waits to become the next step's input."""
 
@@ -91,6 +98,8 @@ class _InFlight:
     host_tokens: torch.Tensor | None   # the tokens' read-back buffer (pinned on CUDA)
     ready: torch.cuda.Event | None     # recorded after the read-back copy (CUDA only)
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # device tensors the step reads
+    logprob_rows: list[int] = field(default_factory=list)  # rows of `sampling` that asked for logprobs
+    host_logprobs: torch.Tensor | None = None  # their Sampler.logprobs tensor's read-back buffer
 
 
 class OverlapLoop:
@@ -220,21 +229,25 @@ class OverlapLoop:
                 input_ids.index_copy_(0, rows_t, slot_tokens.index_select(0, slots_t))
 
         result = runtime.runner.execute(out, runtime.block_pool, write_inputs)
-        host_tokens, ready = None, None
+        host_tokens, ready, logprob_rows, host_logprobs = None, None, [], None
         keep = [indices]
         if sampling:
             tokens = runtime.sampler.sample(result.logits, sampling)
             slot_tokens.index_copy_(0, sample_t, tokens)
             keep.append(tokens)
+            logprobs = runtime.sampler.logprobs(result.logits, tokens, sampling)
+            if logprobs is not None:
+                logprob_rows, host_logprobs = logprobs
             if tokens.is_cuda:
-                host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host_tokens.copy_(tokens, non_blocking=True)
+                host_tokens = _read_back(tokens)
+                if host_logprobs is not None:
+                    host_logprobs = _read_back(host_logprobs)
                 ready = torch.cuda.Event()
-                ready.record()
+                ready.record()  # after both copies
             else:
                 host_tokens = tokens
         positions = self._advance(out)
-        return _InFlight(sampling, positions, host_tokens, ready, keep)
+        return _InFlight(sampling, positions, host_tokens, ready, keep, logprob_rows, host_logprobs)
 
     def _advance(self, out: SchedulerOutput) -> list[int]:
         """What the synchronous loop's Scheduler.update does at once, minus the token values."""
@@ -261,9 +274,13 @@ class OverlapLoop:
         if step.ready is not None:
             step.ready.synchronize()
         tokens = step.host_tokens.tolist()
+        logprobs = {}
+        if step.logprob_rows:
+            logprobs = dict(self.runtime.sampler.unpack(step.logprob_rows, step.host_logprobs.tolist(), tokens,
+                                                        step.sampling))
         now = time.perf_counter()
         resolved = []
-        for request, position, token in zip(step.sampling, step.positions, tokens):
+        for row, (request, position, token) in enumerate(zip(step.sampling, step.positions, tokens)):
             if self._pending.get(request) == position:
                 del self._pending[request]
             if request.is_finished:  # finished a step earlier (or aborted): sampled past its end
@@ -272,6 +289,8 @@ class OverlapLoop:
                 continue
             request.token_ids[position] = token
             request.token_times.append(now)
+            if row in logprobs:
+                request.logprobs.append(logprobs[row])
             reason: FinishReason | None = self.scheduler._finish_reason(request, token, position + 1)
             if reason is not None:
                 self.forget(request)  # the token its extra in-flight step samples is never emitted

@@ -41,6 +41,17 @@ class FinishReason(str, enum.Enum):
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: dividing logits by a smaller one overflows (1e-45 -> inf / nan)
+MAX_LOGPROBS = 20  # top tokens per generated token (vLLM's default limit; OpenAI's chat API allows 20)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model's distribution (log_softmax of its logits,
+    before temperature, top-k and top-p: what vLLM returns by default), and the k most likely tokens
+    of that step, most likely first (k = SamplingParams.logprobs)."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,9 @@ class SamplingParams:
     # them (they and the stop / EOS token's text are left out unless include_stop_str_in_output).
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # None: no log-probabilities; k: each generated token's log-probability and the k most likely
+    # tokens of its step (RequestOutput.logprobs)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -91,6 +105,8 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", "a bool")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
 
 
 @dataclass(eq=False)  # identity: a request is itself, whatever its tokens
@@ -106,6 +122,7 @@ class Request:
     num_preemptions: int = 0
     token_times: list[float] = field(default_factory=list)  # perf_counter at each generated token
     generator: torch.Generator | None = field(default=None, repr=False)
+    logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)  # per generated token, if asked
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -137,6 +154,7 @@ class TextHistory:
     text_pieces: list[str]
     num_text_pieces: int
     token_times: list[float]
+    token_logprobs: list[TokenLogprobs] | None = None  # Request.logprobs when the request asked for them
 
 
 @dataclass(eq=False)
@@ -158,6 +176,15 @@ class RequestOutput:
     ttft_s: float | None                   # arrival -> first generated token
     num_preemptions: int = 0
     history: TextHistory | None = field(default=None, repr=False)
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids entry; None unless asked for
+
+    @functools.cached_property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        """One per generated token (aligned with token_ids); None unless SamplingParams.logprobs was set."""
+        h = self.history
+        if h is None or h.token_logprobs is None:
+            return None if self.new_logprobs is None else list(self.new_logprobs)
+        return h.token_logprobs[:h.num_output_tokens]
 
     @functools.cached_property
     def token_ids(self) -> list[int]:

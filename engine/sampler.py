@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from engine.request import Request, TokenLogprobs
 
 
 class Sampler:
@@ -55,6 +55,39 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = host_to_device([r.params.temperature == 0 for r in requests], torch.bool, logits.device)
         return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests: list[Request]
+                 ) -> tuple[list[int], torch.Tensor] | None:
+        """For the rows whose request asked (SamplingParams.logprobs): (those rows, a float32 [R, 1 + 2k]
+        device tensor of the sampled token's log-probability, then the k largest log-probabilities and
+        their token ids, k the largest ask). None when no row asked: nothing is launched. Never waits
+        for the device; `unpack` turns the tensor read back into TokenLogprobs."""
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return None
+        k = max(requests[i].params.logprobs for i in rows)
+        if len(rows) < len(requests):
+            index = host_to_device(rows, torch.int64, logits.device)
+            logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        packed = [logprobs.gather(1, tokens[:, None])]
+        if k:
+            values, ids = logprobs.topk(k, dim=-1)
+            packed += [values, ids.float()]  # token ids < 2**24 are exact in float32
+        return rows, torch.cat(packed, dim=1)
+
+    @staticmethod
+    def unpack(rows: list[int], packed: list[list[float]], tokens: list[int], requests: list[Request]
+               ) -> list[tuple[int, TokenLogprobs]]:
+        """(row, TokenLogprobs) for each row of `logprobs`' tensor read back to a list."""
+        out = []
+        for row, values in zip(rows, packed):
+            k = requests[row].params.logprobs
+            width = (len(values) - 1) // 2
+            top = tuple((int(values[1 + width + j]), values[1 + j]) for j in range(k))
+            out.append((row, TokenLogprobs(tokens[row], values[0], top)))
+        return out
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -62,11 +62,17 @@ def saved(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _one_rank(path: str) -> list[list[int]]:
+LOGPROBS = SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True)
+
+
+def _one_rank(path: str, logprobs: list | None = None) -> list[list[int]]:
+    """One rank's greedy tokens for PROMPTS; `logprobs`: filled with its LOGPROBS outputs of PROMPTS[0]."""
     one = LLM(path, **SMALL)
     try:
         expected = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
         assert one.stats()["preemptions"] > 0
+        if logprobs is not None:
+            logprobs += one.generate(PROMPTS[0], LOGPROBS)[0].logprobs
         return expected
     finally:
         one.close()
@@ -84,12 +90,17 @@ def _check_rank_stats(stats: dict) -> None:
 
 
 def test_two_spawned_ranks_generate_the_same_greedy_tokens_as_one_compiled_llama(saved):
-    expected = _one_rank(saved["llama"])
+    logprobs = []
+    expected = _one_rank(saved["llama"], logprobs)
     torch._dynamo.reset()
     # compiled: the all-reduces must stay inside the pieces (the graph splits only at attention)
     llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2, compile=True, piece_compiler="eager")
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        # rank 0 samples from the gathered vocabulary: its log-probabilities are one rank's
+        got = llm.generate(PROMPTS[0], LOGPROBS)[0].logprobs
+        assert [(g.token_id, [t for t, _ in g.top]) for g in got] == [(w.token_id, [t for t, _ in w.top]) for w in logprobs]
+        assert [g.logprob for g in got] == pytest.approx([w.logprob for w in logprobs], abs=1e-4)
         stats = llm.stats()
         assert stats["preemptions"] > 0
         _check_rank_stats(stats)
