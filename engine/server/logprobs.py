@@ -5,19 +5,22 @@ spaces), as vLLM returns it. A byte-level tokenizer can split a character: such 
 U+FFFD, and its chat `bytes` are then its raw bytes, read from its vocabulary entry (a byte-level BPE
 piece, or a SentencePiece byte-fallback `<0xNN>`) and kept only if they decode to the same string;
 otherwise (any other vocabulary) the UTF-8 of the decoded string, as vLLM does. A completion's
-`text_offset` is where each token's text starts in the completion text, found by detokenizing the
-tokens one at a time the way the engine does (engine.detokenizer), so a character split over two
-tokens counts once: both tokens start at it. Without a tokenizer a token is "token_id:N" (vLLM's form).
+`text_offset` is where each token's text starts in the completion text: the index of the character
+its first byte belongs to, so a character split over two tokens counts once (both tokens start at
+it; summing token-string lengths, as vLLM does, would count a U+FFFD per token and shift every later
+offset). Exact for valid UTF-8; a byte that never becomes a character is decided by the token after
+it only. Without a tokenizer a token is "token_id:N" (vLLM's form).
 
 Everything here runs on the server's tokenizer thread, with that thread's own tokenizer: the cache of
 token strings is filled and read there only, and is bounded by the vocabulary.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS
 from engine.request import TokenLogprobs
 
 # JSON has no -inf (a logit the model masked) and no NaN; vLLM clamps to the same value
@@ -87,8 +90,7 @@ class LogprobsFormatter:
     def __init__(self, token_text: TokenText, chat: bool) -> None:
         self.token_text = token_text
         self.chat = chat
-        self._detokenizer: IncrementalDetokenizer | None = None
-        self._offset = 0  # characters of completion text before the next token
+        self._offsets: _TextOffsets | None = None
 
     def __call__(self, prompt_token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
         """The object for these tokens, which follow those of the previous call."""
@@ -119,10 +121,39 @@ class LogprobsFormatter:
         tokenizer = self.token_text.tokenizer
         if tokenizer is None:
             return [0] * len(token_ids)  # no tokenizer, no text
-        if self._detokenizer is None:
-            self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        offsets = []
-        for token_id in token_ids:
-            offsets.append(self._offset)
-            self._offset += len(self._detokenizer.add([token_id]))
-        return offsets
+        if self._offsets is None:
+            self._offsets = _TextOffsets(tokenizer, prompt_token_ids)
+        return [self._offsets.next(token_id) for token_id in token_ids]
+
+
+class _TextOffsets:
+    """Each token's character offset in the completion text, one token at a time.
+
+    Decodes as the engine's IncrementalDetokenizer does (a few tokens of context in front, so a
+    tokenizer's leading-space rule applies to the context; tokens held while their text ends in U+FFFD,
+    an incomplete character), and also counts the characters inside the held text that the new token
+    leaves as they were: those end before its first byte. A decode shows an incomplete tail as one
+    U+FFFD (the "maximal subpart" rule of Python and Rust alike), so only the last one may still change."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self._context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._context_text = self._decode(self._context)
+        self._held: list[int] = []  # tokens after the context whose text ends in an incomplete character
+        self._held_text = ""
+        self._done = 0              # characters before the held tokens
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # as the engine's text
+
+    def next(self, token_id: int) -> int:
+        self._held.append(token_id)
+        text = self._decode(self._context + self._held)[len(self._context_text):]
+        settled = text[:-1] if text.endswith("\ufffd") else text
+        offset = self._done + len(os.path.commonprefix([self._held_text, settled]))
+        self._held_text = text
+        if not self._held_text.endswith("\ufffd") or len(self._held) >= MAX_HELD_TOKENS:
+            self._done += len(self._held_text)
+            self._context, self._held, self._held_text = self._held, [], ""
+            self._context_text = self._decode(self._context)
+        return offset
