@@ -530,14 +530,21 @@ def test_server_on_cuda_with_decode_and_prefill_graphs_equals_the_engine(model_d
         reference = LLM(str(model_dir), device="cuda", dtype="float32", prefill_graphs=True, **engine)
         prompts = [PROMPT, "Hello world! How are you today?", [2] + list(range(30, 90))]
         # one at a time, as the client sends them: the same batch shapes, so the same kernels
-        expected = [reference.generate([p], SamplingParams(max_tokens=16, ignore_eos=True))[0] for p in prompts]
+        # the last prompt also asks for logprobs: computed after the graph's logits, read back with the tokens
+        logprobs = [None, None, 2]
+        expected = [reference.generate([p], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=k))[0]
+                    for p, k in zip(prompts, logprobs)]
         reference.close()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-        for prompt, want in zip(prompts, expected):
-            resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+        for prompt, k, want in zip(prompts, logprobs, expected):
+            resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, logprobs=k,
                                              extra_body={"ignore_eos": True, "return_token_ids": True})
             assert resp.choices[0].model_extra["token_ids"] == want.token_ids
             assert resp.choices[0].text == want.text
+            if k is not None:
+                got = resp.choices[0].logprobs
+                assert got.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-4)
+                assert all(len(top) <= k + 1 for top in got.top_logprobs)
         metrics = _metrics(url)
         assert metrics["infer_graphs_steps_total{mode=full}"] > 0
         assert metrics["infer_graphs_steps_total{mode=piecewise}"] > 0
