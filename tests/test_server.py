@@ -23,10 +23,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, TokenLogprobs
 from engine.__main__ import main as cli_main
 from engine.cli_args import ENGINE_OPTIONS
 from engine.config import EngineConfig
+from engine.server.logprobs import LogprobsFormatter, TokenText
 from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,6 +186,120 @@ def test_sse_framing_stop_strings_and_eos_as_stop_over_raw_http(url, reference):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+# -- logprobs ----------------------------------------------------------------------------------------
+
+def _char_offsets(tokenizer, token_ids: list[int]) -> list[int]:
+    """Where each token's text starts in the decoded text: the characters that the text before it and the
+    whole text share (a character split over tokens starts where its first token does). Quadratic."""
+    full = tokenizer.decode(token_ids, skip_special_tokens=True)
+    return [len(os.path.commonprefix([tokenizer.decode(token_ids[:i], skip_special_tokens=True), full]))
+            for i in range(len(token_ids))]
+
+
+def _token_string(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_token_bytes_are_the_raw_bytes_even_for_half_a_character_and_offsets_count_each_character_once(reference):
+    tok = reference.tokenizer
+    text = "Café crème 🙂 日本語 ± µ"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    token_text = TokenText(tok)
+    pieces = [token_text(i) for i in ids]
+    assert any("\ufffd" in string for string, _ in pieces)  # the text does split characters
+    assert b"".join(bytes(raw) for _, raw in pieces) == text.encode()
+    assert [string for string, _ in pieces] == [_token_string(tok, i) for i in ids]
+    steps = [TokenLogprobs(i, -1.0, ((i, -1.0),)) for i in ids]
+    formatter = LogprobsFormatter(token_text, chat=False)
+    first, rest = formatter([2], steps[:3]), formatter([2], steps[3:])  # as two stream chunks
+    assert first["text_offset"] + rest["text_offset"] == _char_offsets(tok, ids)
+    # a byte that never becomes a character: a lone continuation byte, a lead byte followed by ASCII
+    broken = tok.convert_tokens_to_ids(["©", "ld", "æ", "x", "Ġc"])
+    assert "\ufffd" in tok.decode(broken) and TokenText(tok)(broken[0])[1] == [0xA9]
+    got = LogprobsFormatter(token_text, chat=False)([2], [TokenLogprobs(i, -1.0) for i in broken])
+    assert got["text_offset"] == _char_offsets(tok, broken) == [0, 1, 3, 4, 5]
+    chat = LogprobsFormatter(token_text, chat=True)([2], steps)["content"]
+    assert [bytes(e["bytes"]) for e in chat] == [bytes(raw) for _, raw in pieces]
+    # a masked logit (-inf) is a finite number JSON can carry
+    [inf] = LogprobsFormatter(token_text, chat=True)([2], [TokenLogprobs(ids[0], float("-inf"))])["content"]
+    assert inf["logprob"] == -9999.0 and inf["top_logprobs"] == []
+
+
+def test_completions_logprobs_equal_llm_generate_streamed_and_not(client, reference):
+    tok = reference.tokenizer
+    [expected] = reference.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3))
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    resp = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                     extra_body=extra)
+    choice, n = resp.choices[0], resp.usage.completion_tokens
+    lp = choice.logprobs
+    assert choice.model_extra["token_ids"] == expected.token_ids and choice.text == expected.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n == 8
+    assert lp.tokens == [_token_string(tok, t) for t in expected.token_ids]
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-5)
+    assert lp.text_offset == _char_offsets(tok, expected.token_ids)
+    for token, logprob, top, want in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, expected.logprobs):
+        assert logprob <= 0 and top[token] == logprob and len(top) <= 3 + 1
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and logprob == max(values)  # greedy: the likeliest
+        want_top = {}
+        for token_id, value in want.top:
+            want_top.setdefault(_token_string(tok, token_id), value)
+        assert top == pytest.approx({**want_top, token: logprob}, abs=1e-5)
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                           stream=True, extra_body=extra):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                assert len(c.logprobs.tokens) == len(c.model_extra["token_ids"])  # a chunk's own tokens
+                for key in streamed:
+                    streamed[key] += getattr(c.logprobs, key)
+    # equal up to float rounding: the second request's prefill is shorter (the prefix cache has the prompt)
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [list(t) for t in streamed["top_logprobs"]] == [list(t) for t in lp.top_logprobs]
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(streamed["top_logprobs"], lp.top_logprobs))
+    plain = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_with_top_logprobs_streamed_and_not(client, reference):
+    tok = reference.tokenizer
+    [expected] = reference.generate([_chat_prompt_ids(reference, MESSAGES)],
+                                    SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))
+    kwargs = dict(model=NAME, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(**kwargs)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 6
+    assert [e.token for e in content] == [_token_string(tok, t) for t in expected.token_ids]
+    assert [e.logprob for e in content] == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-5)
+    for entry, want in zip(content, expected.logprobs):
+        assert entry.logprob <= 0 and all(isinstance(b, int) and 0 <= b < 256 for b in entry.bytes)
+        if "\ufffd" not in entry.token:
+            assert bytes(entry.bytes).decode() == entry.token
+        top = entry.top_logprobs
+        assert [t.token for t in top] == [_token_string(tok, i) for i, _ in want.top] and len(top) == 2
+        assert [t.logprob for t in top] == pytest.approx([v for _, v in want.top], abs=1e-5)
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert entry.logprob == top[0].logprob  # greedy
+    special = set(tok.all_special_ids)
+    raw = b"".join(bytes(e.bytes) for e, t in zip(content, expected.token_ids) if t not in special)
+    assert raw.decode("utf-8", errors="replace") == resp.choices[0].message.content == expected.text
+    streamed = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed += c.logprobs.content if c.logprobs is not None else []
+    def strings(entries):
+        return [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in entries]
+
+    def values(entries):
+        return [v for e in entries for v in (e.logprob, *(t.logprob for t in e.top_logprobs))]
+
+    # equal up to float rounding: the second request's prefill is shorter (the prefix cache has the prompt)
+    assert strings(streamed) == strings(content) and values(streamed) == pytest.approx(values(content), abs=1e-5)
+
+
 # -- load ------------------------------------------------------------------------------------------
 
 def test_32_concurrent_streams_with_different_lengths_and_sampling_all_finish(url):
@@ -272,7 +387,12 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
     ("completions", {"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix"),
     ("chat/completions", {"model": NAME, "messages": MESSAGES, "presence_penalty": -1}, "presence_penalty"),
-    ("chat/completions", {"model": NAME, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
+    # logprobs: the engine's range check names the field as the request spells it
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"model": NAME, "messages": MESSAGES, "response_format": {"type": "json_object"}},
      "response_format"),
     ("chat/completions", {"model": NAME, "messages": MESSAGES,
@@ -410,14 +530,21 @@ def test_server_on_cuda_with_decode_and_prefill_graphs_equals_the_engine(model_d
         reference = LLM(str(model_dir), device="cuda", dtype="float32", prefill_graphs=True, **engine)
         prompts = [PROMPT, "Hello world! How are you today?", [2] + list(range(30, 90))]
         # one at a time, as the client sends them: the same batch shapes, so the same kernels
-        expected = [reference.generate([p], SamplingParams(max_tokens=16, ignore_eos=True))[0] for p in prompts]
+        # the last prompt also asks for logprobs: computed after the graph's logits, read back with the tokens
+        logprobs = [None, None, 2]
+        expected = [reference.generate([p], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=k))[0]
+                    for p, k in zip(prompts, logprobs)]
         reference.close()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-        for prompt, want in zip(prompts, expected):
-            resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+        for prompt, k, want in zip(prompts, logprobs, expected):
+            resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, logprobs=k,
                                              extra_body={"ignore_eos": True, "return_token_ids": True})
             assert resp.choices[0].model_extra["token_ids"] == want.token_ids
             assert resp.choices[0].text == want.text
+            if k is not None:
+                got = resp.choices[0].logprobs
+                assert got.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-4)
+                assert all(len(top) <= k + 1 for top in got.top_logprobs)
         metrics = _metrics(url)
         assert metrics["infer_graphs_steps_total{mode=full}"] > 0
         assert metrics["infer_graphs_steps_total{mode=piecewise}"] > 0

@@ -6,7 +6,8 @@ or mid-stream, server shutting down) ends in a `finally` that aborts the request
 go back to the pool whatever happened; abort is idempotent, so aborting a finished request is free.
 Prompts are tokenized (and chat templates rendered) on one tokenizer thread, never on the event loop
 that streams every client's tokens nor on the engine loop's thread, whose host time is every running
-request's inter-token latency. Prompts are never logged.
+request's inter-token latency. The same thread turns a request's logprobs into token strings
+(engine.server.logprobs). Prompts are never logged.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.request import InvalidRequestError
 from engine.server.engine_loop import EngineLoop, EngineUnavailable, Stream
+from engine.server.logprobs import LogprobsFormatter, TokenText
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
 
@@ -53,6 +55,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
     # (LLM.encode says why two threads must not share one).
     tokenizer = copy.deepcopy(llm.tokenizer)
     encode = functools.partial(llm.encode, tokenizer=tokenizer)
+    token_text = TokenText(tokenizer)  # tokenizer thread only
     max_model_len = llm.config.max_model_len
     metrics = ServerMetrics()
     # One thread: requests are tokenized in arrival order, and the tokenizer is never entered by two
@@ -147,15 +150,15 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             await stream.get()  # ACCEPTED, or the error that refused the request
         except InvalidRequestError as exc:
             watcher.cancel()
-            param = "messages" if chat and exc.param == "prompt" else exc.param
-            return _error(400, str(exc), param)
+            return _error(400, str(exc), req.WIRE_NAMES.get(exc.param, exc.param))
         except EngineUnavailable as exc:
             watcher.cancel()
             return _error(503, str(exc), type="server_error")
         logger.debug("request %s accepted", request_id)
         builder = ResponseBuilder(request_id, model_name, chat, req.return_token_ids)
+        formatter = LogprobsFormatter(token_text, chat) if req.num_logprobs is not None else None
         if req.stream:
-            return StreamingResponse(_stream(stream, builder, req.include_usage, watcher),
+            return StreamingResponse(_stream(stream, builder, req.include_usage, watcher, formatter),
                                      media_type="text/event-stream")
         try:
             out, num_tokens = None, 0
@@ -164,23 +167,35 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
                 metrics.observe(out, first=num_tokens == 0)
                 num_tokens += len(out.new_token_ids)
             _finished(out)
-            return JSONResponse(builder.final(out))
+            logprobs = None if formatter is None else await loop.run_in_executor(
+                tokenize_pool, formatter, out.prompt_token_ids, out.logprobs)
+            return JSONResponse(builder.final(out, logprobs))
         except EngineUnavailable as exc:
             return _error(503, str(exc), type="server_error")
         finally:
             watcher.cancel()
             engine.abort(request_id)
 
-    async def _stream(stream: Stream, builder: ResponseBuilder, include_usage: bool, watcher: asyncio.Task):
+    async def _stream(stream: Stream, builder: ResponseBuilder, include_usage: bool, watcher: asyncio.Task,
+                      formatter: LogprobsFormatter | None):
+        loop = asyncio.get_running_loop()
         try:
             first, num_tokens, out = True, 0, None  # first: no chunk sent yet
             while out is None or not out.finished:
                 out = await stream.get()
                 metrics.observe(out, first=num_tokens == 0)
                 num_tokens += len(out.new_token_ids)
-                if out.new_text or out.finished or first or (builder.return_token_ids and out.new_token_ids):
+                # a token whose text is held back (half a character, a possible stop string) still
+                # sends its id and logprobs when the client asked for them
+                if out.new_text or out.finished or first or (out.new_token_ids and (
+                        builder.return_token_ids or formatter is not None)):
+                    logprobs = None
+                    if formatter is not None and out.new_token_ids:
+                        logprobs = await loop.run_in_executor(tokenize_pool, formatter, out.prompt_token_ids,
+                                                              out.new_logprobs)
                     yield _sse(builder.chunk(out.new_text, out.new_token_ids,
-                                             out.finish_reason if out.finished else None, first=first))
+                                             out.finish_reason if out.finished else None, first=first,
+                                             logprobs=logprobs))
                     first = False
             _finished(out)
             if include_usage:

@@ -2,13 +2,14 @@
 
 The request models check only the shape of a body (types, which fields exist); the values are
 checked once, by SamplingParams.check and the engine's prompt check, whose InvalidRequestError
-names the field that the 400 reports. Unknown fields are ignored, as OpenAI's own server does;
-fields this server does not implement (n > 1, best_of, echo, logprobs) are refused by name.
+names the field that the 400 reports (as the request's wire names it: a chat request's `top_logprobs`
+is SamplingParams.logprobs). Unknown fields are ignored, as OpenAI's own server does; fields this
+server does not implement (n > 1, best_of, echo, penalties, ...) are refused by name.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,7 +39,6 @@ class _Sampling(BaseModel):
     n: int = 1
     best_of: Optional[int] = None
     echo: bool = False
-    logprobs: Union[bool, int, None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
@@ -52,16 +52,23 @@ class _Sampling(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None
 
+    # SamplingParams field -> the request field that set it, for the `param` of a 400
+    WIRE_NAMES: ClassVar[dict[str, str]] = {}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or the number of most likely tokens to report per token."""
+        raise NotImplementedError
+
     def unsupported(self) -> tuple[str, str] | None:
-        """(field, message) for a feature this server does not implement, else None."""
+        """(field, message) for a feature this server does not implement, or a combination of fields
+        OpenAI refuses, else None."""
         if self.n != 1:
             return "n", f"n={self.n} is not supported: only n=1"
         if self.best_of not in (None, 1):
             return "best_of", f"best_of={self.best_of} is not supported"
         if self.echo:
             return "echo", "echo is not supported"
-        if self.logprobs not in (None, False):
-            return "logprobs", "logprobs are not supported"
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_p", 0.0), ("min_tokens", 0)):
             if getattr(self, name) not in (None, neutral):
@@ -78,7 +85,7 @@ class _Sampling(BaseModel):
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -88,6 +95,11 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int]]
     suffix: Optional[str] = None
+    logprobs: Optional[int] = None  # the k most likely tokens (and the sampled one) per token
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
@@ -111,12 +123,19 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None  # with logprobs: the k most likely tokens per token
     tools: Optional[list[dict[str, Any]]] = None
 
+    WIRE_NAMES: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.top_logprobs:
-            return "top_logprobs", "logprobs are not supported"
+        if self.top_logprobs not in (None, 0) and not self.logprobs:  # OpenAI's rule (0 is a default clients send)
+            return "top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs: true"
         if self.tools:  # ignoring them would answer as if the model had never been offered the tools
             return "tools", "tools (function calling) are not supported"
         return super().unsupported()
@@ -144,26 +163,28 @@ class ResponseBuilder:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def final(self, out: Any) -> dict[str, Any]:
+    def final(self, out: Any, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`logprobs`: the LogprobsFormatter's object for every generated token, or None (not asked)."""
         reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                       "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": reason}
         if self.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
         return self._object("chat.completion" if self.chat else "text_completion", [choice],
                             usage=usage(len(out.prompt_token_ids), len(out.token_ids)))
 
     def chunk(self, text: str, token_ids: list[int] | None, finish_reason: str | None,
-              first: bool = False) -> dict[str, Any]:
+              first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`logprobs`: the object for this chunk's tokens (token_ids), or None."""
         reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if self.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
