@@ -73,6 +73,26 @@ def test_streamed_logprobs_arrive_with_their_tokens(saved):
         assert final.finished and tokens == final.token_ids and logprobs == final.logprobs
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
+def test_preempted_requests_keep_one_logprob_per_token(saved, async_scheduling):
+    """A preempted request recomputes its tokens without sampling them again: its logprobs stay one
+    per generated token, equal to those of a run with blocks to spare."""
+    path, _ = saved["llama"]
+    params = SamplingParams(max_tokens=10, logprobs=2, ignore_eos=True)
+    with LLM(str(path), **SMALL, async_scheduling=async_scheduling) as llm:
+        roomy = llm.generate(PROMPTS, params)
+    with LLM(str(path), **{**SMALL, "max_num_batched_tokens": 32, "num_gpu_blocks": 18},
+             async_scheduling=async_scheduling) as llm:
+        tight = llm.generate(PROMPTS, params)
+        assert llm.stats()["preemptions"] > 0
+    assert any(o.num_preemptions for o in tight)
+    for a, b in zip(roomy, tight):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        assert [[t for t, _ in x.top] for x in b.logprobs] == [[t for t, _ in x.top] for x in a.logprobs]
+        assert [v for x in b.logprobs for _, v in x.top] == pytest.approx([v for x in a.logprobs for _, v in x.top],
+                                                                          abs=1e-5)
+
+
 @pytest.mark.parametrize("value", [-1, 21, 2.5, True])
 def test_a_bad_logprobs_value_is_refused_by_name(saved, value):
     path, _ = saved["llama"]
