@@ -74,6 +74,13 @@ class SamplingParams:
     # None: no log-probabilities; k: each generated token's log-probability and the k most likely
     # tokens of its step (RequestOutput.logprobs)
     logprobs: int | None = None
+    # OpenAI's penalties: a token's logit loses presence_penalty once it has been generated and
+    # frequency_penalty per time it has; vLLM's / transformers' repetition_penalty divides a positive
+    # logit (multiplies a negative one) of every token in the prompt or the output. Applied before
+    # temperature, top-k and top-p, greedy included; 0, 0 and 1 leave the logits as they are.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -107,6 +114,16 @@ class SamplingParams:
             raise bad("include_stop_str_in_output", "a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, "a number in [-2, 2] (0 = off), as OpenAI's API")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", "a number in (0, 100] (1 = off)")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass(eq=False)  # identity: a request is itself, whatever its tokens
@@ -123,6 +140,10 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # perf_counter at each generated token
     generator: torch.Generator | None = field(default=None, repr=False)
     logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)  # per generated token, if asked
+    # With penalties (engine.sampler): how often each vocabulary token has been generated, and which
+    # appear in the prompt, on the device; updated by every step that samples for the request.
+    output_counts: torch.Tensor | None = field(default=None, repr=False)
+    prompt_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

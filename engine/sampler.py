@@ -1,6 +1,9 @@
 """Sampler: next tokens from logits, on the logits' device, without waiting for the device.
 
-Greedy rows take the argmax. Sampled rows divide by temperature, keep the top_k logits and the
+Penalties (presence, frequency, repetition) first adjust a float32 copy of the rows that ask for
+them, from per-request token counts that live on the device and that each sampling step updates
+there, so the overlapped loop's next step sees a token the host has not read. Greedy rows take the
+argmax. Sampled rows divide by temperature, keep the top_k logits and the
 smallest top_p nucleus, and draw by the exponential race (argmax of probs / E, E ~ Exp(1)), which
 is a draw from probs. A request with a seed owns a torch.Generator on the device and draws its own
 noise row every step, so its tokens depend only on its seed and its logits, never on the batch
@@ -23,6 +26,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._one = torch.ones(1, dtype=torch.int32, device=device)  # the count a sampled token adds
 
     def attach(self, request: Request) -> None:
         """Give a seeded sampling request its own generator (once; it survives preemption)."""
@@ -39,6 +43,38 @@ class Sampler:
         """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
+        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if not penalized:
+            return self._draw(logits, requests)
+        tokens = self._draw(self._penalized(logits, requests, penalized), requests)
+        for i in penalized:  # the next step's penalties see this token, without the host reading it
+            requests[i].output_counts.index_add_(0, tokens[i:i + 1], self._one)
+        return tokens
+
+    def _penalized(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+        """A float32 copy of logits with the penalties of `rows` applied (the caller's logits, which a
+        decode graph owns and logprobs read, stay as they are)."""
+        device, vocab = logits.device, logits.shape[-1]
+        chosen = [requests[i] for i in rows]
+        for request in chosen:
+            if request.output_counts is None:  # first sampling step (survives preemption)
+                request.output_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+                request.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+                if request.params.repetition_penalty != 1:
+                    request.prompt_mask[host_to_device(request.prompt_token_ids, torch.int64, device)] = True
+        index = host_to_device(rows, torch.int64, device)
+        counts = torch.stack([r.output_counts for r in chosen]).float()
+        seen = (counts > 0) | torch.stack([r.prompt_mask for r in chosen])
+        penalties = host_to_device([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
+                                    for r in chosen], torch.float32, device)
+        repetition, frequency, presence = penalties[:, 0:1], penalties[:, 1:2], penalties[:, 2:3]
+        sub = logits.index_select(0, index).float()
+        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        sub = sub - frequency * counts - presence * (counts > 0).float()
+        out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        return out.index_copy_(0, index, sub)
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if all(r.params.temperature == 0 for r in requests):
             return logits.argmax(dim=-1)
         logits = logits.float()

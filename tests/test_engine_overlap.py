@@ -244,7 +244,7 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path, graphs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sampling", ["greedy", "seeded_top_k_top_p"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded_top_k_top_p", "penalties_and_logprobs"])
 @pytest.mark.parametrize("step_kind", ["full_decode", "piecewise_mixed"])
 def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampling, step_kind):
     """Nothing on the launch path waits for the device (a pageable copy to CUDA, a .tolist(), an
@@ -253,8 +253,10 @@ def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampli
     from tests.test_engine_gpu import _engine
     _build_hf("llama").save_pretrained(tmp_path)
     llm = _engine(tmp_path, cuda_graphs=True, prefill_graphs=True)
-    params = SamplingParams(max_tokens=40, ignore_eos=True, **(
-        {} if sampling == "greedy" else dict(temperature=0.8, top_k=5, top_p=0.9, seed=1)))
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **{
+        "greedy": {}, "seeded_top_k_top_p": dict(temperature=0.8, top_k=5, top_p=0.9, seed=1),
+        "penalties_and_logprobs": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                                       logprobs=3)}[sampling])
     llm.add_request([1, 5, 9, 13, 17], params)
     for _ in range(4):  # prefill, then decodes: every path warm
         llm.step()

@@ -382,11 +382,12 @@ BAD = [
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x " * 1000}]}, "messages"),
     ("chat/completions", {"model": NAME, "messages": MESSAGES, "n": 3, "stream": True}, "n"),
     # sampling features this server does not implement: refused by name, never silently ignored
-    ("completions", {"model": NAME, "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p"),
     ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
     ("completions", {"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix"),
-    ("chat/completions", {"model": NAME, "messages": MESSAGES, "presence_penalty": -1}, "presence_penalty"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "presence_penalty": -3}, "presence_penalty"),
     ("completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
     # logprobs: the engine's range check names the field as the request spells it
     ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs"),
@@ -412,6 +413,17 @@ def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(url, rou
     ok = httpx.post(f"{url}/v1/completions", headers=_auth(), timeout=30,
                     json={"model": NAME, "prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_penalties_over_http_give_llm_generate_tokens(client, reference):
+    params = dict(max_tokens=12, presence_penalty=0.8, frequency_penalty=1.2, repetition_penalty=1.5)
+    [expected] = reference.generate([PROMPT], SamplingParams(ignore_eos=True, **params))
+    [plain] = reference.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert expected.token_ids != plain.token_ids  # the penalties change this prompt's tokens
+    resp = client.completions.create(model=NAME, prompt=PROMPT, temperature=0, max_tokens=12,
+                                     presence_penalty=0.8, frequency_penalty=1.2,
+                                     extra_body={"repetition_penalty": 1.5, "ignore_eos": True, "return_token_ids": True})
+    assert resp.choices[0].model_extra["token_ids"] == expected.token_ids
 
 
 def test_neutral_sampling_extras_are_accepted(client):

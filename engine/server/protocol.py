@@ -42,11 +42,12 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
-    # Accepted only at the values that leave sampling as it is: a client that asks for a penalty, a
-    # bias or a format gets a 400 naming the field, not tokens sampled as if it had not asked.
-    presence_penalty: Optional[float] = None  # None (JSON null, as clients send for unset) is neutral
+    # None (JSON null, as clients send for unset) leaves sampling as it is
+    presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None  # vLLM's extension
+    # Accepted only at the values that leave sampling as it is: a client that asks for a bias or a
+    # format gets a 400 naming the field, not tokens sampled as if it had not asked.
     min_p: Optional[float] = None  # vLLM's extension
     min_tokens: Optional[int] = None  # vLLM's extension
     logit_bias: Optional[dict[str, float]] = None
@@ -69,8 +70,7 @@ class _Sampling(BaseModel):
             return "best_of", f"best_of={self.best_of} is not supported"
         if self.echo:
             return "echo", "echo is not supported"
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("min_p", 0.0), ("min_tokens", 0)):
+        for name, neutral in (("min_p", 0.0), ("min_tokens", 0)):
             if getattr(self, name) not in (None, neutral):
                 return name, f"{name}={getattr(self, name)} is not supported (only {neutral:g}, which leaves sampling unchanged)"
         if self.logit_bias:
@@ -85,7 +85,10 @@ class _Sampling(BaseModel):
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
 
     @property
     def include_usage(self) -> bool:

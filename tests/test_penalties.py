@@ -1,0 +1,127 @@
+"""Presence, frequency and repetition penalties: repetition against transformers' own generate()
+(RepetitionPenaltyLogitsProcessor), presence and frequency against a plain-torch greedy loop over
+transformers' logits; through both step loops, under preemption, and beside unpenalized requests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, InvalidRequestError, SamplingParams
+from tests.test_engine_generate import PROMPTS, SMALL, _build_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    out = {}
+    for arch in ("llama", "gemma3"):
+        hf = _build_hf(arch).eval()
+        path = tmp_path_factory.mktemp(f"penalties_{arch}")
+        hf.save_pretrained(path)
+        out[arch] = (path, hf)
+    return out
+
+
+def _openai_penalties_greedy(hf, prompt: list[int], presence: float, frequency: float) -> list[int]:
+    """Greedy decoding with OpenAI's definition: logit[t] -= frequency * count[t] + presence * (count[t] > 0),
+    counts over the generated tokens only."""
+    ids, counts = list(prompt), torch.zeros(hf.config.vocab_size, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            token = int((logits - frequency * counts - presence * (counts > 0).double()).argmax())
+            counts[token] += 1
+            ids.append(token)
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_repetition_penalty_gives_transformers_generate_tokens(saved, arch):
+    path, hf = saved[arch]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, repetition_penalty=1.8,
+                                attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+                    for p in PROMPTS[:3]]
+    with LLM(str(path), **SMALL) as llm:
+        plain = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        outputs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.8))
+    for out, want in zip(outputs, expected):  # transformers stops at EOS, so does the engine here
+        assert out.token_ids == want
+    assert [o.token_ids for o in plain] != [o.token_ids for o in outputs]  # the penalty changed something
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
+def test_presence_and_frequency_penalties_follow_openai_definition_beside_plain_requests(saved, async_scheduling):
+    path, hf = saved["llama"]
+    penalized = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.7, frequency_penalty=1.3,
+                               logprobs=0)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(path), **SMALL, async_scheduling=async_scheduling) as llm:
+        alone = llm.generate(PROMPTS[1], plain)[0].token_ids
+        outputs = llm.generate(PROMPTS[:3], [penalized, plain, penalized])
+    assert outputs[1].token_ids == alone  # a neighbour's penalties never leak into another row
+    for prompt, out in ((PROMPTS[0], outputs[0]), (PROMPTS[2], outputs[2])):
+        assert out.token_ids == _openai_penalties_greedy(hf, prompt, 0.7, 1.3)
+        # logprobs stay those of the model's own distribution, before the penalties
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].double()
+        raw = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        assert [x.logprob for x in out.logprobs] == pytest.approx(
+            [raw[i, t].item() for i, t in enumerate(out.token_ids)], abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
+def test_penalties_survive_preemption_and_seeded_sampling_matches_across_loops(saved, async_scheduling):
+    path, _ = saved["llama"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, seed=11, presence_penalty=1.0,
+                            frequency_penalty=0.5, repetition_penalty=1.3)
+    with LLM(str(path), **SMALL, async_scheduling=False) as llm:
+        roomy = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(str(path), **{**SMALL, "max_num_batched_tokens": 32, "num_gpu_blocks": 18},
+             async_scheduling=async_scheduling) as llm:
+        tight = llm.generate(PROMPTS, params)
+        assert llm.stats()["preemptions"] > 0
+    assert [o.token_ids for o in tight] == roomy
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                                         ("repetition_penalty", "1.2")])
+def test_a_bad_penalty_is_refused_by_name(saved, field, value):
+    path, _ = saved["llama"]
+    with LLM(str(path), **SMALL) as llm:
+        with pytest.raises(InvalidRequestError, match=field) as info:
+            llm.generate(PROMPTS[0], SamplingParams(**{field: value}))
+        assert info.value.param == field
+
+
+def test_penalized_logits_equal_transformers_repetition_processor_and_openai_formula():
+    """Row by row on fresh random logits (negative ones included, where repetition multiplies)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from engine.request import Request
+    from engine.sampler import Sampler
+
+    vocab, gen = 50, torch.Generator().manual_seed(0)
+    prompts = [[3, 4, 4, 9], [7, 8], [1, 2, 3]]
+    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(presence_penalty=0.4, frequency_penalty=-0.9),
+              SamplingParams(repetition_penalty=0.6, frequency_penalty=1.1, presence_penalty=-1.5)]
+    requests = [Request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    outputs: list[list[int]] = [[], [], []]
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    for _ in range(4):
+        logits = torch.randn(3, vocab, generator=gen) * 3
+        got = sampler._penalized(logits, requests, [0, 1, 2])
+        for i, (request, out) in enumerate(zip(requests, outputs)):
+            sp, want = request.params, logits[i:i + 1].double().clone()
+            if sp.repetition_penalty != 1:
+                want = RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)(
+                    torch.tensor([prompts[i] + out]), want)
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).double()
+            want = want - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).double()
+            torch.testing.assert_close(got[i:i + 1].double(), want, rtol=1e-6, atol=1e-5)
+        tokens = torch.randint(0, 6, (3,), generator=gen)  # small ids: tokens repeat and overlap prompts
+        for i, request in enumerate(requests):
+            request.output_counts.index_add_(0, tokens[i:i + 1], torch.ones(1, dtype=torch.int32))
+            outputs[i].append(int(tokens[i]))
