@@ -84,12 +84,14 @@ class OutputTracker:
             self.done = finished
             return False
         text = self.pending + self.detokenizer.add(new, final=finished)
-        matched = self._emit(text, finished)
+        # before min_tokens tokens are out, a stop string does not end the request (vLLM's rule)
+        can_stop = request.num_tokens - request.num_prompt_tokens >= request.params.min_tokens
+        matched = self._emit(text, finished, can_stop)
         self.done = finished or matched
         return matched
 
-    def _emit(self, text: str, finished: bool) -> bool:
-        if self.stops:
+    def _emit(self, text: str, finished: bool, can_stop: bool) -> bool:
+        if self.stops and can_stop:
             found = [(i, stop) for stop in self.stops if (i := text.find(stop)) >= 0]
             if found:
                 index, stop = min(found, key=lambda f: (f[0], -len(f[1])))

@@ -81,6 +81,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's: sampled rows keep only tokens with at least min_p times the top token's probability
+    # (after temperature); until min_tokens tokens are out, EOS and stop_token_ids cannot be sampled
+    # and stop strings do not end the request.
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -120,6 +125,10 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2] (0 = off), as OpenAI's API")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
             raise bad("repetition_penalty", "a number in (0, 100] (1 = off)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "a number in [0, 1] (0 = off)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
 
     @property
     def has_penalties(self) -> bool:

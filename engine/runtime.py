@@ -120,7 +120,7 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
                            by_kind=config.hybrid_kv_cache)
         runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
         runner.set_kv_groups(kv_cache.groups)
-        sampler = Sampler(device, config.seed)
+        sampler = Sampler(device, config.seed, tuple(model.config.eos_token_ids))
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
                  pool=pool)
     try:

@@ -22,8 +22,9 @@ from engine.request import Request, TokenLogprobs
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = device
+        self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back (with stop_token_ids)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._one = torch.ones(1, dtype=torch.int32, device=device)  # the count a sampled token adds
@@ -44,12 +45,26 @@ class Sampler:
         if logits.shape[0] != len(requests):
             raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
         penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        if not penalized:
+        held_back = [(i, token) for i, r in enumerate(requests) if r.params.min_tokens
+                     # the tokens out so far, the overlapped loop's in-flight one included
+                     and r.num_tokens - r.num_prompt_tokens < r.params.min_tokens
+                     for token in self._stop_ids(r)]
+        if not penalized and not held_back:
             return self._draw(logits, requests)
-        tokens = self._draw(self._penalized(logits, requests, penalized), requests)
+        adjusted = self._penalized(logits, requests, penalized) if penalized else logits.float().clone()
+        if held_back:
+            rows, tokens = zip(*held_back)
+            adjusted.index_put_((host_to_device(list(rows), torch.int64, logits.device),
+                                 host_to_device(list(tokens), torch.int64, logits.device)),
+                                torch.tensor(float("-inf"), device=logits.device))
+        tokens = self._draw(adjusted, requests)
         for i in penalized:  # the next step's penalties see this token, without the host reading it
             requests[i].output_counts.index_add_(0, tokens[i:i + 1], self._one)
         return tokens
+
+    def _stop_ids(self, request: Request) -> tuple[int, ...]:
+        params = request.params
+        return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
 
     def _penalized(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
         """A float32 copy of logits with the penalties of `rows` applied (the caller's logits, which a
@@ -129,8 +144,9 @@ class Sampler:
     def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         top_ks = [r.params.top_k for r in requests]
         top_ps = [r.params.top_p for r in requests]
+        min_ps = [r.params.min_p for r in requests]
         if all(k == 0 for k in top_ks) and all(p >= 1.0 for p in top_ps):
-            return torch.softmax(logits, dim=-1)
+            return Sampler._min_p(torch.softmax(logits, dim=-1), min_ps)
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]
@@ -142,6 +158,16 @@ class Sampler:
         # A token stays while the mass ranked above it is < top_p: the top token always stays.
         sorted_probs = sorted_probs.masked_fill(mass_before >= p[:, None], 0.0)
         probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+        return Sampler._min_p(probs / probs.sum(dim=-1, keepdim=True), min_ps)
+
+    @staticmethod
+    def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+        """Keep the tokens with at least min_p times the row's top probability (after top-k / top-p,
+        as transformers orders them; the ratio to the top token is the same before and after)."""
+        if all(m == 0 for m in min_ps):
+            return probs
+        threshold = host_to_device(min_ps, probs.dtype, probs.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
 
 

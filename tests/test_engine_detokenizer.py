@@ -167,6 +167,18 @@ def test_stop_strings_and_a_non_special_stop_token_through_generate(llm):
     assert out.text == llm.tokenizer.decode(base.token_ids[:first + 1])
 
 
+def test_min_tokens_holds_stop_strings_back_until_that_many_tokens_are_out(llm):
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    stop = base.text[8:11]
+    early = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))[0]
+    assert early.finish_reason == "stop"
+    min_tokens = len(early.token_ids) + 2
+    later = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,), min_tokens=min_tokens))[0]
+    # the first occurrence is passed over; the request ends at a later one, or runs to max_tokens
+    assert len(later.token_ids) >= min_tokens and later.token_ids == base.token_ids[:len(later.token_ids)]
+    assert later.text.startswith(base.text[:base.text.find(stop) + len(stop)])
+
+
 def test_stop_strings_without_a_tokenizer_are_refused_by_name(model_dir):
     llm = LLM(str(model_dir), tokenizer=None, **SMALL)
     llm.tokenizer = None  # a weights-only model: token-id prompts, no text

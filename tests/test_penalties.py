@@ -125,3 +125,47 @@ def test_penalized_logits_equal_transformers_repetition_processor_and_openai_for
         for i, request in enumerate(requests):
             request.output_counts.index_add_(0, tokens[i:i + 1], torch.ones(1, dtype=torch.int32))
             outputs[i].append(int(tokens[i]))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
+def test_min_tokens_holds_eos_and_stop_tokens_back_as_transformers_min_new_tokens(saved, async_scheduling):
+    path, hf = saved["llama"]
+    prompt = PROMPTS[3]
+    with LLM(str(path), **SMALL, async_scheduling=async_scheduling) as llm:
+        free = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+        stop = free[1]  # greedy would end the request at its second token
+        early = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,)))[0]
+        held = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,), min_tokens=6))[0]
+    assert len(early.token_ids) <= 2
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=6,
+                           eos_token_id=[hf.config.eos_token_id, stop], pad_token_id=0,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    assert held.token_ids == want and len(held.token_ids) >= 6
+    assert stop not in held.token_ids[:5] and 2 not in held.token_ids[:5]
+
+
+def test_min_p_keeps_what_transformers_min_p_warper_keeps():
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    from engine.request import Request
+    from engine.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 64, generator=gen) * 2.5
+    min_ps = [0.0, 0.05, 0.2, 0.9]
+    requests = [Request(str(i), [1], SamplingParams(temperature=1.0, min_p=m)) for i, m in enumerate(min_ps)]
+    got = Sampler._filtered_probs(logits, requests)
+    for i, m in enumerate(min_ps):
+        scores = logits[i:i + 1].double()
+        want = torch.softmax(MinPLogitsWarper(m)(None, scores) if m else scores, dim=-1)
+        torch.testing.assert_close(got[i:i + 1].double(), want, rtol=1e-5, atol=1e-7)
+    assert (got[3] > 0).sum() < (got[1] > 0).sum() < 64  # the filter removed something
+
+
+@pytest.mark.parametrize("field,value", [("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 99)])
+def test_a_bad_min_p_or_min_tokens_is_refused_by_name(saved, field, value):
+    path, _ = saved["llama"]
+    with LLM(str(path), **SMALL) as llm:
+        with pytest.raises(InvalidRequestError, match=field):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, **{field: value}))

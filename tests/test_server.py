@@ -384,7 +384,8 @@ BAD = [
     # sampling features this server does not implement: refused by name, never silently ignored
     ("completions", {"model": NAME, "prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
     ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
-    ("completions", {"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p"),
+    ("completions", {"model": NAME, "prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
     ("completions", {"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix"),
     ("chat/completions", {"model": NAME, "messages": MESSAGES, "presence_penalty": -3}, "presence_penalty"),
@@ -415,7 +416,7 @@ def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(url, rou
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
 
 
-def test_penalties_over_http_give_llm_generate_tokens(client, reference):
+def test_penalties_min_p_and_min_tokens_over_http_give_llm_generate_tokens(client, reference):
     params = dict(max_tokens=12, presence_penalty=0.8, frequency_penalty=1.2, repetition_penalty=1.5)
     [expected] = reference.generate([PROMPT], SamplingParams(ignore_eos=True, **params))
     [plain] = reference.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
@@ -424,6 +425,12 @@ def test_penalties_over_http_give_llm_generate_tokens(client, reference):
                                      presence_penalty=0.8, frequency_penalty=1.2,
                                      extra_body={"repetition_penalty": 1.5, "ignore_eos": True, "return_token_ids": True})
     assert resp.choices[0].model_extra["token_ids"] == expected.token_ids
+    # vLLM's min_p and min_tokens reach the engine too (seeded: the same draw as in-process)
+    sampled = dict(max_tokens=12, temperature=1.0, seed=5, min_p=0.2, min_tokens=12)
+    [expected] = reference.generate([PROMPT], SamplingParams(**sampled))
+    resp = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5,
+                                     extra_body={"min_p": 0.2, "min_tokens": 12, "return_token_ids": True})
+    assert resp.choices[0].model_extra["token_ids"] == expected.token_ids and len(expected.token_ids) == 12
 
 
 def test_neutral_sampling_extras_are_accepted(client):

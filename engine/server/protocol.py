@@ -46,10 +46,10 @@ class _Sampling(BaseModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None  # vLLM's extension
-    # Accepted only at the values that leave sampling as it is: a client that asks for a bias or a
-    # format gets a 400 naming the field, not tokens sampled as if it had not asked.
     min_p: Optional[float] = None  # vLLM's extension
     min_tokens: Optional[int] = None  # vLLM's extension
+    # Accepted only at the values that leave sampling as it is: a client that asks for a bias or a
+    # format gets a 400 naming the field, not tokens sampled as if it had not asked.
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None
 
@@ -70,9 +70,6 @@ class _Sampling(BaseModel):
             return "best_of", f"best_of={self.best_of} is not supported"
         if self.echo:
             return "echo", "echo is not supported"
-        for name, neutral in (("min_p", 0.0), ("min_tokens", 0)):
-            if getattr(self, name) not in (None, neutral):
-                return name, f"{name}={getattr(self, name)} is not supported (only {neutral:g}, which leaves sampling unchanged)"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -88,7 +85,8 @@ class _Sampling(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0)
 
     @property
     def include_usage(self) -> bool:
