@@ -4,7 +4,7 @@ The request models check only the shape of a body (types, which fields exist); t
 checked once, by SamplingParams.check and the engine's prompt check, whose InvalidRequestError
 names the field that the 400 reports (as the request's wire names it: a chat request's `top_logprobs`
 is SamplingParams.logprobs). Unknown fields are ignored, as OpenAI's own server does; fields this
-server does not implement (n > 1, best_of, echo, penalties, ...) are refused by name.
+server does not implement (n > 1, best_of, echo, logit_bias, suffix, tools, ...) are refused by name.
 """
 from __future__ import annotations
 
