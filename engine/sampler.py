@@ -54,9 +54,9 @@ class Sampler:
         adjusted = self._penalized(logits, requests, penalized) if penalized else logits.float().clone()
         if held_back:
             rows, tokens = zip(*held_back)
-            adjusted.index_put_((host_to_device(list(rows), torch.int64, logits.device),
-                                 host_to_device(list(tokens), torch.int64, logits.device)),
-                                torch.tensor(float("-inf"), device=logits.device))
+            # a Python scalar, not a device tensor made from one (that copy would wait for the step)
+            adjusted[host_to_device(list(rows), torch.int64, logits.device),
+                     host_to_device(list(tokens), torch.int64, logits.device)] = float("-inf")
         tokens = self._draw(adjusted, requests)
         for i in penalized:  # the next step's penalties see this token, without the host reading it
             requests[i].output_counts.index_add_(0, tokens[i:i + 1], self._one)

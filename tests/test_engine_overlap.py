@@ -256,7 +256,7 @@ def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampli
     params = SamplingParams(max_tokens=40, ignore_eos=True, **{
         "greedy": {}, "seeded_top_k_top_p": dict(temperature=0.8, top_k=5, top_p=0.9, seed=1),
         "penalties_and_logprobs": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
-                                       logprobs=3)}[sampling])
+                                       logprobs=3, min_tokens=40, min_p=0.1, temperature=0.7, seed=3)}[sampling])
     llm.add_request([1, 5, 9, 13, 17], params)
     for _ in range(4):  # prefill, then decodes: every path warm
         llm.step()
