@@ -86,11 +86,16 @@ class SamplingParams:
     # and stop strings do not end the request.
     min_p: float = 0.0
     min_tokens: int = 0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before
+    # everything else (penalties, temperature, filters); a dict {token id: bias} is taken too
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         t = self.temperature
         if _is_number(t) and 0 < t < GREEDY_BELOW_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
 
     def check(self, request_id: str, vocab_size: int) -> None:
         def bad(name: str, allowed: str) -> InvalidRequestError:
@@ -125,6 +130,11 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2] (0 = off), as OpenAI's API")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
             raise bad("repetition_penalty", "a number in (0, 100] (1 = off)")
+        bias = self.logit_bias
+        if not isinstance(bias, (tuple, list)) or not all(
+                isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0]) and 0 <= pair[0] < vocab_size
+                and _is_number(pair[1]) and -100 <= pair[1] <= 100 for pair in bias):
+            raise bad("logit_bias", f"{{token id in [0, {vocab_size}): bias in [-100, 100]}}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "a number in [0, 1] (0 = off)")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

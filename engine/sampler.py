@@ -44,14 +44,22 @@ class Sampler:
         """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
+        biased = [(i, token, bias) for i, r in enumerate(requests) for token, bias in r.params.logit_bias]
         penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
         held_back = [(i, token) for i, r in enumerate(requests) if r.params.min_tokens
                      # the tokens out so far, the overlapped loop's in-flight one included
                      and r.num_tokens - r.num_prompt_tokens < r.params.min_tokens
                      for token in self._stop_ids(r)]
-        if not penalized and not held_back:
+        if not penalized and not held_back and not biased:
             return self._draw(logits, requests)
-        adjusted = self._penalized(logits, requests, penalized) if penalized else logits.float().clone()
+        adjusted = logits.float().clone()
+        if biased:
+            rows, tokens, biases = zip(*biased)
+            adjusted.index_put_((host_to_device(list(rows), torch.int64, logits.device),
+                                 host_to_device(list(tokens), torch.int64, logits.device)),
+                                host_to_device(list(biases), torch.float32, logits.device), accumulate=True)
+        if penalized:
+            adjusted = self._penalized(adjusted, requests, penalized)
         if held_back:
             rows, tokens = zip(*held_back)
             # a Python scalar, not a device tensor made from one (that copy would wait for the step)
@@ -67,8 +75,8 @@ class Sampler:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
 
     def _penalized(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
-        """A float32 copy of logits with the penalties of `rows` applied (the caller's logits, which a
-        decode graph owns and logprobs read, stay as they are)."""
+        """The penalties of `rows` applied to `logits` in place: a float32 copy the sampler made (the
+        logits a decode graph owns, which logprobs read, stay as they are)."""
         device, vocab = logits.device, logits.shape[-1]
         chosen = [requests[i] for i in rows]
         for request in chosen:
@@ -86,8 +94,7 @@ class Sampler:
         sub = logits.index_select(0, index).float()
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
         sub = sub - frequency * counts - presence * (counts > 0).float()
-        out = logits.float() if logits.dtype != torch.float32 else logits.clone()
-        return out.index_copy_(0, index, sub)
+        return logits.index_copy_(0, index, sub)
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if all(r.params.temperature == 0 for r in requests):

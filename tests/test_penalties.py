@@ -112,7 +112,7 @@ def test_penalized_logits_equal_transformers_repetition_processor_and_openai_for
     sampler = Sampler(torch.device("cpu"), seed=0)
     for _ in range(4):
         logits = torch.randn(3, vocab, generator=gen) * 3
-        got = sampler._penalized(logits, requests, [0, 1, 2])
+        got = sampler._penalized(logits.clone(), requests, [0, 1, 2])
         for i, (request, out) in enumerate(zip(requests, outputs)):
             sp, want = request.params, logits[i:i + 1].double().clone()
             if sp.repetition_penalty != 1:
@@ -169,3 +169,37 @@ def test_a_bad_min_p_or_min_tokens_is_refused_by_name(saved, field, value):
     with LLM(str(path), **SMALL) as llm:
         with pytest.raises(InvalidRequestError, match=field):
             llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, **{field: value}))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
+def test_logit_bias_adds_to_the_logits_as_openai_defines_it(saved, async_scheduling):
+    """+100 forces a token, -100 bans one; a small bias moves the greedy choice exactly as adding it to
+    transformers' logits does."""
+    path, hf = saved["llama"]
+    prompt = PROMPTS[2]
+    with LLM(str(path), **SMALL, async_scheduling=async_scheduling) as llm:
+        free = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+        forced = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={77: 100.0}))[0]
+        banned = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={free[0]: -100}))[0]
+        bias = {free[1]: -2.5, 40: 3.0, 41: 1.5}
+        moved = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=bias))[0]
+    assert forced.token_ids == [77] * 6
+    assert free[0] not in banned.token_ids
+    ids, want = list(prompt), []
+    with torch.no_grad():
+        for _ in range(6):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            for token, b in bias.items():
+                logits[token] += b
+            want.append(int(logits.argmax()))
+            ids.append(want[-1])
+    assert moved.token_ids == want and want != free
+
+
+@pytest.mark.parametrize("bias", [{5: 101}, {-1: 1.0}, {96: 1.0}, {"5": 1.0}])
+def test_a_bad_logit_bias_is_refused_by_name(saved, bias):
+    path, _ = saved["llama"]
+    with LLM(str(path), **SMALL) as llm:
+        with pytest.raises(InvalidRequestError, match="logit_bias") as info:
+            llm.generate(PROMPTS[0], SamplingParams(logit_bias=bias))
+        assert info.value.param == "logit_bias"

@@ -386,7 +386,8 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("completions", {"model": NAME, "prompt": "hi", "min_p": 1.5}, "min_p"),
     ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
+    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"model": NAME, "prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
     ("completions", {"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix"),
     ("chat/completions", {"model": NAME, "messages": MESSAGES, "presence_penalty": -3}, "presence_penalty"),
     ("completions", {"model": NAME, "prompt": "hi", "echo": True}, "echo"),
@@ -416,7 +417,7 @@ def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(url, rou
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
 
 
-def test_penalties_min_p_and_min_tokens_over_http_give_llm_generate_tokens(client, reference):
+def test_penalties_min_p_min_tokens_and_logit_bias_over_http_give_llm_generate_tokens(client, reference):
     params = dict(max_tokens=12, presence_penalty=0.8, frequency_penalty=1.2, repetition_penalty=1.5)
     [expected] = reference.generate([PROMPT], SamplingParams(ignore_eos=True, **params))
     [plain] = reference.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
@@ -431,6 +432,10 @@ def test_penalties_min_p_and_min_tokens_over_http_give_llm_generate_tokens(clien
     resp = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5,
                                      extra_body={"min_p": 0.2, "min_tokens": 12, "return_token_ids": True})
     assert resp.choices[0].model_extra["token_ids"] == expected.token_ids and len(expected.token_ids) == 12
+    # logit_bias: JSON keys are strings
+    resp = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={"45": 100},
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert resp.choices[0].model_extra["token_ids"] == [45] * 4
 
 
 def test_neutral_sampling_extras_are_accepted(client):

@@ -4,7 +4,7 @@ The request models check only the shape of a body (types, which fields exist); t
 checked once, by SamplingParams.check and the engine's prompt check, whose InvalidRequestError
 names the field that the 400 reports (as the request's wire names it: a chat request's `top_logprobs`
 is SamplingParams.logprobs). Unknown fields are ignored, as OpenAI's own server does; fields this
-server does not implement (n > 1, best_of, echo, logit_bias, suffix, tools, ...) are refused by name.
+server does not implement (n > 1, best_of, echo, suffix, tools, ...) are refused by name.
 """
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ class _Sampling(BaseModel):
     repetition_penalty: Optional[float] = None  # vLLM's extension
     min_p: Optional[float] = None  # vLLM's extension
     min_tokens: Optional[int] = None  # vLLM's extension
-    # Accepted only at the values that leave sampling as it is: a client that asks for a bias or a
-    # format gets a 400 naming the field, not tokens sampled as if it had not asked.
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (a JSON key, so a string) -> bias
+    # Accepted only at the values that leave sampling as it is: a client that asks for a format gets
+    # a 400 naming the field, not tokens sampled as if it had not asked.
     response_format: Optional[dict[str, Any]] = None
 
     # SamplingParams field -> the request field that set it, for the `param` of a 400
@@ -70,8 +70,8 @@ class _Sampling(BaseModel):
             return "best_of", f"best_of={self.best_of} is not supported"
         if self.echo:
             return "echo", "echo is not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        if self.logit_bias and not all(key.strip().lstrip("-").isdigit() for key in self.logit_bias):
+            return "logit_bias", "logit_bias keys must be token ids"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format", f"response_format {self.response_format.get('type')!r} is not supported (only 'text')"
         return None
@@ -86,7 +86,8 @@ class _Sampling(BaseModel):
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0)
+            min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
+            logit_bias=tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items()))
 
     @property
     def include_usage(self) -> bool:
