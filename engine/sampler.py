@@ -1,13 +1,15 @@
 """Sampler: next tokens from logits, on the logits' device, without waiting for the device.
 
-Penalties (presence, frequency, repetition) first adjust a float32 copy of the rows that ask for
-them, from per-request token counts that live on the device and that each sampling step updates
-there, so the overlapped loop's next step sees a token the host has not read. Greedy rows take the
-argmax. Sampled rows divide by temperature, keep the top_k logits and the
-smallest top_p nucleus, and draw by the exponential race (argmax of probs / E, E ~ Exp(1)), which
-is a draw from probs. A request with a seed owns a torch.Generator on the device and draws its own
-noise row every step, so its tokens depend only on its seed and its logits, never on the batch
-around it; requests without a seed share the engine's generator.
+Requests that ask for them first get a float32 copy of the logits adjusted, in this order:
+logit_bias added; penalties (presence, frequency, repetition) from per-request token counts that
+live on the device and that each sampling step updates there, so the overlapped loop's next step
+sees a token the host has not read; EOS and stop tokens masked until min_tokens are out. Greedy
+rows take the argmax. Sampled rows divide by temperature, keep the top_k logits, the smallest
+top_p nucleus and the tokens with at least min_p times the top probability, and draw by the
+exponential race (argmax of probs / E, E ~ Exp(1)), which is a draw from probs. A request with a
+seed owns a torch.Generator on the device and draws its own noise row every step, so its tokens
+depend only on its seed and its logits, never on the batch around it; requests without a seed share
+the engine's generator.
 
 `sample` returns the tokens as a device tensor and never blocks the host: the per-row parameters
 travel through pinned memory with non_blocking copies (a pageable copy to CUDA synchronizes the
@@ -52,7 +54,8 @@ class Sampler:
                      for token in self._stop_ids(r)]
         if not penalized and not held_back and not biased:
             return self._draw(logits, requests)
-        adjusted = logits.float().clone()
+        # a float32 copy: the logits a decode graph owns, which logprobs read, stay as they are
+        adjusted = logits.float() if logits.dtype != torch.float32 else logits.clone()
         if biased:
             rows, tokens, biases = zip(*biased)
             adjusted.index_put_((host_to_device(list(rows), torch.int64, logits.device),
