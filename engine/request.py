@@ -144,6 +144,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @functools.cached_property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before drawing (bias, penalties,
+        min_tokens): computed once, read for every row of every step."""
+        return bool(self.logit_bias) or self.has_penalties or self.min_tokens > 0
+
 
 @dataclass(eq=False)  # identity: a request is itself, whatever its tokens
 class Request:

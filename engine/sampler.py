@@ -46,14 +46,15 @@ class Sampler:
         """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
-        biased = [(i, token, bias) for i, r in enumerate(requests) for token, bias in r.params.logit_bias]
-        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        held_back = [(i, token) for i, r in enumerate(requests) if r.params.min_tokens
-                     # the tokens out so far, the overlapped loop's in-flight one included
-                     and r.num_tokens - r.num_prompt_tokens < r.params.min_tokens
-                     for token in self._stop_ids(r)]
-        if not penalized and not held_back and not biased:
+        adjusting = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
+        if not adjusting:
             return self._draw(logits, requests)
+        biased = [(i, token, bias) for i in adjusting for token, bias in requests[i].params.logit_bias]
+        penalized = [i for i in adjusting if requests[i].params.has_penalties]
+        held_back = [(i, token) for i in adjusting if requests[i].params.min_tokens
+                     # the tokens out so far, the overlapped loop's in-flight one included
+                     and requests[i].num_tokens - requests[i].num_prompt_tokens < requests[i].params.min_tokens
+                     for token in self._stop_ids(requests[i])]
         # a float32 copy: the logits a decode graph owns, which logprobs read, stay as they are
         adjusted = logits.float() if logits.dtype != torch.float32 else logits.clone()
         if biased:
