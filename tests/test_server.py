@@ -327,6 +327,12 @@ def test_n_seeded_choices_equal_llm_generate_with_seed_plus_index_and_share_the_
     # choices 1 and 2 start once choice 0 has prefilled: both find its 3 full blocks in the prefix cache
     hits = after["infer_graphs_prefix_cache_hit_tokens"] - before["infer_graphs_prefix_cache_hit_tokens"]
     assert hits == 2 * 12
+    # each choice is a request that ended; the prompt and the time to first token are the call's, once
+    def moved(name):
+        return after.get(name, 0) - before.get(name, 0)
+    assert moved("infer_graphs_requests_total{finish_reason=length}") == 3
+    assert moved("infer_graphs_generation_tokens_total") == 24 and moved("infer_graphs_prompt_tokens_total") == 13
+    assert moved("infer_graphs_time_to_first_token_seconds_count") == 1
     # the same request again: the same choices (choice i's seed is seed + i, whatever runs beside it)
     again = client.completions.create(model=NAME, prompt=prompt, n=3, seed=11, max_tokens=8, temperature=1.0,
                                       top_p=0.95, extra_body={"ignore_eos": True})
@@ -334,8 +340,9 @@ def test_n_seeded_choices_equal_llm_generate_with_seed_plus_index_and_share_the_
 
 
 def test_n_streamed_interleaves_choices_each_with_one_finish_reason_then_one_usage_chunk_and_done(url, reference):
-    expected = reference.generate([PROMPT] * 3, _seeded(5, 3, max_tokens=10, temperature=0.9, ignore_eos=True))
-    body = {"model": NAME, "prompt": PROMPT, "n": 3, "seed": 5, "max_tokens": 10, "temperature": 0.9,
+    expected = reference.generate([PROMPT] * 3, _seeded(5, 3, max_tokens=10, temperature=0.9, ignore_eos=True,
+                                                         logprobs=1))
+    body = {"model": NAME, "prompt": PROMPT, "n": 3, "seed": 5, "max_tokens": 10, "temperature": 0.9, "logprobs": 1,
             "ignore_eos": True, "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=_auth(), timeout=30) as resp:
         assert resp.status_code == 200
@@ -346,18 +353,26 @@ def test_n_streamed_interleaves_choices_each_with_one_finish_reason_then_one_usa
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
         "prompt_tokens": len(expected[0].prompt_token_ids), "completion_tokens": 30,
         "total_tokens": len(expected[0].prompt_token_ids) + 30}
-    ids, text, reasons = {}, {}, {}
+    ids, text, reasons, logprobs, offsets = {}, {}, {}, {}, {}
     for chunk in token_chunks:
         [choice] = chunk["choices"]  # one choice per chunk, named by its index
         i = choice["index"]
         assert i not in reasons, f"choice {i} sent a chunk after its finish_reason"
         ids.setdefault(i, []).extend(choice.get("token_ids") or [])
         text[i] = text.get(i, "") + choice["text"]
+        if choice["logprobs"] is not None:  # this chunk's own tokens, with offsets in its own choice's text
+            logprobs.setdefault(i, []).extend(choice["logprobs"]["token_logprobs"])
+            offsets.setdefault(i, []).extend(choice["logprobs"]["text_offset"])
         if choice["finish_reason"] is not None:
             reasons[i] = choice["finish_reason"]
     assert reasons == {0: "length", 1: "length", 2: "length"}
     assert [ids[i] for i in range(3)] == [e.token_ids for e in expected]
     assert [text[i] for i in range(3)] == [e.text for e in expected]
+    for i, want in enumerate(expected):
+        assert logprobs[i] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+        # as one formatter gives for the whole choice: each choice's offsets carry on from its own chunks
+        whole = LogprobsFormatter(TokenText(reference.tokenizer), chat=False)(want.prompt_token_ids, want.logprobs)
+        assert offsets[i] == whole["text_offset"]
     order = [c["choices"][0]["index"] for c in token_chunks]
     assert order != sorted(order)  # interleaved as the tokens come, not one choice after the other
 

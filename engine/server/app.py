@@ -168,7 +168,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
         try:
             finals: list[Any] = [None] * req.n
             async for index, out in choices:
-                metrics.observe(out, first=finals[index] is None)
+                metrics.observe(out, first=index == 0 and finals[0] is None)
                 finals[index] = out
             _finished(finals)
             logprobs = [None] * req.n if formatters is None else await loop.run_in_executor(
@@ -187,7 +187,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             # per choice: chunks sent (a choice's first chunk carries the chat role), tokens, final output
             num_chunks, num_tokens, finals = [0] * choices.n, [0] * choices.n, [None] * choices.n
             async for index, out in choices:
-                metrics.observe(out, first=num_tokens[index] == 0)
+                metrics.observe(out, first=index == 0 and num_tokens[0] == 0)
                 num_tokens[index] += len(out.new_token_ids)
                 # a token whose text is held back (half a character, a possible stop string) still
                 # sends its id and logprobs when the client asked for them
@@ -221,7 +221,9 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
         return _error(503, str(exc), type="server_error")
 
     def _finished(finals: list[Any]) -> None:
-        """Count each choice as a request that ended (its own finish reason), the one prompt once."""
+        """Each choice is a request that ended (its finish reason, its latency); the prompt and the time
+        to first token are the API request's, counted once (choice 0's: its first token is the client's
+        first, the others start after it)."""
         for index, out in enumerate(finals):
             metrics.finished(out.finish_reason, len(out.prompt_token_ids) if index == 0 else 0,
                              (out.ttft_s or 0.0) + sum(out.inter_token_latencies_s))
