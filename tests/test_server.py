@@ -337,6 +337,10 @@ def test_n_seeded_choices_equal_llm_generate_with_seed_plus_index_and_share_the_
     again = client.completions.create(model=NAME, prompt=prompt, n=3, seed=11, max_tokens=8, temperature=1.0,
                                       top_p=0.95, extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == [c.text for c in resp.choices]
+    # without a seed the choices differ by themselves
+    unseeded = client.completions.create(model=NAME, prompt=prompt, n=3, max_tokens=8, temperature=1.0,
+                                         extra_body={"ignore_eos": True})
+    assert len({c.text for c in unseeded.choices}) > 1
 
 
 def test_n_streamed_interleaves_choices_each_with_one_finish_reason_then_one_usage_chunk_and_done(url, reference):

@@ -11,7 +11,8 @@ different samples by itself; greedy gives n equal choices, as OpenAI does.
 Choice 0 goes first and the other n - 1 once it has its first token: its prefill is then done and the
 prompt's full blocks are in the prefix cache (a block is published after the step that computed it),
 so the others prefill only what follows the last full block and share the rest. Submitted together,
-all n would prefill the whole prompt in one step, none of its blocks computed yet to share.
+all n would prefill the whole prompt in one step, none of its blocks computed yet to share. (Without
+a prefix cache the wait only costs choices 1..n-1 a step of latency; one path serves both.)
 
 All or nothing: the error that refuses choice 0 refuses the call (an InvalidRequestError is the same
 400 as with n=1; the choices differ only in their seeds, which the protocol checked); any error after
