@@ -552,8 +552,9 @@ def test_neutral_sampling_extras_are_accepted(client):
     """Clients that send every field at its neutral value (or null) are served, not refused."""
     out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0, presence_penalty=0,
                                     frequency_penalty=0, logit_bias={},
-                                    extra_body={"repetition_penalty": 1.0, "min_p": None, "min_tokens": 0})
-    assert out.usage.completion_tokens == 2
+                                    extra_body={"repetition_penalty": 1.0, "min_p": None, "min_tokens": 0,
+                                                "n": None, "best_of": None})
+    assert out.usage.completion_tokens == 2 and len(out.choices) == 1
 
 
 def test_the_sdk_sees_an_openai_error_object(client):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from engine.request import SamplingParams
 
@@ -58,6 +58,11 @@ class _Sampling(BaseModel):
 
     # SamplingParams field -> the request field that set it, for the `param` of a 400
     WIRE_NAMES: ClassVar[dict[str, str]] = {}
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _null_n_is_one(cls, n: Any) -> Any:
+        return 1 if n is None else n  # JSON null, as clients send for unset: OpenAI's default
 
     @property
     def num_logprobs(self) -> int | None:
