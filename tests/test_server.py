@@ -300,6 +300,104 @@ def test_chat_logprobs_with_top_logprobs_streamed_and_not(client, reference):
     assert strings(streamed) == strings(content) and values(streamed) == pytest.approx(values(content), abs=1e-5)
 
 
+# -- n choices ---------------------------------------------------------------------------------------
+
+def _seeded(seed: int, n: int, **params) -> list[SamplingParams]:
+    """What choice i of a request with `seed` samples with: seed + i."""
+    return [SamplingParams(seed=seed + i, **params) for i in range(n)]
+
+
+def test_n_seeded_choices_equal_llm_generate_with_seed_plus_index_and_share_the_prompt_blocks(url, client,
+                                                                                             reference):
+    # a prompt no other test sends: 13 tokens, so 3 full blocks of 4 (block_size) to share
+    prompt = [2] + [int(t) for t in torch.randint(30, 300, (12,))]
+    sampling = dict(max_tokens=8, temperature=1.0, top_p=0.95, ignore_eos=True, logprobs=2)
+    expected = reference.generate([prompt] * 3, _seeded(11, 3, **sampling))
+    assert len({tuple(e.token_ids) for e in expected}) == 3  # the three seeds sample three different texts
+    before = _metrics(url)
+    resp = client.completions.create(model=NAME, prompt=prompt, n=3, seed=11, max_tokens=8, temperature=1.0,
+                                     top_p=0.95, logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    after = _metrics(url)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for choice, want in zip(resp.choices, expected):
+        assert choice.model_extra["token_ids"] == want.token_ids and choice.text == want.text
+        assert choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (13, 24)  # the prompt counted once
+    # choices 1 and 2 start once choice 0 has prefilled: both find its 3 full blocks in the prefix cache
+    hits = after["infer_graphs_prefix_cache_hit_tokens"] - before["infer_graphs_prefix_cache_hit_tokens"]
+    assert hits == 2 * 12
+    # each choice is a request that ended; the prompt and the time to first token are the call's, once
+    def moved(name):
+        return after.get(name, 0) - before.get(name, 0)
+    assert moved("infer_graphs_requests_total{finish_reason=length}") == 3
+    assert moved("infer_graphs_generation_tokens_total") == 24 and moved("infer_graphs_prompt_tokens_total") == 13
+    assert moved("infer_graphs_time_to_first_token_seconds_count") == 1
+    # the same request again: the same choices (choice i's seed is seed + i, whatever runs beside it)
+    again = client.completions.create(model=NAME, prompt=prompt, n=3, seed=11, max_tokens=8, temperature=1.0,
+                                      top_p=0.95, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]
+    # without a seed the choices differ by themselves
+    unseeded = client.completions.create(model=NAME, prompt=prompt, n=3, max_tokens=8, temperature=1.0,
+                                         extra_body={"ignore_eos": True})
+    assert len({c.text for c in unseeded.choices}) > 1
+
+
+def test_n_streamed_interleaves_choices_each_with_one_finish_reason_then_one_usage_chunk_and_done(url, reference):
+    expected = reference.generate([PROMPT] * 3, _seeded(5, 3, max_tokens=10, temperature=0.9, ignore_eos=True,
+                                                         logprobs=1))
+    body = {"model": NAME, "prompt": PROMPT, "n": 3, "seed": 5, "max_tokens": 10, "temperature": 0.9, "logprobs": 1,
+            "ignore_eos": True, "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=_auth(), timeout=30) as resp:
+        assert resp.status_code == 200
+        events = resp.read().decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]" and events.count("data: [DONE]") == 1
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    *token_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
+        "prompt_tokens": len(expected[0].prompt_token_ids), "completion_tokens": 30,
+        "total_tokens": len(expected[0].prompt_token_ids) + 30}
+    ids, text, reasons, logprobs, offsets = {}, {}, {}, {}, {}
+    for chunk in token_chunks:
+        [choice] = chunk["choices"]  # one choice per chunk, named by its index
+        i = choice["index"]
+        assert i not in reasons, f"choice {i} sent a chunk after its finish_reason"
+        ids.setdefault(i, []).extend(choice.get("token_ids") or [])
+        text[i] = text.get(i, "") + choice["text"]
+        if choice["logprobs"] is not None:  # this chunk's own tokens, with offsets in its own choice's text
+            logprobs.setdefault(i, []).extend(choice["logprobs"]["token_logprobs"])
+            offsets.setdefault(i, []).extend(choice["logprobs"]["text_offset"])
+        if choice["finish_reason"] is not None:
+            reasons[i] = choice["finish_reason"]
+    assert reasons == {0: "length", 1: "length", 2: "length"}
+    assert [ids[i] for i in range(3)] == [e.token_ids for e in expected]
+    assert [text[i] for i in range(3)] == [e.text for e in expected]
+    for i, want in enumerate(expected):
+        assert logprobs[i] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+        # as one formatter gives for the whole choice: each choice's offsets carry on from its own chunks
+        whole = LogprobsFormatter(TokenText(reference.tokenizer), chat=False)(want.prompt_token_ids, want.logprobs)
+        assert offsets[i] == whole["text_offset"]
+    order = [c["choices"][0]["index"] for c in token_chunks]
+    assert order != sorted(order)  # interleaved as the tokens come, not one choice after the other
+
+
+def test_n_greedy_chat_gives_identical_choices_streamed_and_not(client, reference):
+    [expected] = reference.generate([_chat_prompt_ids(reference, MESSAGES)],
+                                    SamplingParams(max_tokens=6, ignore_eos=True))
+    kwargs = dict(model=NAME, messages=MESSAGES, n=2, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(**kwargs)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.message.content for c in resp.choices] == [expected.text] * 2
+    assert resp.usage.completion_tokens == 12
+    content, roles = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+            roles[c.index].append(c.delta.role)
+    assert content == {0: expected.text, 1: expected.text}
+    assert all(r[0] == "assistant" and set(r[1:]) <= {None} for r in roles.values())  # each choice's first delta
+
+
 # -- load ------------------------------------------------------------------------------------------
 
 def test_32_concurrent_streams_with_different_lengths_and_sampling_all_finish(url):
@@ -341,6 +439,12 @@ def test_disconnected_clients_are_aborted_and_their_blocks_come_back_while_other
         with pytest.raises(httpx.ReadTimeout):
             await client.post(f"{url}/v1/completions", json=long, timeout=httpx.Timeout(30, read=0.1))
 
+    async def leave_mid_stream_of_n(client, last_index):
+        async with client.stream("POST", f"{url}/v1/completions", json={**long, "stream": True, "n": 4}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["index"] >= last_index:
+                    break  # leave before, or after, choices 1..3 have started
+
     async def stay(client):
         resp = await client.post(f"{url}/v1/completions", json={**long, "max_tokens": 8}, timeout=60)
         return resp.json()["usage"]["completion_tokens"]
@@ -349,6 +453,7 @@ def test_disconnected_clients_are_aborted_and_their_blocks_come_back_while_other
         async with httpx.AsyncClient(headers=_auth(), timeout=60) as client:
             return await asyncio.wait_for(asyncio.gather(
                 *(leave_mid_stream(client) for _ in range(3)), *(leave_mid_request(client) for _ in range(2)),
+                leave_mid_stream_of_n(client, 0), leave_mid_stream_of_n(client, 3),
                 *(stay(client) for _ in range(3))), 60)
 
     results = asyncio.run(run())
@@ -357,7 +462,7 @@ def test_disconnected_clients_are_aborted_and_their_blocks_come_back_while_other
     while (m := _metrics(url))["infer_graphs_kv_blocks_used"] != 0 or m["infer_graphs_requests_running"] != 0:
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
-    # five requests of 500 tokens that ran to the end would need >= 500 decode steps; aborted, far fewer
+    # requests of 500 tokens that ran to the end would need >= 500 decode steps; aborted, far fewer
     steps = m['infer_graphs_steps_total{mode=none}'] - before['infer_graphs_steps_total{mode=none}']
     assert steps < 400, steps
 
@@ -374,13 +479,18 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "temperature": "hot"}, "temperature"),
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 2}, "top_p"),
     ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("completions", {"model": NAME, "prompt": "hi", "n": 2}, "n"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 17}, "n"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 0}, "n"),
+    ("completions", {"model": NAME, "prompt": [5] * 600, "n": 3}, "prompt"),  # the engine refuses choice 0
+    ("completions", {"model": NAME, "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 3, "seed": 2**63 - 2}, "seed"),
     ("completions", {"model": NAME, "prompt": "hi", "stop_token_ids": [10_000]}, "stop_token_ids"),
     ("completions", {"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
     ("completions", {"model": NAME}, "prompt"),
     ("chat/completions", {"model": NAME, "messages": []}, "messages"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x " * 1000}]}, "messages"),
-    ("chat/completions", {"model": NAME, "messages": MESSAGES, "n": 3, "stream": True}, "n"),
+    ("chat/completions", {"model": NAME, "messages": MESSAGES, "n": 17, "stream": True}, "n"),
+    ("chat/completions", {"model": NAME, "messages": [], "n": 3}, "messages"),  # refused once, not per choice
     # sampling features this server does not implement: refused by name, never silently ignored
     ("completions", {"model": NAME, "prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
     ("completions", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
@@ -442,14 +552,15 @@ def test_neutral_sampling_extras_are_accepted(client):
     """Clients that send every field at its neutral value (or null) are served, not refused."""
     out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0, presence_penalty=0,
                                     frequency_penalty=0, logit_bias={},
-                                    extra_body={"repetition_penalty": 1.0, "min_p": None, "min_tokens": 0})
-    assert out.usage.completion_tokens == 2
+                                    extra_body={"repetition_penalty": 1.0, "min_p": None, "min_tokens": 0,
+                                                "n": None, "best_of": None})
+    assert out.usage.completion_tokens == 2 and len(out.choices) == 1
 
 
 def test_the_sdk_sees_an_openai_error_object(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, n=2)
-    assert info.value.param == "n"
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, n=17)
+    assert info.value.param == "n" and "n=17" in info.value.message
 
 
 def test_a_missing_or_wrong_api_key_is_401_on_every_v1_route_and_health_needs_none(url):
@@ -558,6 +669,7 @@ def test_server_on_cuda_with_decode_and_prefill_graphs_equals_the_engine(model_d
         logprobs = [None, None, 2]
         expected = [reference.generate([p], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=k))[0]
                     for p, k in zip(prompts, logprobs)]
+        seeded = reference.generate([prompts[2]] * 3, _seeded(3, 3, max_tokens=16, temperature=1.0, ignore_eos=True))
         reference.close()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
         for prompt, k, want in zip(prompts, logprobs, expected):
@@ -569,6 +681,10 @@ def test_server_on_cuda_with_decode_and_prefill_graphs_equals_the_engine(model_d
                 got = resp.choices[0].logprobs
                 assert got.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-4)
                 assert all(len(top) <= k + 1 for top in got.top_logprobs)
+        # n choices under the graphs: choices 1 and 2 prefill as extends over choice 0's cached blocks
+        resp = client.completions.create(model=NAME, prompt=prompts[2], n=3, seed=3, max_tokens=16, temperature=1.0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert [c.model_extra["token_ids"] for c in resp.choices] == [e.token_ids for e in seeded]
         metrics = _metrics(url)
         assert metrics["infer_graphs_steps_total{mode=full}"] > 0
         assert metrics["infer_graphs_steps_total{mode=piecewise}"] > 0

@@ -1,9 +1,10 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-Handlers never call the model: they submit to the EngineLoop and read their request's outputs as
-the engine produces them. Every exit of a handler or of a stream (finished, client gone mid-prefill
-or mid-stream, server shutting down) ends in a `finally` that aborts the request, so its KV blocks
-go back to the pool whatever happened; abort is idempotent, so aborting a finished request is free.
+Handlers never call the model: they submit to the EngineLoop the n engine requests of a request's
+`n` choices (engine.server.choices) and read their outputs as the engine produces them. Every exit
+of a handler or of a stream (finished, client gone mid-prefill or mid-stream, server shutting down)
+ends in a `finally` that aborts every choice, so their KV blocks go back to the pool whatever
+happened; abort is idempotent, so aborting a finished request is free.
 Prompts are tokenized (and chat templates rendered) on one tokenizer thread, never on the event loop
 that streams every client's tokens nor on the engine loop's thread, whose host time is every running
 request's inter-token latency. The same thread turns a request's logprobs into token strings
@@ -28,7 +29,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.request import InvalidRequestError
-from engine.server.engine_loop import EngineLoop, EngineUnavailable, Stream
+from engine.server.choices import Choices
+from engine.server.engine_loop import EngineLoop, EngineUnavailable
 from engine.server.logprobs import LogprobsFormatter, TokenText
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
@@ -46,6 +48,11 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _format_all(formatters: list[LogprobsFormatter], outs: list[Any]) -> list[dict[str, Any]]:
+    """Each choice's logprobs object, for all its tokens (on the tokenizer thread)."""
+    return [formatter(out.prompt_token_ids, out.logprobs) for formatter, out in zip(formatters, outs)]
 
 
 def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
@@ -144,80 +151,88 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             if isinstance(prompt, str) and prompt and tokenizer is not None:  # the engine would encode it alike
                 prompt = await loop.run_in_executor(tokenize_pool, encode, prompt)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = engine.submit(prompt, req.sampling_params(default_max), request_id)
-        watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+        choices = Choices(engine, prompt, req.sampling_params(default_max), request_id, req.n)
+        watcher = asyncio.create_task(_abort_on_disconnect(request, choices))
         try:
-            await stream.get()  # ACCEPTED, or the error that refused the request
-        except InvalidRequestError as exc:
+            await choices.accepted()
+        except (InvalidRequestError, EngineUnavailable) as exc:
             watcher.cancel()
-            return _error(400, str(exc), req.WIRE_NAMES.get(exc.param, exc.param))
-        except EngineUnavailable as exc:
-            watcher.cancel()
-            return _error(503, str(exc), type="server_error")
-        logger.debug("request %s accepted", request_id)
+            return _refused(exc, req)
+        logger.debug("request %s accepted (n=%d)", request_id, req.n)
         builder = ResponseBuilder(request_id, model_name, chat, req.return_token_ids)
-        formatter = LogprobsFormatter(token_text, chat) if req.num_logprobs is not None else None
+        # one per choice: a formatter carries its choice's text offsets from one chunk to the next
+        formatters = None if req.num_logprobs is None else [LogprobsFormatter(token_text, chat) for _ in range(req.n)]
         if req.stream:
-            return StreamingResponse(_stream(stream, builder, req.include_usage, watcher, formatter),
+            return StreamingResponse(_stream(choices, builder, req, watcher, formatters),
                                      media_type="text/event-stream")
         try:
-            out, num_tokens = None, 0
-            while out is None or not out.finished:
-                out = await stream.get()
-                metrics.observe(out, first=num_tokens == 0)
-                num_tokens += len(out.new_token_ids)
-            _finished(out)
-            logprobs = None if formatter is None else await loop.run_in_executor(
-                tokenize_pool, formatter, out.prompt_token_ids, out.logprobs)
-            return JSONResponse(builder.final(out, logprobs))
-        except EngineUnavailable as exc:
-            return _error(503, str(exc), type="server_error")
+            finals: list[Any] = [None] * req.n
+            async for index, out in choices:
+                metrics.observe(out, first=index == 0 and finals[0] is None)
+                finals[index] = out
+            _finished(finals)
+            logprobs = [None] * req.n if formatters is None else await loop.run_in_executor(
+                tokenize_pool, _format_all, formatters, finals)
+            return JSONResponse(builder.final(finals, logprobs))
+        except (InvalidRequestError, EngineUnavailable) as exc:
+            return _refused(exc, req)
         finally:
             watcher.cancel()
-            engine.abort(request_id)
+            choices.abort()
 
-    async def _stream(stream: Stream, builder: ResponseBuilder, include_usage: bool, watcher: asyncio.Task,
-                      formatter: LogprobsFormatter | None):
+    async def _stream(choices: Choices, builder: ResponseBuilder, req: Any, watcher: asyncio.Task,
+                      formatters: list[LogprobsFormatter] | None):
         loop = asyncio.get_running_loop()
         try:
-            first, num_tokens, out = True, 0, None  # first: no chunk sent yet
-            while out is None or not out.finished:
-                out = await stream.get()
-                metrics.observe(out, first=num_tokens == 0)
-                num_tokens += len(out.new_token_ids)
+            # per choice: chunks sent (a choice's first chunk carries the chat role), tokens, final output
+            num_chunks, num_tokens, finals = [0] * choices.n, [0] * choices.n, [None] * choices.n
+            async for index, out in choices:
+                metrics.observe(out, first=index == 0 and num_tokens[0] == 0)
+                num_tokens[index] += len(out.new_token_ids)
                 # a token whose text is held back (half a character, a possible stop string) still
                 # sends its id and logprobs when the client asked for them
-                if out.new_text or out.finished or first or (out.new_token_ids and (
-                        builder.return_token_ids or formatter is not None)):
+                if out.new_text or out.finished or not num_chunks[index] or (out.new_token_ids and (
+                        builder.return_token_ids or formatters is not None)):
                     logprobs = None
-                    if formatter is not None and out.new_token_ids:
-                        logprobs = await loop.run_in_executor(tokenize_pool, formatter, out.prompt_token_ids,
-                                                              out.new_logprobs)
-                    yield _sse(builder.chunk(out.new_text, out.new_token_ids,
-                                             out.finish_reason if out.finished else None, first=first,
-                                             logprobs=logprobs))
-                    first = False
-            _finished(out)
-            if include_usage:
-                yield _sse(builder.usage_chunk(len(out.prompt_token_ids), num_tokens))
+                    if formatters is not None and out.new_token_ids:
+                        logprobs = await loop.run_in_executor(tokenize_pool, formatters[index],
+                                                              out.prompt_token_ids, out.new_logprobs)
+                    yield _sse(builder.chunk(index, out.new_text, out.new_token_ids,
+                                             out.finish_reason if out.finished else None,
+                                             first=not num_chunks[index], logprobs=logprobs))
+                    num_chunks[index] += 1
+                if out.finished:
+                    finals[index] = out
+            _finished(finals)
+            if req.include_usage:
+                yield _sse(builder.usage_chunk(len(finals[0].prompt_token_ids), sum(num_tokens)))
             yield "data: [DONE]\n\n"
-        except EngineUnavailable as exc:
-            yield _sse(error_body(str(exc), type="server_error"))
+        except (InvalidRequestError, EngineUnavailable) as exc:
+            yield _sse(error_body(str(exc), type="invalid_request_error" if isinstance(exc, InvalidRequestError)
+                                  else "server_error"))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            engine.abort(stream.request_id)
+            choices.abort()
 
-    def _finished(out: Any) -> None:
-        metrics.finished(out.finish_reason, len(out.prompt_token_ids), (out.ttft_s or 0.0) + sum(
-            out.inter_token_latencies_s))
+    def _refused(exc: Exception, req: Any) -> JSONResponse:
+        if isinstance(exc, InvalidRequestError):
+            return _error(400, str(exc), req.WIRE_NAMES.get(exc.param, exc.param))
+        return _error(503, str(exc), type="server_error")
 
-    async def _abort_on_disconnect(request: Request, stream: Stream) -> None:
-        """Wait for the client to go away; then abort its request and wake its handler."""
+    def _finished(finals: list[Any]) -> None:
+        """Each choice is a request that ended (its finish reason, its latency); the prompt and the time
+        to first token are the API request's, counted once (choice 0's: its first token is the client's
+        first, the others start after it)."""
+        for index, out in enumerate(finals):
+            metrics.finished(out.finish_reason, len(out.prompt_token_ids) if index == 0 else 0,
+                             (out.ttft_s or 0.0) + sum(out.inter_token_latencies_s))
+
+    async def _abort_on_disconnect(request: Request, choices: Choices) -> None:
+        """Wait for the client to go away; then abort its choices and wake its handler."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        engine.abort(stream.request_id)
-        stream.queue.put_nowait(EngineUnavailable("client disconnected"))
+        choices.fail(EngineUnavailable("client disconnected"))
 
     return Guard(app, api_key, max_request_bytes)
 

@@ -31,18 +31,20 @@ class EngineUnavailable(RuntimeError):
 
 
 class Stream:
-    """One request's outputs, on the asyncio side."""
+    """Where one engine request's outputs go, on the asyncio side: (index, item) pairs on `queue`. The n
+    engine requests of one API request share one queue, each with its choice's index
+    (engine.server.choices)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, into: asyncio.Queue,
+                 index: int = 0) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = into
+        self.index = index
 
-    async def get(self) -> Any:
-        item = await self.queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
+    def put(self, item: Any) -> None:
+        """Event loop thread only."""
+        self.queue.put_nowait((self.index, item))
 
 
 class EngineLoop:
@@ -68,10 +70,12 @@ class EngineLoop:
         tp = self.llm.tp
         return self.accepting and self.is_alive() and (tp is None or tp.failure is None)
 
-    def submit(self, prompt: Any, params: SamplingParams, request_id: str) -> Stream:
-        stream = Stream(request_id, asyncio.get_running_loop())
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: asyncio.Queue,
+               index: int = 0) -> Stream:
+        """Queue a request; its items go on `into` as (index, item)."""
+        stream = Stream(request_id, asyncio.get_running_loop(), into, index)
         if not self.accepting or not self.is_alive():
-            stream.queue.put_nowait(EngineUnavailable("the server is shutting down" if not self.accepting
+            stream.put(EngineUnavailable("the server is shutting down" if not self.accepting
                                                       else "the engine loop is not running"))
         else:
             self._commands.put((self._add, (prompt, params, stream)))
@@ -183,7 +187,7 @@ class EngineLoop:
 
 def _put_all(items: list[tuple[Stream, Any]]) -> None:
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.put(item)
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -4,16 +4,19 @@ The request models check only the shape of a body (types, which fields exist); t
 checked once, by SamplingParams.check and the engine's prompt check, whose InvalidRequestError
 names the field that the 400 reports (as the request's wire names it: a chat request's `top_logprobs`
 is SamplingParams.logprobs). Unknown fields are ignored, as OpenAI's own server does; fields this
-server does not implement (n > 1, best_of, echo, suffix, tools, ...) are refused by name.
+server does not implement (best_of other than n, echo, suffix, tools, ...) are refused by name.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, ClassVar, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from engine.request import SamplingParams
+
+MAX_N = 16  # choices per request: each is an engine request, so n is bounded like a batch is
+SEED_LIMIT = 2**63  # SamplingParams.check's bound: choice i samples with seed + i, which must stay below it
 
 # the engine's finish reasons as OpenAI names them ("eos" is a stop; "abort" has no OpenAI name)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
@@ -56,6 +59,11 @@ class _Sampling(BaseModel):
     # SamplingParams field -> the request field that set it, for the `param` of a 400
     WIRE_NAMES: ClassVar[dict[str, str]] = {}
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _null_n_is_one(cls, n: Any) -> Any:
+        return 1 if n is None else n  # JSON null, as clients send for unset: OpenAI's default
+
     @property
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None, or the number of most likely tokens to report per token."""
@@ -64,10 +72,14 @@ class _Sampling(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a feature this server does not implement, or a combination of fields
         OpenAI refuses, else None."""
-        if self.n != 1:
-            return "n", f"n={self.n} is not supported: only n=1"
-        if self.best_of not in (None, 1):
-            return "best_of", f"best_of={self.best_of} is not supported"
+        if not 1 <= self.n <= MAX_N:
+            return "n", f"n={self.n} is out of range: n must be an int in [1, {MAX_N}]"
+        if self.best_of not in (None, self.n):
+            return "best_of", (f"best_of={self.best_of} is not supported: best_of must be null or equal to n "
+                               f"({self.n}); this server returns every sample, it does not rank them")
+        if self.seed is not None and 0 <= self.seed < SEED_LIMIT <= self.seed + self.n - 1:
+            return "seed", (f"seed={self.seed} with n={self.n}: choice i samples with seed + i, which must be "
+                            "below 2**63")
         if self.echo:
             return "echo", "echo is not supported"
         if self.logit_bias and not all(key.strip().lstrip("-").isdigit() for key in self.logit_bias):
@@ -165,28 +177,34 @@ class ResponseBuilder:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def final(self, out: Any, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """`logprobs`: the LogprobsFormatter's object for every generated token, or None (not asked)."""
-        reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(out.token_ids)
-        return self._object("chat.completion" if self.chat else "text_completion", [choice],
-                            usage=usage(len(out.prompt_token_ids), len(out.token_ids)))
+    def final(self, outs: list[Any], logprobs: list[dict[str, Any] | None]) -> dict[str, Any]:
+        """The response for the finished outputs of choices 0..n-1. `logprobs`: per choice, the
+        LogprobsFormatter's object for every generated token, or None (not asked)."""
+        choices = []
+        for index, (out, choice_logprobs) in enumerate(zip(outs, logprobs)):
+            reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": out.text},
+                          "logprobs": choice_logprobs, "finish_reason": reason}
+            else:
+                choice = {"index": index, "text": out.text, "logprobs": choice_logprobs, "finish_reason": reason}
+            if self.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
+            choices.append(choice)
+        # the prompt is one for all choices: counted once, as OpenAI does
+        return self._object("chat.completion" if self.chat else "text_completion", choices,
+                            usage=usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)))
 
-    def chunk(self, text: str, token_ids: list[int] | None, finish_reason: str | None,
+    def chunk(self, index: int, text: str, token_ids: list[int] | None, finish_reason: str | None,
               first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """`logprobs`: the object for this chunk's tokens (token_ids), or None."""
+        """Choice `index`'s new text; `first`: its first chunk. `logprobs`: the object for this chunk's
+        tokens (token_ids), or None."""
         reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if self.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
