@@ -1,6 +1,9 @@
-"""Presence, frequency and repetition penalties: repetition against transformers' own generate()
-(RepetitionPenaltyLogitsProcessor), presence and frequency against a plain-torch greedy loop over
-transformers' logits; through both step loops, under preemption, and beside unpenalized requests."""
+"""What a request can ask of the sampler beyond temperature / top-k / top-p, against references
+nobody here wrote: repetition_penalty against transformers' generate() and its
+RepetitionPenaltyLogitsProcessor, presence / frequency penalties and logit_bias against a plain-torch
+greedy loop over transformers' logits, min_p against MinPLogitsWarper, min_tokens against
+generate(min_new_tokens=); through both step loops, under preemption, beside requests that ask for
+nothing; and every bad value refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -86,15 +89,6 @@ def test_penalties_survive_preemption_and_seeded_sampling_matches_across_loops(s
     assert [o.token_ids for o in tight] == roomy
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
-                                         ("repetition_penalty", "1.2")])
-def test_a_bad_penalty_is_refused_by_name(saved, field, value):
-    path, _ = saved["llama"]
-    with LLM(str(path), **SMALL) as llm:
-        with pytest.raises(InvalidRequestError, match=field) as info:
-            llm.generate(PROMPTS[0], SamplingParams(**{field: value}))
-        assert info.value.param == field
-
 
 def test_penalized_logits_equal_transformers_repetition_processor_and_openai_formula():
     """Row by row on fresh random logits (negative ones included, where repetition multiplies)."""
@@ -163,13 +157,6 @@ def test_min_p_keeps_what_transformers_min_p_warper_keeps():
     assert (got[3] > 0).sum() < (got[1] > 0).sum() < 64  # the filter removed something
 
 
-@pytest.mark.parametrize("field,value", [("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 99)])
-def test_a_bad_min_p_or_min_tokens_is_refused_by_name(saved, field, value):
-    path, _ = saved["llama"]
-    with LLM(str(path), **SMALL) as llm:
-        with pytest.raises(InvalidRequestError, match=field):
-            llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, **{field: value}))
-
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
 def test_logit_bias_adds_to_the_logits_as_openai_defines_it(saved, async_scheduling):
@@ -196,10 +183,16 @@ def test_logit_bias_adds_to_the_logits_as_openai_defines_it(saved, async_schedul
     assert moved.token_ids == want and want != free
 
 
-@pytest.mark.parametrize("bias", [{5: 101}, {-1: 1.0}, {96: 1.0}, {"5": 1.0}])
-def test_a_bad_logit_bias_is_refused_by_name(saved, bias):
+BAD = [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", "1.2"),
+       ("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 99), ("logprobs", -1), ("logprobs", 21), ("logprobs", 2.5),
+       ("logprobs", True), ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {96: 1.0}),
+       ("logit_bias", {"5": 1.0})]
+
+
+@pytest.mark.parametrize("field,value", BAD, ids=[f"{f}={v!r}" for f, v in BAD])
+def test_a_bad_sampling_value_is_refused_by_name(saved, field, value):
     path, _ = saved["llama"]
     with LLM(str(path), **SMALL) as llm:
-        with pytest.raises(InvalidRequestError, match="logit_bias") as info:
-            llm.generate(PROMPTS[0], SamplingParams(logit_bias=bias))
-        assert info.value.param == "logit_bias"
+        with pytest.raises(InvalidRequestError, match=field) as info:
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, **{field: value}))
+        assert info.value.param == field
