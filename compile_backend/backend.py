@@ -25,6 +25,14 @@ from custom_ops.forward_context import RuntimeMode, forward_context
 logger = logging.getLogger(__name__)
 
 
+def _warm_compile_workers() -> None:
+    """Start Inductor's Triton compile workers now, while Dynamo traces, not at the first kernel of
+    the first compile: what torch's own "inductor" backend does when it is called (this backend calls
+    compile_fx directly, which starts them lazily). Once per process; TORCH_WARM_POOL=0 turns it off."""
+    from torch._inductor.async_compile import maybe_warm_pool
+    maybe_warm_pool()
+
+
 class InferGraphsBackend:
     def __init__(self, config: BackendConfig | None = None, *, pool: Any = None):
         """`pool`: the GraphPool (or raw handle) this backend captures into; None makes one of its own on
@@ -37,6 +45,8 @@ class InferGraphsBackend:
         self.graphs: list[CompiledGraph] = []
         self._pool = pool
         self._owns_pool = False
+        if self.config.piece_compiler == "inductor" and torch.cuda.is_available():
+            _warm_compile_workers()
 
     @property
     def pool(self) -> Any:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import compile_backend
 from compile_backend import BackendConfig, default_capture_sizes, pad_to_capture_size, piecewise_context
@@ -91,3 +92,20 @@ def test_piecewise_context_sets_mode_and_token_count_and_does_not_nest():
 def test_backend_rejects_a_config_of_the_wrong_type():
     with pytest.raises(TypeError, match="BackendConfig"):
         compile_backend.InferGraphsBackend({"piece_compiler": "eager"})
+
+
+def test_an_inductor_backend_on_cuda_starts_the_compile_workers_before_the_trace(monkeypatch):
+    """As torch's own inductor backend does: the Triton compile workers start while Dynamo traces."""
+    import torch._inductor.async_compile as async_compile
+
+    from compile_backend import BackendConfig, InferGraphsBackend
+    calls = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    InferGraphsBackend(BackendConfig(piece_compiler="eager"))
+    assert calls == []
+    InferGraphsBackend(BackendConfig())
+    assert calls == [1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    InferGraphsBackend(BackendConfig())  # the CPU compiles C++ in-process: no Triton workers
+    assert calls == [1]
