@@ -178,23 +178,20 @@ def _recorded_inputs(piece: torch.fx.GraphModule) -> list[Any] | None:
 
 
 class _PieceCompiler(torch.fx.Interpreter):
-    """Propagates fake values through the split module, compiling each compute piece on its way."""
+    """Propagates fake values through the split module, compiling each compute piece with Inductor on
+    its way (the fallback for pieces whose input values the trace did not record)."""
 
-    def __init__(self, split: SplitGraph, compiler: str):
+    def __init__(self, split: SplitGraph):
         super().__init__(split.module)
         self.compute = {p.name for p in split.summary.pieces if not p.is_splitting}
-        self.compiler = compiler
         self.compiled: dict[str, Callable[..., Any]] = {}
         self.by_key: dict[str, Callable[..., Any]] = {}   # structural key -> compiled callable
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         piece = self.fetch_attr(target)
         if target in self.compute:
-            if self.compiler == "inductor":
-                self.compiled[target] = (_compile_deduplicated(piece, args, self.by_key) if not kwargs
-                                         else _compile_inductor(piece, args))
-            else:
-                self.compiled[target] = piece.forward
+            self.compiled[target] = (_compile_deduplicated(piece, args, self.by_key) if not kwargs
+                                     else _compile_inductor(piece, args))
         return piece(*args, **kwargs)
 
 
@@ -213,21 +210,23 @@ def compile_pieces(split: SplitGraph, fake_mode: Any, fake_inputs: Sequence[Any]
                    compiler: str) -> tuple[dict[str, Callable[..., Any]], int]:
     """(name -> callable for every piece: compiled compute pieces and direct-call splitting pieces,
     number of distinct compilations)."""
-    compute = [split.piece(info) for info in split.summary.pieces if not info.is_splitting]
-    recorded = [_recorded_inputs(piece) for piece in compute] if compiler == "inductor" else [None]
-    if all(args is not None for args in recorded):
-        # Each piece compiles from the values the trace recorded for its inputs: running the whole
-        # split module on fake tensors to find them costs about as much as the warm-cache compile.
-        runners, by_key = {}, {}
-        with fake_mode:
-            for info, piece, args in zip((i for i in split.summary.pieces if not i.is_splitting), compute, recorded):
-                runners[info.name] = _compile_deduplicated(piece, args, by_key)
-        compiled = dict(runners)
+    compute = [info for info in split.summary.pieces if not info.is_splitting]
+    if compiler != "inductor":
+        compiled = {info.name: split.piece(info).forward for info in compute}
     else:
-        interpreter = _PieceCompiler(split, compiler)
-        with fake_mode:
-            interpreter.run(*fake_inputs)
-        compiled = interpreter.compiled
+        recorded = [_recorded_inputs(split.piece(info)) for info in compute]
+        if all(args is not None for args in recorded):
+            # Each piece compiles from the values the trace recorded for its inputs: running the whole
+            # split module on fake tensors to find them costs about as much as the warm-cache compile.
+            by_key: dict[str, Callable[..., Any]] = {}
+            with fake_mode:
+                compiled = {info.name: _compile_deduplicated(split.piece(info), args, by_key)
+                            for info, args in zip(compute, recorded)}
+        else:
+            interpreter = _PieceCompiler(split)
+            with fake_mode:
+                interpreter.run(*fake_inputs)
+            compiled = interpreter.compiled
     runners = dict(compiled)
     for info in split.summary.pieces:
         if info.is_splitting:

@@ -95,7 +95,7 @@ class Sampler:
         penalties = host_to_device([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
                                     for r in chosen], torch.float32, device)
         repetition, frequency, presence = penalties[:, 0:1], penalties[:, 1:2], penalties[:, 2:3]
-        sub = logits.index_select(0, index).float()
+        sub = logits.index_select(0, index)
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
         sub = sub - frequency * counts - presence * (counts > 0).float()
         return logits.index_copy_(0, index, sub)
