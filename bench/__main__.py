@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode, capture: what the engine's decode graphs record (EngineConfig.full_graph_compile; "
                              "write each choice to its own --out)")
     parser.add_argument("--decode-gemv", action="store_true", default=None,
-                        help="decode: also the rows full_graph_gemv, from an engine with EngineConfig.decode_gemv")
+                        help="decode: full_graph rows from an engine with EngineConfig.decode_gemv=False (cuBLAS only), "
+                             "and full_graph_gemv rows from one with it on (the default)")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode, e2e: seconds after which peers are skipped (noted in the report)")
     args = parser.parse_args(argv)

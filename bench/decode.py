@@ -4,8 +4,9 @@ Ours, through the engine's own runner (its static buffers and its full-decode gr
   eager        the model as an nn.Module, attention op through the dispatcher;
   compiled     torch.compile with the infer_graphs backend, RuntimeMode.NONE (pieces, no graphs);
   full_graph   the engine's native decode graph for the batch (engine.decode_graphs), replayed;
-  full_graph_gemv  (--decode-gemv) the same from a second engine with EngineConfig.decode_gemv: the
-               Triton GEMV at batch 1 where custom_ops/gemv_table.py has the shape.
+               with --decode-gemv, from an engine with EngineConfig.decode_gemv=False (cuBLAS only);
+  full_graph_gemv  (--decode-gemv) the same from a second engine with EngineConfig.decode_gemv=True
+               (the default): the Triton GEMV at batch 1 where custom_ops/gemv_table.py has the shape.
 Peers, same process, same GPU:
   ours_reduce_overhead  torch.compile(mode="reduce-overhead") on our model (Inductor + cudagraph trees);
   hf_eager              transformers' generate() (greedy, its default DynamicCache), as its users
@@ -102,7 +103,8 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
         decode_gemv: bool = False) -> Report:
     """peers: "all" (default), "eager" (transformers eager only) or "none".
     full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default).
-    decode_gemv: also the full_graph_gemv rows (a second engine, EngineConfig.decode_gemv=True)."""
+    decode_gemv: compare the GEMV switch: the first engine runs cuBLAS only (decode_gemv=False) and
+    the full_graph_gemv rows come from a second one with it on."""
     from custom_ops import RuntimeMode
     from engine import LLM
 
@@ -139,7 +141,7 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
                          decode_graph_sizes=tuple(sorted({b for b, _ in grid})), show_progress=False,
                          max_num_batched_tokens=max(256, max_batch), compile=True,
                          **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
-    llm = LLM(net, **engine_fields)
+    llm = LLM(net, **engine_fields, **({"decode_gemv": False} if decode_gemv else {}))
     report.meta["full_graph_compile"] = llm.stats()["full_graph_compile"]
     runner = llm.runtime.runner
     with torch.inference_mode():  # the engine made the pool in inference mode
@@ -249,7 +251,8 @@ def _add_gemv_rows(report: Report, net, engine_fields: dict, points, add, iters:
                 report.rows[-1]["vs_cublas_eager_rel_err"] = rel_err(logits, reference)
     finally:
         llm.close()
-    report.notes.append("full_graph_gemv rows: a second engine over the same model with EngineConfig.decode_gemv=True "
+    report.notes.append("full_graph rows: an engine with EngineConfig.decode_gemv=False (cuBLAS only); full_graph_gemv "
+                        "rows: a second engine over the same model with decode_gemv=True, the default "
                         "(custom_ops/gemv_table.py: the Triton GEMV at batch 1 for the measured shapes)")
 
 

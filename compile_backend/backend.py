@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
-from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs
+from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs, lower_graph_only_ops
 from compile_backend.compiled_graph import CompiledGraph
 from compile_backend.config import BackendConfig
 from compile_backend.pool import GraphPool, gc_frozen, pool_handle
@@ -72,6 +72,8 @@ class InferGraphsBackend:
         if self.config.full_graph_compile == "unsplit":  # before the split, which rewrites gm
             unsplit = compile_unsplit(gm, fake_mode, fake_inputs, self.config.piece_compiler)
             self.stats.unsplit_compilations += 1
+            # the unsplit graph (its own copy) keeps them for the decode graphs; the pieces need not pay
+            self.stats.graph_only_ops_lowered += lower_graph_only_ops(gm)
         split = split_graph(gm, self.config.splitting_ops)
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
             logger.warning("infer_graphs: no node of %s in the traced graph; it runs as one piece",

@@ -88,6 +88,34 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
     return DirectCalls(calls)
 
 
+# Ops that pay off only inside a graph that records them, with the plain op that computes the same:
+# `infer::linear` picks the Triton GEMV at one row (a decode graph records it), but a step without a
+# graph would call it through the dispatcher, ~20 us of host time per linear, where Inductor's own
+# matmul costs a few.
+_GRAPH_ONLY_OPS = {"infer::linear": torch.ops.aten.linear.default}
+
+
+def lower_graph_only_ops(gm: torch.fx.GraphModule) -> int:
+    """Rewrite gm's graph-only ops (_GRAPH_ONLY_OPS) into their plain equivalents, in place: for the
+    pieces when an unsplit graph serves the FULL steps, so no PIECEWISE or NONE step pays for them.
+    The nodes keep their names and recorded values. Returns how many it rewrote."""
+    lowered = 0
+    for node in gm.graph.nodes:
+        name = op_name(node.target) if node.op == "call_function" else None
+        plain = _GRAPH_ONLY_OPS.get(name.split(".")[0] if name else "")
+        if plain is None:
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))  # both take (x / input, weight, bias)
+        for i, key in enumerate(("x", "weight", "bias")):
+            if key in node.kwargs:
+                args[i] = node.kwargs[key]
+        node.target, node.args, node.kwargs = plain, tuple(args), {}
+        lowered += 1
+    if lowered:
+        gm.recompile()
+    return lowered
+
+
 def _private_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A module over a copy of gm's graph (attributes shared): what a compiler or the split may rewrite
     while gm stays what its callers run."""

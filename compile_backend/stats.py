@@ -13,6 +13,7 @@ class BackendStats:
     splitting_pieces: int = 0
     piece_compilations: int = 0       # Inductor compilations: identical compute pieces share one
     unsplit_compilations: int = 0     # whole-graph compiles for FULL steps (full_graph_compile="unsplit")
+    graph_only_ops_lowered: int = 0   # graph-only ops (infer::linear) the pieces run as plain ops instead
     capture_seconds: dict[int, float] = field(default_factory=dict)  # token count -> seconds
     graph_pool_bytes: int = 0         # pool growth caused by this backend's captures
     piece_captures: int = 0

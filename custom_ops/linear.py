@@ -7,10 +7,12 @@ fp16 with a measured (N, K), the GEMV; otherwise F.linear. A CUDA graph records 
 chose at capture, and each decode batch size is captured as its own graph, so the batch-1 decode
 graph replays the GEMV and every larger one cuBLAS.
 
-Models call it only when switched on (models.set_decode_gemv); switched off, their linears are plain
-F.linear and Inductor keeps its own matmul lowering. The cost of the switch: a step that runs
-without a graph (NONE) calls the op through the dispatcher, ~20 us of host time per linear
-(shared/TOOLCHAIN.md; 4 per layer), where Inductor's own matmul costs a few; graph replays pay nothing.
+Models trace it only when switched on (models.set_decode_gemv; eager code calls `run_linear`
+itself); switched off, their linears are plain F.linear and Inductor keeps its own matmul lowering.
+A step that ran the op without a graph would call it through the dispatcher, ~20 us of host time
+per linear (shared/TOOLCHAIN.md; 4 per layer), where Inductor's own matmul costs a few; so the
+backend rewrites it into aten.linear in the pieces when an unsplit graph serves the decode graphs
+(compile_backend.compile_pieces.lower_graph_only_ops), and graph replays pay nothing.
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         choices=("unsplit", "piecewise"),
         help="what the decode graphs record: one unsplit Inductor graph, or the split pieces")),
     "--decode-gemv": _set("decode_gemv", True, "batch-1 decode matmuls on the Triton GEMV where measured faster "
-                          "than cuBLAS (custom_ops/gemv_table.py; off by default)"),
+                          "than cuBLAS (custom_ops/gemv_table.py; the default)"),
+    "--no-decode-gemv": _set("decode_gemv", False, "every matmul on cuBLAS / Inductor's choice"),
     "--no-async-scheduling": _set("async_scheduling", False, "synchronous step loop: the host reads each "
                                   "step's tokens before scheduling the next (debugging)"),
     "--tensor-parallel-size": ("tensor_parallel_size", dict(

@@ -64,10 +64,12 @@ class EngineConfig:
     # inside (fusions cross layers; compiled from the pieces' own trace), or "piecewise" the split pieces
     full_graph_compile: str = "unsplit"
     # batch-1 decode linears and LM head on the Triton GEMV where an H100 measurement of the kernel
-    # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS); steps without
-    # a graph then pay ~20 us of host time per linear (custom_ops.linear). Off until an end-to-end H100
-    # measurement (`python -m bench decode --decode-gemv`) shows it helps a whole step.
-    decode_gemv: bool = False
+    # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS). Measured end
+    # to end (`python -m bench decode --decode-gemv`, H100, llama-3.2-3b): the batch-1 decode graph
+    # 3.305 -> 3.054 ms, batch 8 unchanged. Only graphs that record it see the op: compiled pieces
+    # run Inductor's own matmul when an unsplit graph serves FULL steps (compile_backend), eager
+    # code calls the kernel without the dispatcher (models.layers.Linear).
+    decode_gemv: bool = True
     show_progress: bool = True             # tqdm bar during graph capture
     tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.tp
 

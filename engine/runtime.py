@@ -102,10 +102,12 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
             with torch.cuda.device(device):
                 pool = GraphPool()
         from models import set_decode_gemv
-        # before the compile and every capture: the switch is read when the forward is traced
-        if set_decode_gemv(model, config.decode_gemv) == 0 and config.decode_gemv:
-            logger.warning("EngineConfig.decode_gemv=True but %s has no models.layers.Linear: ignored",
-                           type(model).__name__)
+        # before the compile and every capture: the switch is read when the forward is traced. Without
+        # decode graphs nothing would record the GEMV, and the op would only cost host time.
+        gemv = config.decode_gemv and config.cuda_graphs
+        if set_decode_gemv(model, gemv) == 0 and gemv:  # the default: not a warning
+            logger.info("EngineConfig.decode_gemv: %s has no models.layers.Linear, its matmuls stay as they are",
+                        type(model).__name__)
         forward, mark_dynamic, backend, compiled = model, None, None, None
         if config.compile:
             from engine.compile import compile_model

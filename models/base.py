@@ -105,7 +105,12 @@ class CausalLM(nn.Module):
             return out
         # Each rank computes its vocabulary shard's logits; the gather gives every rank the whole row
         # (only rank 0 samples) and drops the padding rows of the last shard.
-        local = torch.ops.infer.linear(hidden, weight, None) if self.decode_gemv else F.linear(hidden, weight)
+        if not self.decode_gemv:
+            local = F.linear(hidden, weight)
+        elif torch.compiler.is_compiling():
+            local = torch.ops.infer.linear(hidden, weight, None)
+        else:  # eager (the engine's logits): no dispatcher on the host path
+            local = run_linear(hidden, weight)
         logits = self.tp.all_gather_last(local)[:, :self.config.vocab_size]
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers torch.ops.infer.attention and torch.ops.infer.linear)
-from custom_ops import AttentionLayer, register_attention_layer
+from custom_ops import AttentionLayer, register_attention_layer, run_linear
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
 
@@ -31,8 +31,8 @@ class Linear(nn.Module):
     (replicated) bias is added once.
 
     `decode_gemv` (set for a whole model by models.set_decode_gemv, before it is compiled): the matmul
-    goes through `torch.ops.infer.linear`, the Triton GEMV at one row for the shapes measured faster
-    than cuBLAS (custom_ops.gemv_table), F.linear otherwise.
+    is the Triton GEMV at one row for the shapes measured faster than cuBLAS (custom_ops.gemv_table),
+    F.linear otherwise; traced as the opaque `torch.ops.infer.linear`, called directly when eager.
     """
 
     decode_gemv = False
@@ -60,9 +60,13 @@ class Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A Python bool read at trace time: switched off, the traced graph holds F.linear exactly as
-        # before (Inductor lowers it itself); on, the opaque op that picks the GEMV at one row.
+        # before (Inductor lowers it itself); on, the opaque op that picks the GEMV at one row. Eager
+        # code (--no-compile, and its decode graphs) calls the implementation itself: the dispatcher
+        # would add ~20 us per linear to every step that runs without a graph.
         if self.decode_gemv:
-            return torch.ops.infer.linear(x, self.weight, bias)
+            if torch.compiler.is_compiling():
+                return torch.ops.infer.linear(x, self.weight, bias)
+            return run_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 

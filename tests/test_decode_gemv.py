@@ -2,8 +2,9 @@
 passes opcheck and equals F.linear wherever it does not pick the GEMV; the choice is the measured
 table's shapes at one row on CUDA in bf16/fp16 and nothing else; the wrapper around the kernel (rows,
 bias, `out`) is right, run in Triton's interpreter; a model switched on traces the op for every
-matmul and a model switched off traces exactly F.linear; row-parallel layers still all-reduce; an
-engine with the switch on generates what it generates with it off; the flag parses."""
+matmul and a model switched off traces exactly F.linear; eager calls skip the dispatcher; an unsplit
+compile keeps the op for the decode graphs while the pieces get plain linears; row-parallel layers
+still all-reduce; an engine without decode graphs leaves the model alone; the flags parse."""
 from __future__ import annotations
 
 import pytest
@@ -128,10 +129,68 @@ def test_row_parallel_linear_with_the_op_still_all_reduces_before_its_bias():
     torch.testing.assert_close(y, 2 * partial + layer.bias)
 
 
+def _linear_targets(gm: torch.fx.GraphModule) -> list[str]:
+    names = {torch.ops.infer.linear: "infer.linear", torch.ops.infer.linear.default: "infer.linear",
+             torch.ops.aten.linear.default: "aten.linear", F.linear: "F.linear"}
+    return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names]
+
+
 @pytest.mark.usefixtures("one_thread")
-def test_engine_with_decode_gemv_generates_the_same_greedy_tokens(monkeypatch):
-    """On the CPU the op always runs F.linear: what this checks is the wiring (the engine switches the
-    model, the compiled forward and the logits go through the op) and that nothing else changes."""
+def test_an_unsplit_compile_keeps_the_op_for_full_steps_and_gives_the_pieces_plain_linears():
+    """The decode graphs record the unsplit graph, so the GEMV must be there; the pieces serve steps
+    that may run without a graph, where the op would cost the dispatcher's host time per linear."""
+    from compile_backend import BackendConfig, InferGraphsBackend
+    from custom_ops import RuntimeMode, forward_context
+
+    net = models.from_config(TINY_LLAMA, dtype="float32", device="cpu", seed=0)
+    layers = TINY_LLAMA["num_hidden_layers"]
+    models.set_decode_gemv(net, True)
+    ids, pos = torch.tensor([1, 5, 9]), torch.arange(3)
+    with torch.no_grad():
+        expected = net(ids, pos)
+    backend = InferGraphsBackend(BackendConfig(piece_compiler="eager", cudagraphs=False,
+                                               full_graph_compile="unsplit"))
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(net, backend=backend, fullgraph=True, dynamic=False)
+        with torch.no_grad(), forward_context(None, RuntimeMode.NONE, 3):
+            out = compiled(ids, pos)
+        graph = backend.graphs[0]
+        unsplit = graph.full_forward.__self__
+        assert _linear_targets(unsplit) == ["infer.linear"] * (4 * layers)
+        runners = [graph.split.piece(info) for info in graph.split.summary.pieces]  # the eager compiler's
+        fns = [getattr(r, "fn", None) for r in runners]
+        pieces = [f.__self__ for f in fns if isinstance(getattr(f, "__self__", None), torch.fx.GraphModule)]
+        assert len(pieces) > layers  # compute pieces between the attention calls
+        assert sum((_linear_targets(p) for p in pieces), []) == ["aten.linear"] * (4 * layers)
+        assert backend.stats.graph_only_ops_lowered == 4 * layers
+        torch.testing.assert_close(out, expected)   # the pieces' plain linears compute the same
+        with torch.no_grad(), forward_context(None, RuntimeMode.FULL, 3):
+            torch.testing.assert_close(compiled(ids, pos), expected)
+    finally:
+        models.set_decode_gemv(net, False)
+        torch._dynamo.reset()
+
+
+def test_eager_linears_call_the_implementation_without_the_dispatcher(monkeypatch):
+    calls = []
+    real = custom_ops.linear.decode_linear
+    monkeypatch.setattr(torch.ops.infer, "linear", lambda *a: calls.append(1) or real(*a), raising=False)
+    layer = Linear(24, 40, True, torch.float32)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer.decode_gemv = True
+    x = torch.randn(1, 24)
+    with torch.no_grad():
+        y = layer(x)
+    assert calls == []
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_engine_without_decode_graphs_leaves_every_matmul_plain(monkeypatch):
+    """Nothing would record the GEMV (the CPU has no graphs): the model is not switched, the op is
+    never called, and the tokens are those of decode_gemv=False."""
     calls = []
     real = custom_ops.linear.run_linear
     monkeypatch.setattr(custom_ops.linear, "run_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -140,14 +199,13 @@ def test_engine_with_decode_gemv_generates_the_same_greedy_tokens(monkeypatch):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     tokens = {}
     for on in (True, False):
-        calls.clear()
         torch._dynamo.reset()
         with LLM(net, device="cpu", decode_gemv=on, compile=True, piece_compiler="eager", block_size=4,
                  max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, show_progress=False) as llm:
-            assert all(m.decode_gemv == on for m in net.modules() if isinstance(m, Linear))
+            assert not any(m.decode_gemv for m in net.modules() if isinstance(m, Linear))
             tokens[on] = [out.token_ids for out in llm.generate(prompts, params)]
-        assert bool(calls) == on
     torch._dynamo.reset()
+    assert calls == []
     assert all(len(t) == 5 for t in tokens[True])
     assert tokens[True] == tokens[False]
 
@@ -156,7 +214,8 @@ def test_decode_gemv_flag_parses_and_the_field_is_validated():
     parser = OneLineErrorParser()
     add_engine_args(parser)
     assert engine_config_fields(parser.parse_args(["--decode-gemv"])) == {"decode_gemv": True}
-    assert "decode_gemv" not in engine_config_fields(parser.parse_args([]))  # EngineConfig's default: off
-    assert EngineConfig().decode_gemv is False
+    assert engine_config_fields(parser.parse_args(["--no-decode-gemv"])) == {"decode_gemv": False}
+    assert "decode_gemv" not in engine_config_fields(parser.parse_args([]))  # EngineConfig's default: on
+    assert EngineConfig().decode_gemv is True
     with pytest.raises(ConfigError, match="decode_gemv"):
         EngineConfig(decode_gemv="yes")
