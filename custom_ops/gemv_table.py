@@ -29,8 +29,8 @@ class GemvConfig:
 
 
 # (N, K) -> the GEMV config that beat cuBLAS at one row: the "pick" rows at batch 1 of
-# bench/results/h100-2026-11-23/gemm-llama-3.2-3b.md (`python -m bench gemm`, bf16, NVIDIA H100; us
-# per call there, GEMV vs cuBLAS). Any model whose matmul has one of these shapes uses the entry.
+# bench/results/h100-2026-11-23/gemm-{llama-3.2-3b,qwen3-4b,gemma-3-1b}.md (`python -m bench gemm`,
+# bf16, NVIDIA H100; us per call there, GEMV vs cuBLAS's default). Any model whose matmul has one of these shapes uses the entry.
 # A shape without an entry uses cuBLAS, and so does every shape at more than one row (at batch 8
 # cuBLAS won every shape, the GEMV 2-3x slower). fp16 streams the same bytes through the same tiles
 # as bf16 and shares the entries.
@@ -40,6 +40,16 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (16384, 3072): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4),  # gate_up: 36.7 vs 38.0
     (3072, 8192): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.1 vs 22.3
     (128256, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 253.9 vs 278.6
+    (6144, 2560): GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=4),   # qwen3-4b qkv: 13.3 vs 14.4
+    (2560, 4096): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # o: 10.3 vs 12.3
+    (19456, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),   # gate_up: 36.1 vs 39.5
+    (2560, 9728): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.3 vs 22.7
+    (151936, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 249.9 vs 271.6
+    (1536, 1152): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # gemma-3-1b qkv: 4.24 vs 4.51
+    (1152, 1024): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # o: 3.35 vs 4.45
+    (13824, 1152): GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4),  # gate_up: 13.4 vs 14.1
+    (1152, 6912): GemvConfig(block_n=16, block_k=256, split_k=8, num_warps=4),   # down: 9.43 vs 10.9
+    (262144, 1152): GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4), # lm_head (tied): 196.6 vs 213.2
 }
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 

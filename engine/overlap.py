@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.request import FinishReason, Request
-from engine.sampler import host_to_device
+from engine.staging import host_to_device
 from engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:

@@ -12,8 +12,9 @@ depend only on its seed and its logits, never on the batch around it; requests w
 the engine's generator.
 
 `sample` returns the tokens as a device tensor and never blocks the host: the per-row parameters
-travel through pinned memory with non_blocking copies (a pageable copy to CUDA synchronizes the
-stream, so the host would wait for the step's forward). `__call__` is `sample` read back to a list
+travel through engine.staging's pinned ring with non_blocking copies (a pageable copy to CUDA
+synchronizes the stream, so the host would wait for the step's forward), and no Python scalar is
+assigned into a device tensor by indexing (index_put_ copies it to the device the pageable way). `__call__` is `sample` read back to a list
 (the synchronous loop's one host sync per step).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request, TokenLogprobs
+from engine.staging import host_to_device
 
 
 class Sampler:
@@ -65,10 +67,12 @@ class Sampler:
         if penalized:
             adjusted = self._penalized(adjusted, requests, penalized)
         if held_back:
-            rows, tokens = zip(*held_back)
-            # a Python scalar, not a device tensor made from one (that copy would wait for the step)
-            adjusted[host_to_device(list(rows), torch.int64, logits.device),
-                     host_to_device(list(tokens), torch.int64, logits.device)] = float("-inf")
+            # index_fill_ takes the value as a kernel argument; `adjusted[rows, tokens] = value` would
+            # make it a CPU tensor that index_put_ copies to the device, a pageable copy that waits
+            # for the step
+            vocab = adjusted.shape[-1]
+            flat = host_to_device([row * vocab + token for row, token in held_back], torch.int64, logits.device)
+            adjusted.view(-1).index_fill_(0, flat, float("-inf"))
         tokens = self._draw(adjusted, requests)
         for i in penalized:  # the next step's penalties see this token, without the host reading it
             requests[i].output_counts.index_add_(0, tokens[i:i + 1], self._one)
@@ -88,7 +92,8 @@ class Sampler:
                 request.output_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
                 request.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
                 if request.params.repetition_penalty != 1:
-                    request.prompt_mask[host_to_device(request.prompt_token_ids, torch.int64, device)] = True
+                    request.prompt_mask.index_fill_(0, host_to_device(request.prompt_token_ids, torch.int64, device),
+                                                    True)  # not `[...] = True`: see held_back
         index = host_to_device(rows, torch.int64, device)
         counts = torch.stack([r.output_counts for r in chosen]).float()
         seen = (counts > 0) | torch.stack([r.prompt_mask for r in chosen])
@@ -180,12 +185,3 @@ class Sampler:
         threshold = host_to_device(min_ps, probs.dtype, probs.device)[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device` without a host wait: pinned staging + a non_blocking copy (the
-    caching host allocator keeps the pinned block until the copy has run)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda" or not values:
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

@@ -21,6 +21,9 @@ from models.layers import Linear
 from models.parallel import TensorParallel
 
 LLAMA_3B_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (128256, 3072)]
+QWEN3_4B_SHAPES = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151936, 2560)]
+GEMMA3_1B_SHAPES = [(1536, 1152), (1152, 1024), (13824, 1152), (1152, 6912), (262144, 1152)]
+MEASURED_SHAPES = LLAMA_3B_SHAPES + QWEN3_4B_SHAPES + GEMMA3_1B_SHAPES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,8 +37,8 @@ def test_linear_op_passes_opcheck_and_is_f_linear_on_cpu(dtype, x_shape, bias):
 
 
 def test_gemv_is_picked_only_for_the_measured_shapes_at_one_row_on_cuda_in_16_bits():
-    assert sorted(GEMV_CONFIGS) == sorted(LLAMA_3B_SHAPES)
-    for n, k in LLAMA_3B_SHAPES:
+    assert sorted(GEMV_CONFIGS) == sorted(MEASURED_SHAPES)
+    for n, k in MEASURED_SHAPES:
         for dtype in (torch.bfloat16, torch.float16):
             assert gemv_config(1, n, k, dtype, "cuda") is GEMV_CONFIGS[(n, k)]
         assert gemv_config(2, n, k, torch.bfloat16, "cuda") is None   # cuBLAS won every shape at batch 8
