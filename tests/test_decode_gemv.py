@@ -117,13 +117,19 @@ class RecordingTP(TensorParallel):
         return x + x
 
 
-def test_row_parallel_linear_with_the_op_still_all_reduces_before_its_bias():
-    tp = RecordingTP(rank=0, world_size=2, group=object())
-    tp.reduced = []
-    layer = Linear(16, 6, True, torch.float32, tp=tp, input_parallel=True)
+def _switched_linear(in_features: int, out_features: int, **kwargs) -> Linear:
+    """A Linear with a bias, random weights, and decode_gemv on."""
+    layer = Linear(in_features, out_features, True, torch.float32, **kwargs)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     layer.decode_gemv = True
+    return layer
+
+
+def test_row_parallel_linear_with_the_op_still_all_reduces_before_its_bias():
+    tp = RecordingTP(rank=0, world_size=2, group=object())
+    tp.reduced = []
+    layer = _switched_linear(16, 6, tp=tp, input_parallel=True)
     x = torch.randn(1, 8)
     with torch.no_grad():
         y = layer(x)
@@ -179,10 +185,7 @@ def test_eager_linears_call_the_implementation_without_the_dispatcher(monkeypatc
     calls = []
     real = custom_ops.linear.decode_linear
     monkeypatch.setattr(torch.ops.infer, "linear", lambda *a: calls.append(1) or real(*a), raising=False)
-    layer = Linear(24, 40, True, torch.float32)
-    layer.weight.data.normal_()
-    layer.bias.data.normal_()
-    layer.decode_gemv = True
+    layer = _switched_linear(24, 40)
     x = torch.randn(1, 24)
     with torch.no_grad():
         y = layer(x)
