@@ -6,12 +6,12 @@ from custom_ops.gemv_table import GEMV_CONFIGS, GemvConfig, gemv_config
 from custom_ops.layers import (
     AttentionLayer, check_kv_cache, get_attention_layer, is_registered, register_attention_layer, unique_prefix,
 )
-from custom_ops.linear import decode_linear, run_linear
+from custom_ops.linear import decode_linear, gemv_linear, run_linear
 from custom_ops.metadata import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache
 
 __all__ = [
     "attention", "run_attention", "ForwardContext", "RuntimeMode", "forward_context",
     "get_forward_context", "AttentionLayer", "check_kv_cache", "get_attention_layer", "is_registered",
     "register_attention_layer", "unique_prefix", "SCRATCH_BLOCK", "AttentionMetadata",
-    "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "decode_linear", "run_linear",
+    "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "decode_linear", "gemv_linear", "run_linear",
 ]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops import run_linear, unique_prefix
+from custom_ops import gemv_linear, run_linear, unique_prefix
 from models.config import ModelConfig, RopeParams
 from models.layers import Embedding, Linear, RotaryEmbedding, init_random_
 from models.parallel import SINGLE, Part, TensorParallel, vocab_range
@@ -105,12 +105,7 @@ class CausalLM(nn.Module):
             return out
         # Each rank computes its vocabulary shard's logits; the gather gives every rank the whole row
         # (only rank 0 samples) and drops the padding rows of the last shard.
-        if not self.decode_gemv:
-            local = F.linear(hidden, weight)
-        elif torch.compiler.is_compiling():
-            local = torch.ops.infer.linear(hidden, weight, None)
-        else:  # eager (the engine's logits): no dispatcher on the host path
-            local = run_linear(hidden, weight)
+        local = gemv_linear(hidden, weight) if self.decode_gemv else F.linear(hidden, weight)
         logits = self.tp.all_gather_last(local)[:, :self.config.vocab_size]
         if cap:
             logits = torch.tanh(logits / cap) * cap

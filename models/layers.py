@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers torch.ops.infer.attention and torch.ops.infer.linear)
-from custom_ops import AttentionLayer, register_attention_layer, run_linear
+from custom_ops import AttentionLayer, gemv_linear, register_attention_layer
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
 
@@ -60,13 +60,9 @@ class Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A Python bool read at trace time: switched off, the traced graph holds F.linear exactly as
-        # before (Inductor lowers it itself); on, the opaque op that picks the GEMV at one row. Eager
-        # code (--no-compile, and its decode graphs) calls the implementation itself: the dispatcher
-        # would add ~20 us per linear to every step that runs without a graph.
+        # before (Inductor lowers it itself); on, the op that picks the GEMV at one row.
         if self.decode_gemv:
-            if torch.compiler.is_compiling():
-                return torch.ops.infer.linear(x, self.weight, bias)
-            return run_linear(x, self.weight, bias)
+            return gemv_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
