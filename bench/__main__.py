@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "graphs off, decode graphs, decode + prefill graphs)")
     parser.add_argument("--url", help="serving: a running server to send the workloads to (default: start one "
                                       "per configuration)")
-    parser.add_argument("--full-graph-compile", choices=("unsplit", "piecewise"),
+    parser.add_argument("--full-graph-compile", choices=("layered", "unsplit", "piecewise"),
                         help="decode, capture: what the engine's decode graphs record (EngineConfig.full_graph_compile; "
                              "write each choice to its own --out)")
     parser.add_argument("--decode-gemv", action="store_true", default=None,

@@ -103,7 +103,7 @@ def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str
 
 def run(model: str, timeout_s: float = 400, full_graph_compile: str | None = None, **_: object) -> Report:
     """`full_graph_compile`: what the decode graphs record ("unsplit" costs one more Inductor compile of
-    the whole graph at start-up; "piecewise" none). Write each choice to its own --out directory."""
+    the whole graph at start-up, "layered" one per distinct layer, "piecewise" none). Write each choice to its own --out directory."""
     _require_cuda()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as cache_dir:

@@ -17,6 +17,7 @@ import torch.fx
 from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs, lower_graph_only_ops
 from compile_backend.compiled_graph import CompiledGraph
 from compile_backend.config import BackendConfig
+from compile_backend.layered import compile_layered
 from compile_backend.pool import GraphPool, gc_frozen, pool_handle
 from compile_backend.split import SplitSummary, split_graph
 from compile_backend.stats import BackendStats
@@ -68,11 +69,10 @@ class InferGraphsBackend:
         start = time.perf_counter()
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode, fake_inputs = graph_fake_inputs(example_inputs)
-        unsplit = None
-        if self.config.full_graph_compile == "unsplit":  # before the split, which rewrites gm
-            unsplit = compile_unsplit(gm, fake_mode, fake_inputs, self.config.piece_compiler)
-            self.stats.unsplit_compilations += 1
-            # the unsplit graph (its own copy) keeps them for the decode graphs; the pieces need not pay
+        full = None
+        if self.config.full_graph_compile != "piecewise":  # before the split, which rewrites gm
+            full = self._compile_full(gm, fake_mode, fake_inputs)
+            # the FULL-step code (its own copy) keeps them for the decode graphs; the pieces need not pay
             self.stats.graph_only_ops_lowered += lower_graph_only_ops(gm)
         split = split_graph(gm, self.config.splitting_ops)
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
@@ -81,7 +81,7 @@ class InferGraphsBackend:
         runners, distinct = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler)
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
         graph = CompiledGraph(split, runners, fake_inputs, input_names, self.config, self.stats, pool,
-                              full_forward=unsplit)
+                              full_forward=full)
         self.graphs.append(graph)
         summary = split.summary
         self.stats.graphs_compiled += 1
@@ -93,8 +93,23 @@ class InferGraphsBackend:
         self.stats.compile_seconds += seconds
         logger.info("%s\ncompiled with %s in %.1f s (%d distinct compute pieces%s)", summary,
                     self.config.piece_compiler, seconds, distinct,
-                    ", and the unsplit graph for FULL steps" if unsplit is not None else "")
+                    f", and {self.config.full_graph_compile} code for FULL steps" if full is not None else "")
         return graph
+
+    def _compile_full(self, gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """The code FULL steps run, with the splitting ops inside (config.full_graph_compile)."""
+        start = time.perf_counter()
+        if (self.config.full_graph_compile == "layered" and self.config.piece_compiler == "inductor"
+                and self.config.splitting_ops):
+            full, pieces, compiles = compile_layered(gm, fake_mode, self.config.splitting_ops)
+        else:  # "unsplit", or nothing to cut at / no Inductor: the whole graph as one callable
+            full = compile_unsplit(gm, fake_mode, fake_inputs, self.config.piece_compiler)
+            pieces, compiles = 1, int(self.config.piece_compiler == "inductor")
+        self.stats.full_graph_pieces += pieces
+        self.stats.full_graph_compilations += compiles
+        logger.info("infer_graphs: FULL-step code (%s): %d graphs, %d compiled, in %.1f s",
+                    self.config.full_graph_compile, pieces, compiles, time.perf_counter() - start)
+        return full
 
     def split_summary(self, graph_index: int = -1) -> SplitSummary:
         """The split of a compiled graph (default: the latest); print it for a readable table."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Sequence
 
 PIECE_COMPILERS = ("inductor", "eager")
-FULL_GRAPH_COMPILES = ("piecewise", "unsplit")
+FULL_GRAPH_COMPILES = ("piecewise", "unsplit", "layered")
 DEFAULT_MAX_CAPTURE_SIZE = 512
 _OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
@@ -45,7 +45,10 @@ class BackendConfig:
     full_graph_compile: what FULL steps run: "piecewise" the pieces, passed through to the caller's
                       capture; "unsplit" the same traced graph compiled once more with no split (the
                       splitting ops inside one Inductor graph, so fusions cross them), from the same
-                      Dynamo trace: the pieces still serve NONE and PIECEWISE steps.
+                      Dynamo trace: the pieces still serve NONE and PIECEWISE steps; "layered" the
+                      same ops inside, one Inductor graph per layer (cut after each splitting op,
+                      which costs no fusion) and each identical layer compiled once
+                      (compile_backend/layered.py).
     """
 
     splitting_ops: tuple[str, ...] = ("infer::attention",)

@@ -214,6 +214,30 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: tuple[str, ...]) -> Spl
     part, splitting = _assign_partitions(gm.graph, splitting_ops)
     _hoist_empty_pieces(part, splitting)
     part, splitting = _renumber(gm.graph, part, splitting)
+    return _split_by(gm, part, splitting, splitting_ops)
+
+
+def split_after(gm: torch.fx.GraphModule, splitting_ops: tuple[str, ...]) -> SplitGraph:
+    """Compute pieces only, each ending with one splitting op (the last piece: what follows the last
+    op). The op's output is a buffer it writes in place, materialized in any compile, so a cut right
+    after it costs no fusion: every middle layer of a model becomes one piece, op included."""
+    ops = frozenset(splitting_ops)
+    part: dict[torch.fx.Node, int] = {}
+    current = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in part:
+            part[node] = part[node.args[0]]
+            continue
+        part[node] = current
+        if is_splitting_node(node, ops):
+            current += 1
+    part, _ = _renumber(gm.graph, part, set())
+    return _split_by(gm, part, set(), splitting_ops)
+
+
+def _split_by(gm: torch.fx.GraphModule, part: dict, splitting: set[int], splitting_ops: tuple[str, ...]) -> SplitGraph:
     _localize_sizes(gm.graph, part)
     gm.recompile()
     split = split_module(gm, None, lambda n: part[n], keep_original_order=True)

@@ -12,7 +12,8 @@ class BackendStats:
     compute_pieces: int = 0
     splitting_pieces: int = 0
     piece_compilations: int = 0       # Inductor compilations: identical compute pieces share one
-    unsplit_compilations: int = 0     # whole-graph compiles for FULL steps (full_graph_compile="unsplit")
+    full_graph_pieces: int = 0        # graphs FULL steps run (1 unsplit, one per layer layered, 0 piecewise)
+    full_graph_compilations: int = 0  # Inductor compiles of them: identical layers share one
     graph_only_ops_lowered: int = 0   # graph-only ops (infer::linear) the pieces run as plain ops instead
     capture_seconds: dict[int, float] = field(default_factory=dict)  # token count -> seconds
     graph_pool_bytes: int = 0         # pool growth caused by this backend's captures

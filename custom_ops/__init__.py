@@ -1,6 +1,6 @@
 """Torch custom ops (attention, in place; linear, the decode GEMV where measured; each with a fake
 implementation) and their kernels."""
-from custom_ops.attention import attention, run_attention
+from custom_ops.attention import attention, attention_layer_renamed, run_attention
 from custom_ops.forward_context import ForwardContext, RuntimeMode, forward_context, get_forward_context
 from custom_ops.gemv_table import GEMV_CONFIGS, GemvConfig, gemv_config
 from custom_ops.layers import (
@@ -10,7 +10,7 @@ from custom_ops.linear import decode_linear, gemv_linear, run_linear
 from custom_ops.metadata import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache
 
 __all__ = [
-    "attention", "run_attention", "ForwardContext", "RuntimeMode", "forward_context",
+    "attention", "attention_layer_renamed", "run_attention", "ForwardContext", "RuntimeMode", "forward_context",
     "get_forward_context", "AttentionLayer", "check_kv_cache", "get_attention_layer", "is_registered",
     "register_attention_layer", "unique_prefix", "SCRATCH_BLOCK", "AttentionMetadata",
     "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "decode_linear", "gemv_linear", "run_linear",

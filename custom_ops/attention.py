@@ -6,15 +6,39 @@ real one dispatches to Triton kernels on CUDA and to the plain-torch reference e
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from custom_ops import reference
 from custom_ops.forward_context import get_forward_context
 from custom_ops.layers import get_attention_layer
 
+# layer name compiled into a piece -> the layer it computes now (see `attention_layer_renamed`)
+_renamed: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def attention_layer_renamed(renamed: dict[str, str]) -> Iterator[None]:
+    """Inside the block, an attention call that names layer A computes layer `renamed[A]`.
+
+    For code compiled once and run for many layers: the compiled code of one decoder layer calls this
+    op with that layer's name as a constant, and the same code serves every identical layer (weights
+    are its inputs) when the caller renames the layer around each call. The name resolves when the op
+    runs, so a graph captured inside the block records the renamed layer's cache and parameters."""
+    global _renamed
+    previous, _renamed = _renamed, renamed
+    try:
+        yield
+    finally:
+        _renamed = previous
+
 
 def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
     """The op's implementation, callable directly (no dispatcher cost) by graph runners between pieces."""
+    if _renamed:
+        layer_name = _renamed.get(layer_name, layer_name)
     layer = get_attention_layer(layer_name)
     context = get_forward_context()
     meta = context.attn_metadata if context is not None else None

@@ -4,10 +4,11 @@ The backend's capture sizes are the engine's prefill graph sizes, so the dispatc
 and the graphs the pieces hold are the same list. With prefill graphs off the backend never captures
 (cudagraphs=False): NONE steps run the compiled pieces, FULL steps pass through to the decode graphs.
 
-Under EngineConfig.full_graph_compile "unsplit" (with decode graphs) the backend also compiles the
-same trace with no split, for FULL steps: the whole forward (attention op included) is one Inductor
-graph whose fusions cross layer boundaries, and the decode capture records it. One Dynamo trace
-serves both (tracing is most of a warm start-up), and the pieces keep NONE and PIECEWISE steps.
+Under EngineConfig.full_graph_compile "layered" or "unsplit" (with decode graphs) the backend also
+compiles the same trace for FULL steps with the attention op inside Inductor's graphs (one per
+decoder layer, identical layers compiled once; or the whole forward as one), and the decode capture
+records that. One Dynamo trace serves both (tracing is most of a warm start-up), and the pieces
+keep NONE and PIECEWISE steps.
 
 Per-engine compiled code: Dynamo keeps its compiled entries on the CODE OBJECT of the frame it
 compiles. Compiling the model itself puts every engine's entry on the model class's `forward`
@@ -85,7 +86,7 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
         piece_compiler=config.piece_compiler,
         capture_sizes=tuple(config.prefill_graph_sizes),
         cudagraphs=bool(config.prefill_graphs),
-        full_graph_compile="unsplit" if config.cuda_graphs and config.full_graph_compile == "unsplit" else "piecewise",
+        full_graph_compile=config.full_graph_compile if config.cuda_graphs else "piecewise",
     ), pool=pool)
     template = _call_model(model)
     code = template.__code__.replace()  # a new code object: this engine's Dynamo entries live on it

@@ -20,7 +20,7 @@ logger = logging.getLogger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PIECE_COMPILERS = ("inductor", "eager")
-_FULL_GRAPH_COMPILES = ("unsplit", "piecewise")
+_FULL_GRAPH_COMPILES = ("layered", "unsplit", "piecewise")
 
 
 class ConfigError(ValueError):
@@ -60,9 +60,11 @@ class EngineConfig:
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
     async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/overlap.py)
-    # what the decode graphs record when compiled: "unsplit" one Inductor graph with the attention op
-    # inside (fusions cross layers; compiled from the pieces' own trace), or "piecewise" the split pieces
-    full_graph_compile: str = "unsplit"
+    # what the decode graphs record when compiled, from the pieces' own trace: "layered" one Inductor
+    # graph per decoder layer with its attention op inside, identical layers compiled once (cut after
+    # the op, which costs no fusion: compile_backend/layered.py); "unsplit" the whole forward as one
+    # Inductor graph (the same kernels, a compile as large as the model); "piecewise" the split pieces
+    full_graph_compile: str = "layered"
     # batch-1 decode linears and LM head on the Triton GEMV where an H100 measurement of the kernel
     # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS). Measured end
     # to end (`python -m bench decode --decode-gemv`, H100, llama-3.2-3b): the batch-1 decode graph

@@ -159,8 +159,8 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
 
     kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
     memory = rt.memory
-    unsplit = backend is not None and backend.config.full_graph_compile == "unsplit"
-    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, unsplit, timeline)
+    full_own_code = backend is not None and backend.config.full_graph_compile != "piecewise"
+    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, full_own_code, timeline)
     if config.prefill_graphs:
         with timeline.phase("piecewise capture"):
             rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
@@ -239,7 +239,7 @@ def _dummy_seqs(num_tokens: int, config: EngineConfig) -> int:
     return min(num_tokens, config.max_num_seqs, max(1, -(-num_tokens // config.max_model_len)))
 
 
-def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, unsplit: bool,
+def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_own_code: bool,
              timeline: StartupTimeline | None = None) -> int:
     """Run the largest steps once (compiling if needed); the activation peak in bytes (0 on CPU).
 
@@ -253,14 +253,14 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, unspli
         base = torch.cuda.memory_allocated(runner.device)
     max_tokens = config.max_num_batched_tokens
     num_seqs = min(config.max_num_seqs, max_tokens)
-    # The decode dummy runs as FULL when FULL steps have their own (unsplit) graph, so that graph's
+    # The decode dummy runs as FULL when FULL steps have their own code (layered / unsplit), so its
     # activation peak is counted as the first run counts the pieces'.
     steps = ((max_tokens, _dummy_seqs(max_tokens, config), False), (num_seqs, num_seqs, True))
     for i, (tokens, seqs, uniform) in enumerate(steps):
         phase = "compile" if i == 0 and config.compile else "warm-up"
         with timeline.phase(phase):
             meta = runner.load_dummy(tokens, seqs, uniform)
-            mode = RuntimeMode.FULL if uniform and unsplit else RuntimeMode.NONE
+            mode = RuntimeMode.FULL if uniform and full_own_code else RuntimeMode.NONE
             hidden = runner.run_forward(meta, mode, tokens)
             rows = runner.buffers.logits_indices[:seqs]
             logits = runner.model.compute_logits(hidden[rows])

@@ -1,5 +1,6 @@
-"""EngineConfig.full_graph_compile="unsplit": FULL steps run one Inductor graph with the attention op
-inside, compiled from the same Dynamo trace as the pieces, and it decodes exactly like the pieces.
+"""EngineConfig.full_graph_compile "layered" and "unsplit": FULL steps run Inductor graphs with the
+attention op inside (one per layer, identical layers compiled once; or one for the whole forward),
+compiled from the same Dynamo trace as the pieces, and they decode exactly like the pieces.
 
 On the CPU there is no decode graph, so the test stands the eager decode-graph stand-in of
 test_engine_generate in for it and runs the compiled model under the FULL forward context, as the
@@ -43,7 +44,8 @@ class _BothVariants(_EagerDecodeGraphs):
         return reference
 
 
-def test_unsplit_full_graph_comes_from_the_pieces_trace_and_decodes_like_them(tmp_path):
+@pytest.mark.parametrize("variant", ["layered", "unsplit"])
+def test_full_step_code_comes_from_the_pieces_trace_and_decodes_like_them(tmp_path, variant):
     torch.set_num_threads(1)
     config_cls, kwargs = ARCHS["gemma3"]  # sliding and full layers, softcap: the most for one graph to hold
     random_hf_model(config_cls(**COMMON, **kwargs), seed=7).save_pretrained(tmp_path)
@@ -57,13 +59,22 @@ def test_unsplit_full_graph_comes_from_the_pieces_trace_and_decodes_like_them(tm
     from torch._dynamo.utils import ReinplaceCounters
     ReinplaceCounters.clear()
     # the CPU config resolved cuda_graphs off; the compile is asked for what a CUDA engine gets
-    config = dataclasses.replace(llm.config, piece_compiler="inductor", cuda_graphs=True)
+    config = dataclasses.replace(llm.config, piece_compiler="inductor", cuda_graphs=True,
+                                 full_graph_compile=variant)
     unsplit, _, backend = compile_model(llm.model, config)
     runner.decode_graphs = both = _BothVariants(runner, (2, 4), unsplit)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
     assert both.steps > 0 and both.max_abs_diff < 1e-4
-    # one Dynamo trace: the pieces and the unsplit graph
-    assert backend.stats.graphs_compiled == 1 and backend.stats.unsplit_compilations == 1
+    # one Dynamo trace: the pieces and the FULL-step code
+    stats = backend.stats
+    assert stats.graphs_compiled == 1
+    layers = llm.model.config.num_layers
+    if variant == "unsplit":
+        assert stats.full_graph_pieces == 1 and stats.full_graph_compilations == 1
+    else:
+        # one graph per attention layer plus the tail; the middle layers (a sliding and a full one:
+        # the layer the op computes is resolved when it runs) share one compile, so 3 in all
+        assert stats.full_graph_pieces == layers + 1 and stats.full_graph_compilations == 3
     assert backend.stats.full_steps == both.steps and backend.stats.graphless_steps == 0
     # Inductor reinplaced the attention op's `out` (a clone would cost a copy per layer)
     assert ReinplaceCounters.get_total_missed() == 0
@@ -74,7 +85,7 @@ def test_unsplit_full_graph_comes_from_the_pieces_trace_and_decodes_like_them(tm
 
 def test_full_graph_compile_names_its_choices():
     with pytest.raises(ConfigError, match="EngineConfig.full_graph_compile='split' is invalid: expected one of "
-                                          "unsplit, piecewise"):
+                                          "layered, unsplit, piecewise"):
         LLM(torch.nn.Linear(2, 2), full_graph_compile="split")
 
 
@@ -85,14 +96,17 @@ def test_gpu_unsplit_decode_graphs_give_the_tokens_of_the_piecewise_ones(tmp_pat
     from tests.test_engine_gpu import WORKLOAD, _engine, _run_workload
     _build_hf(arch).save_pretrained(tmp_path)
     results = {}
-    for variant in ("piecewise", "unsplit"):
+    for variant in ("piecewise", "unsplit", "layered"):
         llm = _engine(tmp_path, cuda_graphs=True, full_graph_compile=variant)
         results[variant] = _run_workload(llm, WORKLOAD)
         stats = llm.stats()
         assert stats["full_graph_compile"] == variant and stats["modes"]["full"] > 0
         backend = stats["backend"]
-        # one Dynamo trace either way; "unsplit" compiles it once more, whole, for FULL steps
+        # one Dynamo trace either way; "unsplit" compiles it once more, whole, for FULL steps,
+        # "layered" once per distinct layer
         assert backend["graphs_compiled"] == 1
-        assert backend["unsplit_compilations"] == (1 if variant == "unsplit" else 0)
+        assert backend["full_graph_pieces"] == {"piecewise": 0, "unsplit": 1,
+                                                "layered": llm.model.config.num_layers + 1}[variant]
         llm.close()
     assert results["unsplit"] == results["piecewise"]
+    assert results["layered"] == results["piecewise"]
