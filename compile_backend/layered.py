@@ -17,7 +17,7 @@ during capture: a decode graph records each layer's own cache, block tables and 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx
