@@ -100,11 +100,13 @@ def graph_replay_ms(runner, vocab_size: int, batch: int, context: int, iters: in
 
 def run(model: str, batches=None, contexts=None, peers: str | None = None, iters: int = 30,
         time_budget_s: float | None = None, full_graph_compile: str | None = None,
-        decode_gemv: bool = False) -> Report:
+        decode_gemv: bool = False, compare_full_graph_compile: str | None = None) -> Report:
     """peers: "all" (default), "eager" (transformers eager only) or "none".
     full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default).
     decode_gemv: compare the GEMV switch: the first engine runs cuBLAS only (decode_gemv=False) and
-    the full_graph_gemv rows come from a second one with it on."""
+    the full_graph_gemv rows come from a second one with it on.
+    compare_full_graph_compile: full_graph_<variant> rows from one more engine over the same model whose
+    decode graphs record that compile (e.g. "unsplit" beside the default "layered")."""
     from custom_ops import RuntimeMode
     from engine import LLM
 
@@ -207,13 +209,25 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
     del llm, runner
     torch._dynamo.reset()
     free_device_memory()
+    second_engines = []
     if decode_gemv:
+        second_engines.append(("full_graph_gemv", {"decode_gemv": True}))
+        report.notes.append("full_graph rows: an engine with EngineConfig.decode_gemv=False (cuBLAS only); "
+                            "full_graph_gemv rows: a second engine over the same model with decode_gemv=True, the "
+                            "default (custom_ops/gemv_table.py: the Triton GEMV at batch 1 for the measured shapes)")
+    if compare_full_graph_compile:
+        variant = f"full_graph_{compare_full_graph_compile}"
+        second_engines.append((variant, {"full_graph_compile": compare_full_graph_compile}))
+        report.notes.append(f"{variant} rows: one more engine over the same model whose decode graphs record the "
+                            f"{compare_full_graph_compile} compile (EngineConfig.full_graph_compile), replayed at "
+                            "the same points")
+    for variant, overrides in second_engines:
         if not has_graphs:
-            report.notes.append("full_graph_gemv: no decode graphs on this device, nothing to time")
+            report.notes.append(f"{variant}: no decode graphs on this device, nothing to time")
         elif not deadline.allows(60):
-            report.notes.append("full_graph_gemv skipped: time budget")
+            report.notes.append(f"{variant} skipped: time budget")
         else:
-            _add_gemv_rows(report, net, engine_fields, ours_points, add, iters)
+            _add_engine_rows(report, net, {**engine_fields, **overrides}, variant, ours_points, add, iters)
             torch._dynamo.reset()
             free_device_memory()
     del net
@@ -224,15 +238,16 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
     return report
 
 
-def _add_gemv_rows(report: Report, net, engine_fields: dict, points, add, iters: int) -> None:
-    """full_graph_gemv rows: the decode graphs of an engine with decode_gemv=True over the same model,
+def _add_engine_rows(report: Report, net, engine_fields: dict, variant: str, points, add, iters: int) -> None:
+    """`variant` rows: the decode graphs of one more engine (engine_fields) over the same model,
     replayed at the same points; `vs_cublas_eager_rel_err` compares its logits with the same step run
-    eager on cuBLAS (what the GEMV's rounding changes)."""
+    eager on cuBLAS (what the GEMV's rounding changes, when the engine has it on)."""
     from custom_ops import RuntimeMode
     from engine import LLM
     from models import set_decode_gemv
 
-    llm = LLM(net, decode_gemv=True, **engine_fields)
+    gemv = engine_fields.get("decode_gemv", True)
+    llm = LLM(net, **engine_fields)
     try:
         runner, vocab = llm.runtime.runner, net.config.vocab_size
         with torch.inference_mode():
@@ -246,14 +261,11 @@ def _add_gemv_rows(report: Report, net, engine_fields: dict, points, add, iters:
                     with runner.forward_context(meta, RuntimeMode.NONE, b):
                         reference = net.compute_logits(net(runner.buffers.input_ids[:b], runner.buffers.positions[:b]))
                 finally:
-                    set_decode_gemv(net, True)
-                add("full_graph_gemv", b, c, graph_replay_ms(runner, vocab, b, c, iters))
+                    set_decode_gemv(net, gemv)
+                add(variant, b, c, graph_replay_ms(runner, vocab, b, c, iters))
                 report.rows[-1]["vs_cublas_eager_rel_err"] = rel_err(logits, reference)
     finally:
         llm.close()
-    report.notes.append("full_graph rows: an engine with EngineConfig.decode_gemv=False (cuBLAS only); full_graph_gemv "
-                        "rows: a second engine over the same model with decode_gemv=True, the default "
-                        "(custom_ops/gemv_table.py: the Triton GEMV at batch 1 for the measured shapes)")
 
 
 def _run_hf_peers(report: Report, model: str, add, peers: str, deadline: Deadline, iters: int,

@@ -160,11 +160,13 @@ def test_decode_report_on_cpu_claims_no_graphs_and_times_a_compiled_model(monkey
         built.append(real_llm(*args, **kwargs))
         return built[-1]
     monkeypatch.setattr(engine, "LLM", recording_llm)
-    report = decode.run("tiny-llama", batches="1", contexts="16", peers="none", iters=1, decode_gemv=True)
+    report = decode.run("tiny-llama", batches="1", contexts="16", peers="none", iters=1, decode_gemv=True,
+                        compare_full_graph_compile="unsplit")
     assert report.notes[0].startswith("no decode graphs (the engine captures them on CUDA only)")
     assert [r["variant"] for r in report.rows] == ["eager", "compiled"]
     assert built[0].runtime.backend is not None  # the "compiled" row ran the infer_graphs backend
     assert "full_graph_gemv: no decode graphs on this device, nothing to time" in report.notes
+    assert "full_graph_unsplit: no decode graphs on this device, nothing to time" in report.notes
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
