@@ -32,6 +32,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._one = torch.ones(1, dtype=torch.int32, device=device)  # the count a sampled token adds
+        self._no_prompt: torch.Tensor | None = None  # the prompt mask of every request without a repetition penalty
 
     def attach(self, request: Request) -> None:
         """Give a seeded sampling request its own generator (once; it survives preemption)."""
@@ -90,10 +91,14 @@ class Sampler:
         for request in chosen:
             if request.output_counts is None:  # first sampling step (survives preemption)
                 request.output_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
-                request.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
                 if request.params.repetition_penalty != 1:
-                    request.prompt_mask.index_fill_(0, host_to_device(request.prompt_token_ids, torch.int64, device),
-                                                    True)  # not `[...] = True`: see held_back
+                    request.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(
+                        0, host_to_device(request.prompt_token_ids, torch.int64, device),
+                        True)  # not `[...] = True`: see held_back
+                else:  # only the repetition penalty reads the prompt: one shared all-false mask
+                    if self._no_prompt is None or self._no_prompt.shape[0] != vocab:
+                        self._no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+                    request.prompt_mask = self._no_prompt
         index = host_to_device(rows, torch.int64, device)
         counts = torch.stack([r.output_counts for r in chosen]).float()
         seen = (counts > 0) | torch.stack([r.prompt_mask for r in chosen])
