@@ -27,17 +27,21 @@ from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
 
-@triton.jit
+# The batch size reaches the kernel as num_stores and num_splits. Triton would compile a variant per
+# value class of an int argument (== 1, divisible by 16, other), so every decode batch size and
+# split count would cost a compile on a cold start-up (about 1 s each on an H100 host); at run time
+# they only bound loops and masks. SPLIT (one split or several) is the only shape of the code.
+@triton.jit(do_not_specialize=["num_stores", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, k_new_ptr, v_new_ptr, slot_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
-    stride_knt, stride_knh, stride_vnt, stride_vnh, num_stores,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, num_stores, num_splits,
     scale, softcap, window,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -49,7 +53,7 @@ def _decode_kernel(
     else:
         start = 0
     num_tiles = tl.cdiv(seq_len - start, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     # Splits past the keys hold nothing and take no part; a sequence of length 0 (padding) has one.
     active = tl.maximum(tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)), 1)
     begin = start + split * tiles_per_split * BLOCK_N
@@ -121,7 +125,7 @@ def _decode_kernel(
                          mask=d_mask)
 
     o_ptrs = out_ptr + seq64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (a padding sequence): write zeros
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
@@ -130,8 +134,8 @@ def _decode_kernel(
                 l_safe = tl.where(l_i > 0.0, l_i, 1.0)
                 tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
         elif split < active:
-            # partials are [num_seqs, NUM_HEADS, NUM_SPLITS(, BLOCK_D)] fp32
-            rows = (seq64 * NUM_HEADS + heads) * NUM_SPLITS
+            # partials are [num_seqs, NUM_HEADS, num_splits(, BLOCK_D)] fp32
+            rows = (seq64 * NUM_HEADS + heads) * num_splits
             g_mask = offs_g < GROUP
             tl.store(part_max_ptr + rows + split, m_i, mask=g_mask)
             tl.store(part_sum_ptr + rows + split, l_i, mask=g_mask)
@@ -254,7 +258,7 @@ def launch_decode(
         part_acc, part_max, part_sum = _partials(q.device, num_seqs, num_heads, num_kv_heads, num_splits, block_d)
         arrivals = _arrival_counters(q.device, num_seqs, num_kv_heads)
     else:
-        part_acc = part_max = part_sum = arrivals = out  # unused under NUM_SPLITS == 1
+        part_acc = part_max = part_sum = arrivals = out  # unused without SPLIT
     if new_kv is not None:
         k_new, v_new, slots, num_stores = new_kv
     else:
@@ -266,10 +270,10 @@ def launch_decode(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), min(num_stores, num_seqs),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), min(num_stores, num_seqs), num_splits,
         float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
-        NUM_SPLITS=num_splits, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
+        SPLIT=num_splits > 1, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
         DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, **cfg,
     )

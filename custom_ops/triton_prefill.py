@@ -134,7 +134,9 @@ def _attend_span(
     return acc, l_i, m_i
 
 
-@triton.jit
+# num_stores and dense_len are token counts: specialized (== 1, divisible by 16, other) they would cost
+# a compile per class of capture size on a cold start-up, for a loop bound and a mask.
+@triton.jit(do_not_specialize=["num_stores", "dense_len"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     k_new_ptr, v_new_ptr, slot_ptr,

@@ -304,6 +304,40 @@ def test_gpu_decode_any_split_count_matches_reference(num_splits, dtype):
     check_close(run_paged(q, k, v, cache, meta, layer, num_splits=num_splits).cpu(), ref, 6, dtype)
 
 
+def _compiled_variants(kernel) -> int:
+    """How many binaries of a Triton kernel this process compiled for the current device (Triton's
+    own per-device cache: its first element is the key -> binary dict in Triton 3.x)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no per-device kernel cache to count")
+    entry = caches.get(torch.cuda.current_device())
+    return len(entry[0]) if entry else 0
+
+
+@pytest.mark.gpu
+def test_gpu_every_decode_batch_and_prefill_token_count_reuses_one_compiled_variant():
+    """A cold start-up compiles once per kernel shape, not per batch size: the counts (Triton would
+    specialize an int on == 1 / divisible by 16) and the split count are run-time values."""
+    from custom_ops import triton_decode, triton_prefill
+    layer = make_layer(24, 8, 128)
+    # decode: batch 1..32 with several splits each (2 to 17 at these lengths)
+    before = None
+    for batch in (1, 2, 3, 8, 16, 24, 32):
+        q, k, v, cache, meta = make_batch([500 + i for i in range(batch)], [1] * batch, layer, 16,
+                                          torch.bfloat16, "cuda")
+        ref, _ = reference_paged(q, k, v, cache, meta, layer)
+        check_close(run_paged(q, k, v, cache, meta, layer).cpu(), ref, batch, torch.bfloat16)
+        before = _compiled_variants(triton_decode._decode_kernel) if before is None else before
+    assert _compiled_variants(triton_decode._decode_kernel) == before
+    # prefill: one sequence of 1, 7, 28, 64 and 1024 tokens
+    before = None
+    for tokens in (64, 1, 7, 28, 1024):
+        q, k, v, cache, meta = make_batch([0], [tokens], layer, 16, torch.bfloat16, "cuda")
+        run_paged(q, k, v, cache, meta, layer)
+        before = _compiled_variants(triton_prefill._prefill_kernel) if before is None else before
+    assert _compiled_variants(triton_prefill._prefill_kernel) == before
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)

@@ -46,7 +46,7 @@ DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_tables_ptr="*i3
               softcap="fp32", **{name: "i32" for name in (
                   "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
                   "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh", "stride_vnt",
-                  "stride_vnh", "num_stores", "window")})
+                  "stride_vnh", "num_stores", "num_splits", "window")})
 out = {}
 try:
     for block_m, split_k in ((1, 4), (8, 1), (16, 4)):
@@ -56,7 +56,7 @@ try:
     for splits in (1, 8):
         out[f"decode-s{splits}"] = ptx(triton_decode._decode_kernel, DECODE, dict(
             NUM_HEADS=24, NUM_KV_HEADS=8, GROUP=3, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-            PAGE_SIZE=16, NUM_SPLITS=splits, SOFTCAP=True, WINDOW=True, DOT_PRECISION="tf32",
+            PAGE_SIZE=16, SPLIT=splits > 1, SOFTCAP=True, WINDOW=True, DOT_PRECISION="tf32",
             FUSE_STORE=True), num_warps=4, num_stages=2)
     from custom_ops import triton_prefill
     PREFILL = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
