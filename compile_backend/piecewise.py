@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from compile_backend.pool import capture_stream, gc_paused, weak_tensor
+from compile_backend.pool import capture_stream, gc_paused, reserved_bytes, weak_tensor
 from compile_backend.stats import BackendStats
 
 
@@ -84,14 +84,14 @@ class PieceRunner:
             # Warm-up outside the capture: first-call work (kernel loading, autotuning, per-stream
             # library workspaces) must not be recorded or allocate from the pool.
             self.fn(*args)
-            reserved_before = torch.cuda.memory_reserved()
+            reserved_before = reserved_bytes()
             with gc_paused():
                 graph.capture_begin(pool=self.pool)
                 try:
                     outputs = self.fn(*args)
                 finally:
                     graph.capture_end()
-            self.stats.graph_pool_bytes += torch.cuda.memory_reserved() - reserved_before
+            self.stats.graph_pool_bytes += reserved_bytes() - reserved_before
         torch.cuda.current_stream().wait_stream(stream)
         # Capturing records kernels without running them: replay once so this step's outputs hold values.
         graph.replay()

@@ -89,6 +89,14 @@ def gc_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def reserved_bytes() -> int:
+    """The caching allocator's reserved bytes on the current device. `torch.cuda.memory_reserved()`
+    reads the same number after flattening every allocator statistic into a sorted dict in Python
+    (~0.3 ms); a piecewise start-up asks twice per piece capture, ~2,800 times."""
+    stats = torch.cuda.memory_stats_as_nested_dict()
+    return stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)
+
+
 def pool_bytes(pool: Any) -> int:
     """Bytes of device memory reserved by `pool` (a GraphPool or a handle), from the allocator's
     segment list. Costs a memory snapshot: for reports, not for the step path."""
