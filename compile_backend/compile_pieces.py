@@ -24,7 +24,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from compile_backend.split import SplitGraph, is_splitting_node, op_name
+from compile_backend.split import SplitGraph, op_name
 
 
 def _direct_impls() -> dict[str, Callable[..., Any]]:
@@ -160,12 +160,10 @@ def _input_key(value: Any, storages: dict[Any, int]) -> str | None:
     return f"{type(value).__name__}:{value}"
 
 
-def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any],
-                   masked_ops: frozenset[str] = frozenset()) -> str | None:
+def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | None:
     """Equal keys mean one compiled callable computes both pieces; None: the piece reads module state
     (get_attr, call_module), which a shared callable could not see, or an input has no storage to
-    compare, so it is compiled on its own. `masked_ops`: splitting ops whose string arguments (layer
-    names) the key leaves out, for a caller that renames them at run time (compile_backend.layered)."""
+    compare, so it is compiled on its own."""
     numbers: dict[torch.fx.Node, str] = {}
     parts = []
     for node in piece.graph.nodes:
@@ -174,20 +172,12 @@ def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any],
         numbers[node] = f"%{len(numbers)}"
         target = "" if node.op == "placeholder" else _target_name(node.target)
         operands = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: numbers[n])
-        if masked_ops and is_splitting_node(node, masked_ops):
-            operands = tuple(_mask_strings(o) for o in operands)
         parts.append(f"{node.op} {target} {operands!r}")
     storages: dict[Any, int] = {}
     inputs = [_input_key(a, storages) for a in args]
     if None in inputs:
         return None
     return "\n".join(parts + inputs)
-
-
-def _mask_strings(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: "<name>" if isinstance(v, str) else v for k, v in value.items()}
-    return tuple("<name>" if isinstance(v, str) else v for v in value)
 
 
 def _compile_deduplicated(piece: torch.fx.GraphModule, args: Sequence[Any],

@@ -11,9 +11,14 @@ attention, then `o_proj(i-1) ... attention(i)` for every middle layer, then the 
 
 Middle layers are the same graph except for the attention op's layer-name constant. Their
 structural key (compile_pieces.structural_key) masks that name; the first layer with a key is
-compiled, and every other layer with it runs that code inside `attention_layer_renamed`, which makes
-the op compute the layer it is called for. The op resolves the name when it runs in Python, which is
-during capture: a decode graph records each layer's own cache, block tables and parameters.
+compiled, and every layer runs that code inside `attention_layer_renamed`, which makes the op compute
+the layer it is called for. The op resolves the name when it runs in Python, which is during
+capture: a decode graph records each layer's own cache, block tables and parameters.
+
+The compiled code names no real layer: its op calls name `infer_graphs.layer.<i>` (the i-th op of the
+piece), so Inductor's cache key does not depend on the model instance's layer prefix, and a second
+engine in the same process (a fresh model, a fresh prefix) finds the pieces in Inductor's cache
+instead of compiling them again.
 """
 from __future__ import annotations
 
@@ -48,12 +53,26 @@ def _shallow_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def _layer_names(piece: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> list[str]:
-    """The string constants of a piece's splitting-op calls (the attention layer names), in order."""
-    names = []
+CANONICAL_PREFIX = "infer_graphs.layer"
+
+
+def _canonical_names(piece: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> list[str]:
+    """Replace the string constants of a piece's splitting-op calls (the attention layer names) by
+    `infer_graphs.layer.<i>`, in place; the names it replaced, in order."""
+    names: list[str] = []
+
+    def canonical(value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        names.append(value)
+        return f"{CANONICAL_PREFIX}.{len(names) - 1}"
+
     for node in piece.graph.nodes:
         if is_splitting_node(node, splitting_ops):
-            names.extend(a for a in (*node.args, *node.kwargs.values()) if isinstance(a, str))
+            node.args = tuple(canonical(a) for a in node.args)
+            node.kwargs = {k: canonical(v) for k, v in node.kwargs.items()}
+    if names:
+        piece.recompile()
     return names
 
 
@@ -64,7 +83,7 @@ def compile_layered(gm: torch.fx.GraphModule, fake_mode: Any, splitting_ops: tup
     recorded values (its key cannot be formed)."""
     split = split_after(_shallow_copy(gm), splitting_ops)
     ops = frozenset(splitting_ops)
-    by_key: dict[str, tuple[Callable[..., Any], list[str]]] = {}
+    by_key: dict[str, Callable[..., Any]] = {}
     compiles = 0
     with fake_mode:
         for info in split.summary.pieces:
@@ -73,19 +92,16 @@ def compile_layered(gm: torch.fx.GraphModule, fake_mode: Any, splitting_ops: tup
             if args is None:
                 raise RuntimeError(f"infer_graphs: piece {info.name} of the FULL-step split has an input "
                                    "with no value recorded by the trace")
-            names = _layer_names(piece, ops)
-            key = structural_key(piece, args, masked_ops=ops)
-            found = by_key.get(key) if key is not None else None
-            if found is None:
-                fn = _compile_inductor(piece, args)
+            names = _canonical_names(piece, ops)
+            key = structural_key(piece, args)  # the names are canonical now: equal layers, equal keys
+            compiled = by_key.get(key) if key is not None else None
+            if compiled is None:
+                compiled = _compile_inductor(piece, args)
                 compiles += 1
                 if key is not None:
-                    by_key[key] = (fn, names)
-            else:
-                compiled, compiled_names = found
-                renamed = {a: b for a, b in zip(compiled_names, names) if a != b}
-                fn = RenamedLayer(compiled, renamed) if renamed else compiled
-            _install(split, info.name, fn)
+                    by_key[key] = compiled
+            renamed = {f"{CANONICAL_PREFIX}.{i}": name for i, name in enumerate(names)}
+            _install(split, info.name, RenamedLayer(compiled, renamed) if renamed else compiled)
     return split.module.forward, len(split.summary.pieces), compiles
 
 

@@ -67,3 +67,22 @@ def test_a_renamed_layer_calls_its_compiled_code_inside_the_renaming():
     layer = RenamedLayer(lambda *args: seen.append((args, dict(attention_module._renamed))), {"a": "b"})
     layer(1, 2)
     assert seen == [((1, 2), {"a": "b"})] and not attention_module._renamed
+
+
+def test_a_second_model_instance_finds_every_full_step_graph_in_inductors_cache(tmp_path, monkeypatch):
+    """The compiled layers name canonical layers, not the instance's prefix (llama_0, llama_1, ...):
+    a second engine in the same process compiles nothing again."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    misses = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        model = models.from_config(hf_config("llama", num_hidden_layers=4), dtype=torch.float32)
+        compiled = torch.compile(model, backend=InferGraphsBackend(BackendConfig(full_graph_compile="layered")),
+                                 fullgraph=True)
+        ids, positions = random_inputs(7, 96)
+        with torch.no_grad(), forward_context(None, RuntimeMode.FULL, 7):
+            run_marked(compiled, ids, positions)
+        misses.append(counters["inductor"]["fxgraph_cache_miss"])
+    assert misses[0] > 0 and misses[1] == 0
