@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.triton_common import interpreting, load_kv_tile, log2_scores
+from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
@@ -191,8 +191,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     one kv head (Gemma 3 1B/270M) at 4k: 64 splits of 64 keys.
     """
     programs = num_seqs * num_kv_heads
-    wanted = triton.cdiv(2 * sm_count, programs)
-    by_length = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    wanted = cdiv(2 * sm_count, programs)
+    by_length = cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
@@ -248,7 +248,7 @@ def launch_decode(
     cfg.update(config or {})
     block_n = cfg.pop("BLOCK_N")
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     visible = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
     if num_splits is None:
         num_splits = 1 if interpreting() else decode_num_splits(
@@ -272,7 +272,7 @@ def launch_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), min(num_stores, num_seqs), num_splits,
         float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
         SPLIT=num_splits > 1, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
         DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, **cfg,

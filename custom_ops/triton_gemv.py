@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.gemv_table import GemvConfig
+from custom_ops.triton_common import cdiv, next_power_of_2
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
@@ -130,10 +131,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         return out
     if k == 0:
         return out.zero_()
-    block_m = 16 if m >= 16 else triton.next_power_of_2(m)
+    block_m = 16 if m >= 16 else next_power_of_2(m)
     if block_m >= 16 and min(cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"gemv at M={m} uses tl.dot, which needs block_n and block_k >= 16 ({cfg})")
-    tiles_n = triton.cdiv(n, cfg.block_n)
+    tiles_n = cdiv(n, cfg.block_n)
     if cfg.split_k > 1:
         cuda = x.device.type == "cuda"
         parts = _partials.setdefault(x.device, Workspace()).take(

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from custom_ops.triton_common import next_power_of_2
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -62,6 +64,6 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         PAGE_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.triton_common import interpreting, load_kv_tile, log2_scores
+from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2
 
 
 @triton.jit
@@ -300,14 +300,14 @@ def launch_prefill(
     else:
         k_new = v_new = slots = q  # unused under FUSE_STORE=False
         num_stores = 0
-    grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
+    grid = (num_heads, cdiv(max_query_len, block_m), num_seqs)
     _prefill_kernel[grid](
         q, k_src, v_src, out, block_tables, query_start_loc, seq_lens, k_new, v_new, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), num_stores,
         dense_len, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,
         SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window), DOT_PRECISION=dot_precision(q.dtype),
         FUSE_STORE=new_kv is not None, **cfg,
