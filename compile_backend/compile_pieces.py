@@ -97,7 +97,8 @@ _GRAPH_ONLY_OPS = {"infer::linear": torch.ops.aten.linear.default}
 
 def lower_graph_only_ops(gm: torch.fx.GraphModule) -> int:
     """Rewrite gm's graph-only ops (_GRAPH_ONLY_OPS) into their plain equivalents, in place: for the
-    pieces when an unsplit graph serves the FULL steps, so no PIECEWISE or NONE step pays for them.
+    pieces when FULL steps have their own code (layered or unsplit), so no PIECEWISE or NONE step pays
+    for them.
     The nodes keep their names and recorded values. Returns how many it rewrote."""
     lowered = 0
     for node in gm.graph.nodes:

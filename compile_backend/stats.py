@@ -22,7 +22,7 @@ class BackendStats:
     replay_steps: int = 0             # PIECEWISE steps served by graphs
     fallback_steps: int = 0           # PIECEWISE steps on CUDA with no graph for their size
     graphless_steps: int = 0          # NONE mode, or PIECEWISE on CPU / with cudagraphs=False
-    full_steps: int = 0               # FULL mode: the unsplit graph or the pieces, under an outer capture
+    full_steps: int = 0               # FULL mode: the FULL-step code or the pieces, under an outer capture
 
     @property
     def captured_sizes(self) -> list[int]:

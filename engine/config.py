@@ -69,7 +69,7 @@ class EngineConfig:
     # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS). Measured end
     # to end (`python -m bench decode --decode-gemv`, H100, llama-3.2-3b): the batch-1 decode graph
     # 3.305 -> 3.054 ms, batch 8 unchanged. Only graphs that record it see the op: compiled pieces
-    # run Inductor's own matmul when an unsplit graph serves FULL steps (compile_backend), eager
+    # run Inductor's own matmul when layered / unsplit code serves FULL steps (compile_backend), eager
     # code calls the kernel without the dispatcher (models.layers.Linear).
     decode_gemv: bool = True
     show_progress: bool = True             # tqdm bar during graph capture

@@ -394,7 +394,7 @@ class LLM:
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
-        # what the decode graphs recorded: the unsplit variant, or the split pieces (None: no graphs)
+        # what the decode graphs recorded: "layered" / "unsplit" code, or the split pieces (None: no graphs)
         backend = self.runtime.backend
         stats["full_graph_compile"] = (backend.config.full_graph_compile if backend is not None and graphs
                                        else "piecewise" if graphs else None)
