@@ -188,16 +188,22 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
         # v stays a strided view of the fused projection (row stride q_size + 2 * kv_size): every
         # attention path (the Triton store, decode and prefill kernels, the reference) honours token
         # and head strides, and a .contiguous() here was one copy kernel per layer per step.
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent in the projection: one rotary over both heads' rows is one kernel
+            # (over two tensors of different head counts, two), and q, k are views of its output.
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qkv[:, :qk_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Allocated right before the op so a graph split at the op hands this buffer, at a fixed
         # address, from the piece before (which allocates it) to the piece after (which reads it).
         out = torch.empty_like(q)

@@ -212,13 +212,13 @@ def test_decode_last_split_merges_in_the_same_launch_and_leaves_counters_at_zero
 
 
 def _fused_views(q, k, v):
-    """q, k, v as the models pass them: views of one fused [T, (Hq + 2 Hkv) * D] projection, so k and
-    v have the fused row stride (v is not made contiguous)."""
+    """q, k, v as the models pass them: views of one fused [T, (Hq + 2 Hkv) * D] projection, so all
+    three have the fused row stride (Llama rotates q and k in one kernel, whose output q and k view;
+    v is not made contiguous)."""
     t = q.shape[0]
     fused = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
     qs, ks = q[0].numel(), k[0].numel()
-    return (fused[:, :qs].view(q.shape).contiguous(), fused[:, qs:qs + ks].view(k.shape),
-            fused[:, qs + ks:].view(v.shape))
+    return (fused[:, :qs].view(q.shape), fused[:, qs:qs + ks].view(k.shape), fused[:, qs + ks:].view(v.shape))
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode-fused-store", "prefill-store-kernel"])
@@ -229,7 +229,7 @@ def test_attention_reads_k_and_v_as_strided_views_of_the_fused_projection(decode
     q, k, v, cache, meta = make_batch(prefix, query, layer, block_size=4, dtype=torch.float32, device=DEVICE)
     ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
     qf, kf, vf = _fused_views(q, k, v)
-    assert kf.stride(0) == vf.stride(0) == q[0].numel() + 2 * k[0].numel()
+    assert qf.stride(0) == kf.stride(0) == vf.stride(0) == q[0].numel() + 2 * k[0].numel()
     out = run_paged(qf, kf, vf, cache, meta, layer, num_splits=2 if decode else None)
     assert torch.equal(cache.cpu(), ref_cache)
     check_close(out, ref, meta.num_actual_tokens, torch.float32)
