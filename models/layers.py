@@ -98,11 +98,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """RMSNorm over the last dim (see RMSNorm); `weight` broadcasts against x, e.g. one row per head."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
+    return weight * xf.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -194,16 +199,15 @@ class Attention(nn.Module):
         # attention path (the Triton store, decode and prefill kernels, the reference) honours token
         # and head strides, and a .contiguous() here was one copy kernel per layer per step.
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            # q and k are adjacent in the projection: one rotary over both heads' rows is one kernel
-            # (over two tensors of different head counts, two), and q, k are views of its output.
-            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q, k = qkv[:, :qk_size].split([self.q_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # q and k are adjacent in the projection: their per-head norms (Qwen3, Gemma 3) and the rotary
+        # run over both heads' rows at once, one kernel per layer where q and k apart would be two,
+        # and q, k are views of its output.
+        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # q's weight on q's rows, k's on k's: the same math per element
+            weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
+                                self.k_norm.weight.expand(self.num_kv_heads, -1)])
+            qk = rms_norm(qk, weight, self.q_norm.eps, self.q_norm.unit_offset)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         # Allocated right before the op so a graph split at the op hands this buffer, at a fixed
         # address, from the piece before (which allocates it) to the piece after (which reads it).
         out = torch.empty_like(q)
