@@ -29,35 +29,61 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i"}  # "i" is 32-bit wherever torc
 
 
 class StaticBuffers:
-    """Every tensor a step reads, at fixed device addresses, plus pinned host staging for the copies."""
+    """Every tensor a step reads, at fixed device addresses, plus pinned host staging for the copies.
+
+    The per-step values live in one int64 slab (the int32 ones in a stretch of it viewed as int32),
+    mirrored by one pinned host slab, so a step's values reach the device in ONE copy: a copy per
+    tensor was six to eight small transfers per step, each a few microseconds on the stream between
+    two steps' graphs. The slab's order puts the short per-sequence regions first, then the
+    per-token ones; a step copies from the start to the end of its last used token. Block tables
+    travel apart (PersistentBlockTables: only their new entries).
+    """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
-        pin = device.type == "cuda"
-
-        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            return (torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, pin_memory=pin))
-
-        self.input_ids, self._input_ids = pair((max_tokens,), torch.int64)
-        self.positions, self._positions = pair((max_tokens,), torch.int64)
-        self.slot_mapping, self._slot_mapping = pair((max_tokens,), torch.int64)
-        self.query_start_loc, self._query_start_loc = pair((max_seqs + 1,), torch.int32)
-        self.seq_lens, self._seq_lens = pair((max_seqs,), torch.int32)
-        self.tables = PersistentBlockTables(max_seqs, max_blocks_per_seq, device, pin)
+        self._pin, self._device = device.type == "cuda", device
+        self.tables = PersistentBlockTables(max_seqs, max_blocks_per_seq, device, self._pin)
         self.block_tables = self.tables.table
-        self.logits_indices, self._logits_indices = pair((max_seqs,), torch.int64)
-        self._pair, self._pin, self._device = pair, pin, device
-        # KV groups after the first (engine.kv_groups): each its own slot mapping and block tables.
-        self.group_slot_mappings: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.group_tables: list[PersistentBlockTables] = []
-        # Marks when the last step's host -> device copies have run, so the next step does not
+        self._lay_out(num_groups=1)
+        self._loaded = False
+        # Marks when the last step's host -> device copy has run, so the next step does not
         # overwrite pinned staging memory that an asynchronous copy is still reading.
-        self._copied = torch.cuda.Event() if pin else None
+        self._copied = torch.cuda.Event() if self._pin else None
+
+    def _lay_out(self, num_groups: int) -> None:
+        """The slabs and the (device view, host view) pair of every per-step tensor."""
+        tokens, seqs = self.max_tokens, self.max_seqs
+        # query_start_loc [seqs + 1] and seq_lens [seqs], int32, fill seqs + 1 int64 words
+        regions = [("logits_indices", seqs), ("int32", seqs + 1), ("input_ids", tokens), ("positions", tokens),
+                   ("slot_mapping", tokens)] + [(f"group_slots_{g}", tokens) for g in range(1, num_groups)]
+        total = sum(n for _, n in regions)
+        self._slab = torch.zeros(total, dtype=torch.int64, device=self._device)
+        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=self._pin)
+        views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._offsets: dict[str, int] = {}
+        offset = 0
+        for name, n in regions:
+            views[name] = (self._slab[offset:offset + n], self._host[offset:offset + n])
+            self._offsets[name] = offset
+            offset += n
+        dev32, host32 = (v.view(torch.int32) for v in views.pop("int32"))
+        self.query_start_loc, self._query_start_loc = dev32[:seqs + 1], host32[:seqs + 1]
+        self.seq_lens, self._seq_lens = dev32[seqs + 1:2 * seqs + 1], host32[seqs + 1:2 * seqs + 1]
+        self.logits_indices, self._logits_indices = views.pop("logits_indices")
+        self.input_ids, self._input_ids = views.pop("input_ids")
+        self.positions, self._positions = views.pop("positions")
+        self.slot_mapping, self._slot_mapping = views.pop("slot_mapping")
+        # KV groups after the first (engine.kv_groups): each its own slot mapping (and block tables)
+        self.group_slot_mappings = [views.pop(f"group_slots_{g}") for g in range(1, num_groups)]
 
     def set_num_groups(self, num_groups: int) -> None:
-        """Buffers for KV groups 1..num_groups-1 (group 0 uses slot_mapping and tables)."""
-        self.group_slot_mappings = [self._pair((self.max_tokens,), torch.int64) for _ in range(num_groups - 1)]
+        """Buffers for KV groups 1..num_groups-1 (group 0 uses slot_mapping and tables). Before the
+        first step: the slab is laid out again, and a graph keeps the addresses it recorded."""
+        if self._loaded:
+            raise RuntimeError("StaticBuffers.set_num_groups after a step was loaded: the buffers' "
+                               "addresses are fixed once a step has read them")
+        self._lay_out(num_groups)
         self.group_tables = [PersistentBlockTables(self.max_seqs, self.max_blocks_per_seq, self._device, self._pin)
                              for _ in range(num_groups - 1)]
 
@@ -83,19 +109,19 @@ class StaticBuffers:
         self.tables.update(tables)
         for persistent, group in zip(self.group_tables, group_tables):
             persistent.update(group)
-        copies = [(device_buf, host_buf, values)
-                  for (device_buf, host_buf), values in zip(self.group_slot_mappings, group_slots)]
-        for device_buf, host_buf, values in copies + [
-            (self.input_ids, self._input_ids, ids), (self.positions, self._positions, positions),
-            (self.slot_mapping, self._slot_mapping, slots),
-            (self.query_start_loc, self._query_start_loc, query_start_loc),
-            (self.seq_lens, self._seq_lens, seq_lens),
-            (self.logits_indices, self._logits_indices, logits_indices),
-        ]:
-            n = len(values)
-            if n:
-                host_buf[:n] = torch.frombuffer(array.array(_TYPECODES[host_buf.dtype], values), dtype=host_buf.dtype)
-                device_buf[:n].copy_(host_buf[:n], non_blocking=True)
+        self._loaded = True
+        staged = [(self._input_ids, ids), (self._positions, positions), (self._slot_mapping, slots),
+                  (self._query_start_loc, query_start_loc), (self._seq_lens, seq_lens),
+                  (self._logits_indices, logits_indices)]
+        staged += [(host_buf, values) for (_, host_buf), values in zip(self.group_slot_mappings, group_slots)]
+        for host_buf, values in staged:
+            if values:
+                host_buf[:len(values)] = torch.frombuffer(array.array(_TYPECODES[host_buf.dtype], values),
+                                                          dtype=host_buf.dtype)
+        # one copy: everything up to the last used token of the last per-token region
+        last = f"group_slots_{len(self.group_slot_mappings)}" if self.group_slot_mappings else "slot_mapping"
+        end = self._offsets[last] + len(group_slots[-1] if self.group_slot_mappings else slots)
+        self._slab[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 

@@ -81,6 +81,41 @@ def test_static_buffers_load_copies_the_values_and_keeps_block_table_rows_betwee
     assert buffers.tables.rows_moved == 1 and buffers.tables.entries_copied - copied == 2
 
 
+def test_static_buffers_send_a_steps_values_in_one_copy_and_keep_their_addresses():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        """Copies into the device-side buffers (on the CPU both sides are CPU tensors; the staging
+        writes into the host slab are host work on a GPU too)."""
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == device_slab:
+                CountCopies.copies += 1
+            return func(*args, **(kwargs or {}))
+
+    buffers = StaticBuffers(max_tokens=8, max_seqs=3, max_blocks_per_seq=4, device=torch.device("cpu"))
+    buffers.set_num_groups(2)  # Gemma 3: a second KV group with its own slot mapping
+    device_slab = buffers.input_ids.untyped_storage().data_ptr()
+    addresses = [t.data_ptr() for t in (buffers.input_ids, buffers.positions, buffers.slot_mapping,
+                                        buffers.query_start_loc, buffers.seq_lens, buffers.logits_indices,
+                                        buffers.group_slot_mappings[0][0])]
+    table = [3]
+    buffers.load([5, 6], [0, 1], [12, 13], [0, 2], [2], [table], [1], [[20, 21]], [[table]])
+    with CountCopies():
+        buffers.load([9], [2], [14], [0, 1], [3], [table], [0], [[22]], [[table]])  # tables unchanged
+    assert CountCopies.copies == 1
+    assert buffers.input_ids[:1].tolist() == [9] and buffers.positions[:1].tolist() == [2]
+    assert buffers.slot_mapping[:1].tolist() == [14] and buffers.group_slot_mappings[0][0][:1].tolist() == [22]
+    assert buffers.query_start_loc[:2].tolist() == [0, 1] and buffers.seq_lens[:1].tolist() == [3]
+    assert buffers.logits_indices[:1].tolist() == [0] and buffers.query_start_loc.dtype == torch.int32
+    assert addresses == [t.data_ptr() for t in (buffers.input_ids, buffers.positions, buffers.slot_mapping,
+                                                buffers.query_start_loc, buffers.seq_lens, buffers.logits_indices,
+                                                buffers.group_slot_mappings[0][0])]
+    with pytest.raises(RuntimeError, match="set_num_groups after a step was loaded"):
+        buffers.set_num_groups(3)
+
+
 # -- scheduler ------------------------------------------------------------------------------------
 
 def test_prefill_is_chunked_to_the_token_budget():
