@@ -9,16 +9,14 @@ place, which any compile materializes; the next layer's first kernel is the outp
 matmul), and the pieces between two cuts are the model's layers: embedding + layer 0 up to its
 attention, then `o_proj(i-1) ... attention(i)` for every middle layer, then the tail.
 
-Middle layers are the same graph except for the attention op's layer-name constant. Their
-structural key (compile_pieces.structural_key) masks that name; the first layer with a key is
+Middle layers are the same graph except for the attention op's layer-name constant. Before the
+compile, each piece's op calls are renamed `infer_graphs.layer.<i>` (the i-th op of the piece), so
+equal layers have equal structural keys (compile_pieces.structural_key): the first layer with a key is
 compiled, and every layer runs that code inside `attention_layer_renamed`, which makes the op compute
 the layer it is called for. The op resolves the name when it runs in Python, which is during
-capture: a decode graph records each layer's own cache, block tables and parameters.
-
-The compiled code names no real layer: its op calls name `infer_graphs.layer.<i>` (the i-th op of the
-piece), so Inductor's cache key does not depend on the model instance's layer prefix, and a second
-engine in the same process (a fresh model, a fresh prefix) finds the pieces in Inductor's cache
-instead of compiling them again.
+capture: a decode graph records each layer's own cache, block tables and parameters. Naming no real
+layer also keeps the model instance's layer prefix out of Inductor's cache key: a second engine in the
+same process (a fresh model, a fresh prefix) finds the pieces in Inductor's cache.
 """
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ from custom_ops.attention import attention_layer_renamed
 
 
 class RenamedLayer:
-    """A compiled layer run for another layer: its attention calls are renamed to that layer's."""
+    """Compiled layer code run for one layer: its canonical attention calls compute that layer."""
 
     def __init__(self, fn: Callable[..., Any], renamed: dict[str, str]):
         self.fn = fn
@@ -79,8 +77,8 @@ def _canonical_names(piece: torch.fx.GraphModule, splitting_ops: frozenset[str])
 def compile_layered(gm: torch.fx.GraphModule, fake_mode: Any, splitting_ops: tuple[str, ...],
                     ) -> tuple[Callable[..., Any], int, int]:
     """(forward over the same inputs as gm, layer pieces, distinct Inductor compiles). gm is left as it
-    was: the split works on a copy. Falls back to one compile per piece where a piece's inputs have no
-    recorded values (its key cannot be formed)."""
+    was: the split works on a copy. A piece whose key cannot be formed (it reads module state) is
+    compiled on its own."""
     split = split_after(_shallow_copy(gm), splitting_ops)
     ops = frozenset(splitting_ops)
     by_key: dict[str, Callable[..., Any]] = {}
