@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from compile_backend.compile_pieces import _compile_inductor, _recorded_inputs, structural_key
+from compile_backend.compile_pieces import _compile_deduplicated, _recorded_inputs
 from compile_backend.split import SplitGraph, is_splitting_node, split_after
 from custom_ops.attention import attention_layer_renamed
 
@@ -81,8 +81,8 @@ def compile_layered(gm: torch.fx.GraphModule, fake_mode: Any, splitting_ops: tup
     compiled on its own."""
     split = split_after(_shallow_copy(gm), splitting_ops)
     ops = frozenset(splitting_ops)
-    by_key: dict[str, Callable[..., Any]] = {}
-    compiles = 0
+    by_key: dict[str, Callable[..., Any]] = {}  # structural key -> compiled layer (names canonical)
+    compiled_layers: set[int] = set()
     with fake_mode:
         for info in split.summary.pieces:
             piece = split.piece(info)
@@ -90,17 +90,12 @@ def compile_layered(gm: torch.fx.GraphModule, fake_mode: Any, splitting_ops: tup
             if args is None:
                 raise RuntimeError(f"infer_graphs: piece {info.name} of the FULL-step split has an input "
                                    "with no value recorded by the trace")
-            names = _canonical_names(piece, ops)
-            key = structural_key(piece, args)  # the names are canonical now: equal layers, equal keys
-            compiled = by_key.get(key) if key is not None else None
-            if compiled is None:
-                compiled = _compile_inductor(piece, args)
-                compiles += 1
-                if key is not None:
-                    by_key[key] = compiled
+            names = _canonical_names(piece, ops)  # first: equal layers now have equal keys
+            compiled = _compile_deduplicated(piece, args, by_key)
+            compiled_layers.add(id(compiled))
             renamed = {f"{CANONICAL_PREFIX}.{i}": name for i, name in enumerate(names)}
             _install(split, info.name, RenamedLayer(compiled, renamed) if renamed else compiled)
-    return split.module.forward, len(split.summary.pieces), compiles
+    return split.module.forward, len(split.summary.pieces), len(compiled_layers)
 
 
 def _install(split: SplitGraph, name: str, fn: Callable[..., Any]) -> None:

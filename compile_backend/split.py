@@ -230,10 +230,9 @@ def split_after(gm: torch.fx.GraphModule, splitting_ops: tuple[str, ...]) -> Spl
         if node.op == "call_function" and node.target is operator.getitem and node.args[0] in part:
             part[node] = part[node.args[0]]
             continue
-        part[node] = current
+        part[node] = current  # in node order, so the ids are already dense and ordered
         if is_splitting_node(node, ops):
             current += 1
-    part, _ = _renumber(gm.graph, part, set())
     return _split_by(gm, part, set(), splitting_ops)
 
 

@@ -11,8 +11,8 @@ Models trace it only when switched on (models.set_decode_gemv; eager code calls 
 itself); switched off, their linears are plain F.linear and Inductor keeps its own matmul lowering.
 A step that ran the op without a graph would call it through the dispatcher, ~20 us of host time
 per linear (shared/TOOLCHAIN.md; 4 per layer), where Inductor's own matmul costs a few; so the
-backend rewrites it into aten.linear in the pieces when an unsplit graph serves the decode graphs
-(compile_backend.compile_pieces.lower_graph_only_ops), and graph replays pay nothing.
+backend rewrites it into aten.linear in the pieces when FULL steps have their own code for the decode
+graphs (compile_backend.compile_pieces.lower_graph_only_ops), and graph replays pay nothing.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from custom_ops.gemv_table import gemv_config
 
 
 def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The op's implementation, callable directly by eager code. `out`: for a 2-D x and no bias, a
     [rows, N] buffer the matmul writes itself and that is returned (the decode graphs' static logits:
     no copy pass over the vocabulary)."""

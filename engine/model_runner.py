@@ -61,12 +61,11 @@ class StaticBuffers:
         self._slab = torch.zeros(total, dtype=torch.int64, device=self._device)
         self._host = torch.zeros(total, dtype=torch.int64, pin_memory=self._pin)
         views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._offsets: dict[str, int] = {}
         offset = 0
         for name, n in regions:
             views[name] = (self._slab[offset:offset + n], self._host[offset:offset + n])
-            self._offsets[name] = offset
             offset += n
+        self._last_region = total - tokens  # a per-token region: a step fills its first len(slots)
         dev32, host32 = (v.view(torch.int32) for v in views.pop("int32"))
         self.query_start_loc, self._query_start_loc = dev32[:seqs + 1], host32[:seqs + 1]
         self.seq_lens, self._seq_lens = dev32[seqs + 1:2 * seqs + 1], host32[seqs + 1:2 * seqs + 1]
@@ -119,8 +118,7 @@ class StaticBuffers:
                 host_buf[:len(values)] = torch.frombuffer(array.array(_TYPECODES[host_buf.dtype], values),
                                                           dtype=host_buf.dtype)
         # one copy: everything up to the last used token of the last per-token region
-        last = f"group_slots_{len(self.group_slot_mappings)}" if self.group_slot_mappings else "slot_mapping"
-        end = self._offsets[last] + len(group_slots[-1] if self.group_slot_mappings else slots)
+        end = self._last_region + len(slots)
         self._slab[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -14,8 +14,8 @@ the engine's generator.
 `sample` returns the tokens as a device tensor and never blocks the host: the per-row parameters
 travel through engine.staging's pinned ring with non_blocking copies (a pageable copy to CUDA
 synchronizes the stream, so the host would wait for the step's forward), and no Python scalar is
-assigned into a device tensor by indexing (index_put_ copies it to the device the pageable way). `__call__` is `sample` read back to a list
-(the synchronous loop's one host sync per step).
+assigned into a device tensor by indexing (index_put_ copies it to the device the pageable way).
+`__call__` is `sample` read back to a list (the synchronous loop's one host sync per step).
 """
 from __future__ import annotations
 
@@ -91,14 +91,7 @@ class Sampler:
         for request in chosen:
             if request.output_counts is None:  # first sampling step (survives preemption)
                 request.output_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
-                if request.params.repetition_penalty != 1:
-                    request.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(
-                        0, host_to_device(request.prompt_token_ids, torch.int64, device),
-                        True)  # not `[...] = True`: see held_back
-                else:  # only the repetition penalty reads the prompt: one shared all-false mask
-                    if self._no_prompt is None or self._no_prompt.shape[0] != vocab:
-                        self._no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-                    request.prompt_mask = self._no_prompt
+                request.prompt_mask = self._prompt_mask(request, vocab, device)
         index = host_to_device(rows, torch.int64, device)
         counts = torch.stack([r.output_counts for r in chosen]).float()
         seen = (counts > 0) | torch.stack([r.prompt_mask for r in chosen])
@@ -109,6 +102,16 @@ class Sampler:
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
         sub = sub - frequency * counts - presence * (counts > 0).float()
         return logits.index_copy_(0, index, sub)
+
+    def _prompt_mask(self, request: Request, vocab: int, device: torch.device) -> torch.Tensor:
+        """Which tokens the prompt holds; only the repetition penalty reads it, so requests without one
+        share one all-false mask."""
+        if request.params.repetition_penalty != 1:
+            ids = host_to_device(request.prompt_token_ids, torch.int64, device)
+            return torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)  # see held_back
+        if self._no_prompt is None or self._no_prompt.shape[0] != vocab:
+            self._no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        return self._no_prompt
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if all(r.params.temperature == 0 for r in requests):
