@@ -276,10 +276,16 @@ class Leader:
         raise TensorParallelError(self.failure)
 
     def close(self) -> None:
-        """Stop every worker (a stop header, then a join deadline, then terminate) and leave the group.
+        """Stop every worker, then leave the group (start-up failures and exit; LLM.close() calls the
+        two halves itself, with this rank's graphs released in between)."""
+        self.stop_workers()
+        self.leave_group()
 
-        The stop header and the group teardown run in daemon threads joined with a deadline: a rank
-        stuck in a collective (rank 0 failed mid-step) must not make close(), or process exit, hang."""
+    def stop_workers(self) -> None:
+        """Stop every worker (a stop header, then a join deadline, then terminate); idempotent.
+
+        The stop header runs in a daemon thread joined with a deadline: a rank stuck in a collective
+        (rank 0 failed mid-step) must not make close(), or process exit, hang."""
         with self._lock:
             if self.closed:
                 return
@@ -303,8 +309,21 @@ class Leader:
                 process.join(5.0)
         if group is not None:
             group.runtime = None  # the model and its KV pool are the engine's to free
-        if self.owns_group and dist.is_initialized():
-            _bounded(dist.destroy_process_group, JOIN_TIMEOUT_S, "leaving the tensor-parallel process group")
+
+    def leave_group(self) -> None:
+        """Destroy the process group this engine made (a torchrun script's own group is left alone).
+
+        Call it after this rank's CUDA graphs are freed: NCCL does not finish tearing down a
+        communicator that captured graphs still use, so the group would outlive the engine and the
+        next tensor-parallel engine in the process would find it. Bounded like stop_workers; if it
+        does not finish, the group is reported as left behind."""
+        if not self.owns_group or not dist.is_initialized():
+            return
+        self.owns_group = False
+        _bounded(dist.destroy_process_group, JOIN_TIMEOUT_S, "leaving the tensor-parallel process group")
+        if dist.is_initialized():
+            logger.error("tensor parallelism: the process group is still initialized after close(); a new "
+                         "tensor-parallel engine in this process will refuse to start")
 
 
 def _bounded(fn: Any, seconds: float, what: str) -> None:

@@ -142,5 +142,10 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
                 meta = runner.buffers.metadata(num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
                                                bool(uniform))
             runner.run_staged(dispatch, meta, num_sampling, num_chunks)
+        group.runtime.close()  # this rank's graphs go before the communicator they captured
+        group.runtime = None
+    del model
+    if torch.device(config.device).type == "cuda":
+        torch.cuda.empty_cache()
     if owns_group:
         dist.destroy_process_group()

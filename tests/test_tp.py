@@ -113,6 +113,7 @@ def test_two_spawned_ranks_generate_the_same_greedy_tokens_as_one_compiled_llama
     finally:
         llm.close()
     assert processes and all(not p.is_alive() for p in processes)
+    assert not torch.distributed.is_initialized()  # the next engine of this process starts its own group
 
 
 def test_gemma3_on_two_ranks_matches_and_a_worker_that_dies_makes_the_engine_raise(saved):
