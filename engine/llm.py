@@ -320,7 +320,7 @@ class LLM:
             self._final_stats = {}
         self._closed = True
         if self.tp is not None:
-            attempt(self.tp.stop_workers)  # the other ranks first: they may be waiting for this rank's next step
+            attempt(self.tp.send_stop)  # the other ranks first: they may be waiting for this rank's next step
         runtime, self.runtime = self.runtime, None
         self._requests.clear()
         self._unreported.clear()
@@ -331,8 +331,9 @@ class LLM:
         del runtime  # the runner's static buffers and the model (if the engine loaded it) go here
         if cuda:
             torch.cuda.empty_cache()  # hand the freed blocks (and the graph pool's) back to the device
-        if self.tp is not None:
-            attempt(self.tp.leave_group)  # last: the freed graphs held its NCCL communicator
+        if self.tp is not None:  # after the graphs, which hold NCCL's communicator; with the workers
+            attempt(self.tp.leave_group)
+            attempt(self.tp.join_workers)
         if errors:
             raise errors[0]
 

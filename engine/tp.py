@@ -176,6 +176,7 @@ class Leader:
         self.group: StepChannel | None = None
         self.failure: str | None = None
         self.closed = False
+        self._stop_sent = False
         self._lock = threading.Lock()  # close() against the watcher's abort
 
     def watch(self, interval_s: float = 1.0) -> None:
@@ -276,15 +277,16 @@ class Leader:
         raise TensorParallelError(self.failure)
 
     def close(self) -> None:
-        """Stop every worker, then leave the group (start-up failures and exit; LLM.close() calls the
-        two halves itself, with this rank's graphs released in between)."""
-        self.stop_workers()
+        """Stop the workers and leave the group (start-up failures and exit; LLM.close() calls the
+        three steps itself, with this rank's graphs released after the first)."""
+        self.send_stop()
         self.leave_group()
+        self.join_workers()
 
-    def stop_workers(self) -> None:
-        """Stop every worker (a stop header, then a join deadline, then terminate); idempotent.
+    def send_stop(self) -> None:
+        """Tell every worker to stop (each then frees its graphs and leaves the group); idempotent.
 
-        The stop header runs in a daemon thread joined with a deadline: a rank stuck in a collective
+        The header goes out in a daemon thread joined with a deadline: a rank stuck in a collective
         (rank 0 failed mid-step) must not make close(), or process exit, hang."""
         with self._lock:
             if self.closed:
@@ -293,37 +295,44 @@ class Leader:
         atexit.unregister(self.close)
         group = self.group
         # Only once attached are the other ranks sure to reach the control group's next header;
-        # otherwise (rank 0 failed during start-up) they are stopped by signal.
-        stopping = group is not None and group.runtime is not None and self.failure is None
-        if stopping:
+        # otherwise (rank 0 failed during start-up) they are stopped by signal in join_workers.
+        self._stop_sent = group is not None and group.runtime is not None and self.failure is None
+        if self._stop_sent:
             group.header.zero_()
             _bounded(lambda: dist.broadcast(group.header, src=0, group=group.control), JOIN_TIMEOUT_S,
                      "sending stop to the tensor-parallel workers")
-        for process in self.processes:
-            process.join(JOIN_TIMEOUT_S if stopping else 1.0)
-            if process.is_alive():
-                process.terminate()
-                process.join(5.0)
-            if process.is_alive():
-                process.kill()
-                process.join(5.0)
         if group is not None:
             group.runtime = None  # the model and its KV pool are the engine's to free
 
     def leave_group(self) -> None:
         """Destroy the process group this engine made (a torchrun script's own group is left alone).
 
-        Call it after this rank's CUDA graphs are freed: NCCL does not finish tearing down a
-        communicator that captured graphs still use, so the group would outlive the engine and the
-        next tensor-parallel engine in the process would find it. Bounded like stop_workers; if it
-        does not finish, the group is reported as left behind."""
+        Every rank destroys at the same time, after its CUDA graphs are freed (they hold NCCL's
+        communicator): NCCL's graceful teardown waits for the peers, so a rank 0 that first waited
+        for the workers to exit deadlocked with them until the join deadline, and then waited on a
+        killed peer. If the teardown still does not finish, the communicators are aborted (local)."""
         if not self.owns_group or not dist.is_initialized():
             return
         self.owns_group = False
         _bounded(dist.destroy_process_group, JOIN_TIMEOUT_S, "leaving the tensor-parallel process group")
         if dist.is_initialized():
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                _bounded(abort, JOIN_TIMEOUT_S, "aborting the tensor-parallel process group")
+        if dist.is_initialized():
             logger.error("tensor parallelism: the process group is still initialized after close(); a new "
                          "tensor-parallel engine in this process will refuse to start")
+
+    def join_workers(self) -> None:
+        """Wait for the workers to exit (a deadline if they were sent stop), then terminate, then kill."""
+        for process in self.processes:
+            process.join(JOIN_TIMEOUT_S if self._stop_sent else 1.0)
+            if process.is_alive():
+                process.terminate()
+                process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
 
 
 def _bounded(fn: Any, seconds: float, what: str) -> None:
