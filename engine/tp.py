@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from engine.config import ConfigError, EngineConfig
 from engine.dispatch import BatchDescriptor, Dispatch
-from engine.tp_channel import MODES, STATS, STEP, StepChannel, TensorParallelError, follow
+from engine.tp_channel import (MODES, STATS, STEP, StepChannel, TensorParallelError, follow,
+                                leave_process_group)
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "Leader", "TensorParallelError", "check_model_fits", "launch"]
 
@@ -305,20 +306,12 @@ class Leader:
             group.runtime = None  # the model and its KV pool are the engine's to free
 
     def leave_group(self) -> None:
-        """Destroy the process group this engine made (a torchrun script's own group is left alone).
-
-        Every rank destroys at the same time, after its CUDA graphs are freed (they hold NCCL's
-        communicator): NCCL's graceful teardown waits for the peers, so a rank 0 that first waited
-        for the workers to exit deadlocked with them until the join deadline, and then waited on a
-        killed peer. If the teardown still does not finish, the communicators are aborted (local)."""
+        """Leave the process group this engine made (a torchrun script's own group is left alone),
+        after this rank's CUDA graphs are freed (engine.tp_channel.leave_process_group says how)."""
         if not self.owns_group or not dist.is_initialized():
             return
         self.owns_group = False
-        _bounded(dist.destroy_process_group, JOIN_TIMEOUT_S, "leaving the tensor-parallel process group")
-        if dist.is_initialized():
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                _bounded(abort, JOIN_TIMEOUT_S, "aborting the tensor-parallel process group")
+        _bounded(leave_process_group, JOIN_TIMEOUT_S, "leaving the tensor-parallel process group")
         if dist.is_initialized():
             logger.error("tensor parallelism: the process group is still initialized after close(); a new "
                          "tensor-parallel engine in this process will refuse to start")

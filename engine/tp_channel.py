@@ -148,4 +148,17 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
     if torch.device(config.device).type == "cuda":
         torch.cuda.empty_cache()
     if owns_group:
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Leave the default group and its subgroups, once this rank's graphs are freed and nothing is
+    in flight. NCCL's communicators are aborted (local) instead of destroyed: on 2 H200s (torch 2.11)
+    the graceful destroy of a communicator that CUDA graphs had captured did not finish in 30 s,
+    whether or not the graphs were freed first and the ranks tore down at once, and an abort started
+    after it waited behind it. Gloo (the CPU) is destroyed."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; in torch 2.11-2.13
+    if abort is not None and dist.get_backend() == "nccl":
+        abort()
+    else:
         dist.destroy_process_group()
