@@ -13,6 +13,7 @@ from bench.serving import CONFIGS as SERVING_CONFIGS, WORKLOADS as SERVING_WORKL
 Row = tuple[str, str, str, str]  # goal, target, measured, status
 
 ISSUES = {6: "benchmarks against the peers and the physical floor",
+          10: "tensor parallelism (tp suite: 1 and 2 GPUs, graphs on)",
           11: "decode at the memory floor (e2e suite: what `LLM.generate` users see)",
           12: "engines that start in seconds (capture suite: start-up in a fresh process)",
           13: "the OpenAI-compatible server (serving suite: workloads over HTTP)"}
@@ -23,6 +24,8 @@ DECODE_BS1_GOAL = {"llama-3.2-3b": 1.15, "qwen3-4b": 1.15, "gemma-3-1b": 1.5}
 DECODE_BS64_GOAL = 1.3
 PREFILL_FLOOR_GOAL, PREFILL_HF_SPEEDUP_GOAL, PREFILL_FULL_GOAL = 1.5, 5.0, 1.2
 CAPTURE_SECONDS_GOAL, CAPTURE_GIB_GOAL = 20.0, 1.0
+# issue 10: the N = 2 decode time over the N = 1 time, same machine
+TP_DECODE_BS1_GOAL, TP_GOAL_MODEL = 0.7, "qwen3-4b"
 # issue 11 (ratios to the floor, except gemma's ITL in ms)
 E2E_BS1_RATIO_MODELS, E2E_BS1_REPLAY_GOAL, E2E_BS1_ITL_GOAL = ("llama-3.2-3b", "qwen3-4b"), 1.2, 1.25
 E2E_GEMMA_ITL_MS_GOAL = 1.2
@@ -130,6 +133,36 @@ def issue6_rows(results: str) -> list[Row]:
                      _status(r["capture_s"] < CAPTURE_SECONDS_GOAL and gib < CAPTURE_GIB_GOAL)
                      + ("" if r["capture_s"] + c["capture_s"] < CAPTURE_SECONDS_GOAL else
                         f" (capture; with the warm compile the start-up is over {CAPTURE_SECONDS_GOAL:g} s)")))
+    return rows
+
+
+def issue10_rows(results: str) -> list[Row]:
+    tp = _load(results, "tp")
+    goal = f"decode batch 1, N = 2 vs N = 1, {TP_GOAL_MODEL}"
+    target = f"<= {TP_DECODE_BS1_GOAL}x the N = 1 time"
+    report = tp.get(TP_GOAL_MODEL)
+    row = next((r for r in report.rows if r.get("tp") == 2 and str(r.get("workload", "")).startswith("decode bs1 ")),
+               None) if report else None
+    if row is None or not row.get("vs_tp1"):
+        rows = [(goal, target, "not run" if report is None else "no tp 2 decode bs1 row", "n/a")]
+    else:
+        one = _find(report, tp=1, workload=row["workload"])
+        rows = [(goal, target, f"{row['median_ms']:.3f} ms vs {one['median_ms']:.3f} ms = {row['vs_tp1']:.3f}x "
+                 f"(floor {row['floor_ms']:.3f} ms, {row['collectives']} collectives at "
+                 f"{row['collective_us'] / row['collectives']:.1f} us)", _status(row["vs_tp1"] <= TP_DECODE_BS1_GOAL))]
+    target = "no fallback on any rank; every rank replays its decode graphs"
+    for model in _models(tp, (TP_GOAL_MODEL,)):
+        stats = tp[model].meta.get("engine_stats_tp2") if model in tp else None
+        ranks = stats.get("ranks") if stats else None
+        if not isinstance(ranks, list) or not ranks:
+            rows.append((f"graphs with the all-reduce inside, {model}", target,
+                         "not run" if model not in tp else "no per-rank stats", "n/a"))
+            continue
+        fallbacks = [r.get("fallbacks") for r in ranks]
+        replays = [r.get("decode_graph_replays") for r in ranks]
+        ok = all(f == 0 for f in fallbacks) and len(set(replays)) == 1 and replays[0] > 0
+        rows.append((f"graphs with the all-reduce inside, {model}", target,
+                     f"{len(ranks)} ranks: fallbacks {fallbacks}, decode graph replays {replays}", _status(ok)))
     return rows
 
 
@@ -285,7 +318,7 @@ def issue13_rows(results: str) -> list[Row]:
 
 def goal_rows(results: str) -> dict[int, list[Row]]:
     """The goal rows of each issue, by issue number."""
-    return {6: issue6_rows(results), 11: issue11_rows(results), 12: issue12_rows(results), 13: issue13_rows(results)}
+    return {6: issue6_rows(results), 10: issue10_rows(results), 11: issue11_rows(results), 12: issue12_rows(results), 13: issue13_rows(results)}
 
 
 def main(argv=None) -> int:

@@ -73,11 +73,29 @@ def test_issue13_goals_from_the_serving_report(tmp_path):
     assert status == "**missed** (2 of 12 config x workload runs measured)"
 
 
+def test_issue10_goals_from_the_tp_report_and_its_per_rank_engine_stats(tmp_path):
+    columns = ["tp", "workload", "median_ms", "floor_ms", "vs_tp1", "collectives", "collective_us"]
+    report = Report("tp", "qwen3-4b", "dev", columns)
+    report.add(tp=1, workload="decode bs1 ctx512", median_ms=3.2, floor_ms=1.9, vs_tp1=None, collectives=0)
+    report.add(tp=2, workload="decode bs1 ctx512", median_ms=2.4, floor_ms=1.7, vs_tp1=0.75, collectives=73,
+               collective_us=730.0)
+    ranks = [dict(device=f"cuda:{i}", fallbacks=0, decode_graph_replays=108) for i in range(2)]
+    report.meta["engine_stats_tp2"] = dict(fallbacks=0, ranks=ranks)
+    report.write(str(tmp_path))
+    rows = _by_goal(goal_rows(str(tmp_path))[10])
+    assert rows["decode batch 1, N = 2 vs N = 1, qwen3-4b"][1:] == (
+        "2.400 ms vs 3.200 ms = 0.750x (floor 1.700 ms, 73 collectives at 10.0 us)", "**missed**")
+    assert rows["graphs with the all-reduce inside, qwen3-4b"][2] == "met"
+    ranks[1]["fallbacks"] = 3
+    report.write(str(tmp_path))
+    assert _by_goal(goal_rows(str(tmp_path))[10])["graphs with the all-reduce inside, qwen3-4b"][2] == "**missed**"
+
+
 def test_summary_of_an_empty_directory_lists_every_issue_goal_as_not_run(tmp_path):
     main([str(tmp_path)])
     text = (tmp_path / "SUMMARY.md").read_text()
-    assert text.startswith("# Benchmark summary: goals of issues 6, 11, 12, 13 vs measured")
-    for issue in (6, 11, 12, 13):
+    assert text.startswith("# Benchmark summary: goals of issues 6, 10, 11, 12, 13 vs measured")
+    for issue in (6, 10, 11, 12, 13):
         assert f"\n## Issue {issue}: " in text
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| goal ")]
     assert len(table_rows) >= 15 and all(line.endswith("| not run | n/a |") for line in table_rows)
