@@ -151,14 +151,16 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
         leave_process_group()
 
 
-def leave_process_group() -> None:
+def leave_process_group(abort: bool | None = None) -> None:
     """Leave the default group and its subgroups, once this rank's graphs are freed and nothing is
     in flight. NCCL's communicators are aborted (local) instead of destroyed: on 2 H200s (torch 2.11)
     the graceful destroy of a communicator that CUDA graphs had captured did not finish in 30 s,
     whether or not the graphs were freed first and the ranks tore down at once, and an abort started
     after it waited behind it. Gloo (the CPU) is destroyed."""
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; in torch 2.11-2.13
-    if abort is not None and dist.get_backend() == "nccl":
-        abort()
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; torch 2.11-2.13
+    if abort is None:
+        abort = dist.get_backend() == "nccl"
+    if abort and abort_all is not None:
+        abort_all()  # every group, the gloo control group included, and the default group's record
     else:
         dist.destroy_process_group()

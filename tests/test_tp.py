@@ -300,3 +300,20 @@ def test_each_rank_reads_only_its_shards_and_they_tile_the_full_weights(saved, m
             assert torch.equal(torch.cat([a, b[:48]]), weight) and not b[48].any()
         else:  # norms and the o_proj bias: replicated
             assert torch.equal(a, weight) and torch.equal(b, weight), name
+
+
+def test_leaving_by_abort_lets_the_next_engine_of_the_process_make_its_group():
+    """The NCCL teardown path (abort, on every group) exercised on gloo with one rank: after each
+    leave, the process has no group, and the next start-up's group and control group work."""
+    import datetime
+    import torch.distributed as dist
+    from engine.tp_channel import leave_process_group
+    for _ in range(3):
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+        t = torch.ones(2)
+        dist.broadcast(t, 0, group=control)
+        dist.all_reduce(t)
+        leave_process_group(abort=True)
+        assert not dist.is_initialized()
