@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-full-graph-compile", choices=("layered", "unsplit", "piecewise"),
                         help="decode: full_graph_<choice> rows from one more engine whose decode graphs record that "
                              "compile, beside the full_graph rows of --full-graph-compile (default: the engine's)")
+    parser.add_argument("--tp-size", type=int, help="gemm: time the matmul shapes of one rank of N-way tensor "
+                        "parallelism (default 1)")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode, e2e: seconds after which peers are skipped (noted in the report)")
     args = parser.parse_args(argv)

@@ -43,15 +43,22 @@ def _triton_configs():
 CONFIGS = _triton_configs()
 
 
-def model_gemm_shapes(model: str) -> list[tuple[str, int, int]]:
-    """(name, N, K) of every decode matmul of a model (one rank), as its layers run them: fused qkv
-    and gate_up, o, down, and the LM head."""
+def model_gemm_shapes(model: str, tp_size: int = 1) -> list[tuple[str, int, int]]:
+    """(name, N, K) of every decode matmul of a model on one rank of `tp_size`, as its layers run
+    them: fused qkv and gate_up (column-parallel: heads and intermediate size split), o and down
+    (row-parallel: their K split), and the vocab-parallel LM head."""
+    from types import SimpleNamespace
     from models.config import ModelConfig
+    from models.parallel import HeadSplit, check_divides, vocab_range
     cfg = ModelConfig.from_hf(load_config(model), "bfloat16")
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    rank0 = SimpleNamespace(rank=0, world_size=tp_size)  # the split rules read only these two
+    heads = HeadSplit.of(cfg.num_heads, cfg.num_kv_heads, rank0)
+    check_divides(tp_size, cfg.intermediate_size, "intermediate_size")
+    q, kv = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
+    inter, vocab_rows = cfg.intermediate_size // tp_size, vocab_range(cfg.vocab_size, rank0)[2]
     return [("qkv", q + 2 * kv, cfg.hidden_size), ("o", cfg.hidden_size, q),
-            ("gate_up", 2 * cfg.intermediate_size, cfg.hidden_size), ("down", cfg.hidden_size, cfg.intermediate_size),
-            ("lm_head", cfg.vocab_size, cfg.hidden_size)]
+            ("gate_up", 2 * inter, cfg.hidden_size), ("down", cfg.hidden_size, inter),
+            ("lm_head", vocab_rows, cfg.hidden_size)]
 
 
 @contextlib.contextmanager
@@ -141,19 +148,20 @@ def l2_cache_bytes() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
 
 
-def run(model: str, batches=None, **_: object) -> Report:
+def run(model: str, batches=None, tp_size: int = 1, **_: object) -> Report:
+    """`tp_size`: time the shapes one rank of that many runs (the GEMV table is keyed by shape)."""
     _require_cuda()
     batches = parse_ints(batches, BATCHES)
     ceilings = measure_ceilings()
     read_bw = read_bytes_per_s()
     l2_bytes = l2_cache_bytes()
-    report = Report("gemm", model, ceilings.device_name, COLUMNS)
+    report = Report("gemm", model if tp_size == 1 else f"{model}-tp{tp_size}", ceilings.device_name, COLUMNS)
     report.meta.update(torch=torch.__version__, copy_bytes_per_s=ceilings.copy_bytes_per_s, read_bytes_per_s=read_bw,
-                       l2_bytes=l2_bytes, batches=batches, sweep=[])
+                       l2_bytes=l2_bytes, batches=batches, tp_size=tp_size, sweep=[])
     report.notes.append(f"copy bandwidth {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s (read + write), read-only "
                         f"{read_bw / 1e12:.2f} TB/s; each time is a CUDA-graph replay over weight copies >= 3x L2")
     picks = {}
-    for name, n, k in model_gemm_shapes(model):
+    for name, n, k in model_gemm_shapes(model, tp_size):
         for batch in batches:
             nbytes = (n * k + batch * k + batch * n) * 2
             results = measure_shape(n, k, batch, l2_bytes)

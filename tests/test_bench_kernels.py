@@ -145,6 +145,11 @@ def test_decode_gemm_shapes_are_the_models_fused_linears():
     assert model_gemm_shapes("llama-3.2-3b") == [("qkv", 5120, 3072), ("o", 3072, 3072), ("gate_up", 16384, 3072),
                                                  ("down", 3072, 8192), ("lm_head", 128256, 3072)]
     assert dict((name, (n, k)) for name, n, k in model_gemm_shapes("gemma-3-1b"))["qkv"] == (1536, 1152)
+    # one rank of two: heads, intermediate size and vocabulary halved (qwen3-4b: 32 q / 8 KV heads of 128)
+    assert model_gemm_shapes("qwen3-4b", 2) == [("qkv", 3072, 2560), ("o", 2560, 2048), ("gate_up", 9728, 2560),
+                                                ("down", 2560, 4864), ("lm_head", 75968, 2560)]
+    # gemma-3-1b's single KV head (of 256) is replicated: each rank has 2 of the 4 q heads and the KV head
+    assert dict((n, (a, b)) for n, a, b in model_gemm_shapes("gemma-3-1b", 2))["qkv"] == (2 * 256 + 2 * 256, 1152)
 
 
 def test_gemm_step_note_weighs_layers_and_the_lm_head_once():
