@@ -156,7 +156,8 @@ def leave_process_group(abort: bool | None = None) -> None:
     in flight. NCCL's communicators are aborted (local) instead of destroyed: on 2 H200s (torch 2.11)
     the graceful destroy of a communicator that CUDA graphs had captured did not finish in 30 s,
     whether or not the graphs were freed first and the ranks tore down at once, and an abort started
-    after it waited behind it. Gloo (the CPU) is destroyed."""
+    after it waited behind it (the same hang in ncclCommDestroy is pytorch/pytorch#115388, open
+    since 2023). ncclCommAbort is a local call. Gloo (the CPU) is destroyed."""
     abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; torch 2.11-2.13
     if abort is None:
         abort = dist.get_backend() == "nccl"
