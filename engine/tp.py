@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from engine.config import ConfigError, EngineConfig
 from engine.dispatch import BatchDescriptor, Dispatch
-from engine.tp_channel import (MODES, STATS, STEP, StepChannel, TensorParallelError, follow,
-                                leave_process_group)
+from engine.tp_channel import (MODES, STATS, STEP, StepChannel, TensorParallelError, abort_process_groups,
+                                follow, leave_process_group)
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "Leader", "TensorParallelError", "check_model_fits", "launch"]
 
@@ -193,11 +193,10 @@ class Leader:
                         return
                     if all(p.is_alive() for p in self.processes):
                         continue
-                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                    if abort is not None and dist.is_initialized():
+                    if dist.is_initialized():
                         logger.error("tensor parallelism: a worker died; aborting the process group")
                         try:
-                            abort()
+                            abort_process_groups()
                         except Exception as exc:  # the step still fails, by check_workers or timeout
                             logger.warning("tensor parallelism: abort failed: %s", exc)
                     return

@@ -151,6 +151,16 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
         leave_process_group()
 
 
+def abort_process_groups() -> bool:
+    """Abort every group of this process (local: peers are not waited for) and forget them, so a
+    new group can be made; False where this torch lacks the (private) call, torch 2.11-2.13 have it."""
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort_all is None:
+        return False
+    abort_all()
+    return True
+
+
 def leave_process_group(abort: bool | None = None) -> None:
     """Leave the default group and its subgroups, once this rank's graphs are freed and nothing is
     in flight. NCCL's communicators are aborted (local) instead of destroyed: on 2 H200s (torch 2.11)
@@ -158,10 +168,7 @@ def leave_process_group(abort: bool | None = None) -> None:
     whether or not the graphs were freed first and the ranks tore down at once, and an abort started
     after it waited behind it (the same hang in ncclCommDestroy is pytorch/pytorch#115388, open
     since 2023). ncclCommAbort is a local call. Gloo (the CPU) is destroyed."""
-    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; torch 2.11-2.13
     if abort is None:
         abort = dist.get_backend() == "nccl"
-    if abort and abort_all is not None:
-        abort_all()  # every group, the gloo control group included, and the default group's record
-    else:
+    if not (abort and abort_process_groups()):
         dist.destroy_process_group()
