@@ -7,6 +7,7 @@ compiled.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -22,6 +23,7 @@ from compile_backend.pool import GraphPool, gc_frozen, pool_handle
 from compile_backend.split import SplitSummary, split_graph
 from compile_backend.stats import BackendStats
 from custom_ops.forward_context import RuntimeMode, forward_context
+from custom_ops.pdl import pdl_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,19 @@ def _warm_compile_workers() -> None:
     compile_fx directly, which starts them lazily). Once per process; TORCH_WARM_POOL=0 turns it off."""
     from torch._inductor.async_compile import maybe_warm_pool
     maybe_warm_pool()
+
+
+def _inductor_options(config: BackendConfig) -> contextlib.AbstractContextManager:
+    """Inductor settings for this backend's compiles: programmatic dependent launch (its kernels on
+    Hopper and newer launch while the previous one finishes and wait for its results in-kernel), unless
+    BackendConfig.pdl or INFER_GRAPHS_PDL=0 turns it off. Inductor only emits it for sm_90+ CUDA
+    devices; its FX-graph cache key covers the setting. A torch without the option compiles as before."""
+    if config.piece_compiler != "inductor":
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        return contextlib.nullcontext()
+    return inductor_config.patch({"triton.enable_pdl": config.pdl and pdl_wanted()})
 
 
 class InferGraphsBackend:
@@ -66,6 +81,10 @@ class InferGraphsBackend:
         self._pool, self._owns_pool = None, False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        with _inductor_options(self.config):
+            return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode, fake_inputs = graph_fake_inputs(example_inputs)

@@ -49,6 +49,8 @@ class BackendConfig:
                       same ops inside, one Inductor graph per layer (cut after each splitting op,
                       which costs no fusion) and each identical layer compiled once
                       (compile_backend/layered.py).
+    pdl:              Inductor's kernels use programmatic dependent launch on Hopper and newer GPUs
+                      (custom_ops/pdl.py says why; INFER_GRAPHS_PDL=0 also turns it off).
     """
 
     splitting_ops: tuple[str, ...] = ("infer::attention",)
@@ -58,6 +60,7 @@ class BackendConfig:
     cudagraphs: bool = True
     debug_checks: bool = False
     full_graph_compile: str = "piecewise"
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         ops = self.splitting_ops
@@ -78,7 +81,7 @@ class BackendConfig:
         if self.full_graph_compile not in FULL_GRAPH_COMPILES:
             raise ValueError(f"BackendConfig.full_graph_compile must be one of {FULL_GRAPH_COMPILES}, got "
                              f"{self.full_graph_compile!r}")
-        for name in ("cudagraphs", "debug_checks"):
+        for name in ("cudagraphs", "debug_checks", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BackendConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

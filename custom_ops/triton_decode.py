@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
@@ -42,7 +43,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,6 +68,10 @@ def _decode_kernel(
     heads = kv_head * GROUP + offs_g
     qo_mask = (offs_g < GROUP)[:, None] & d_mask[None, :]
     seq64 = seq.to(tl.int64)
+    if PDL:
+        # The step's lengths and page tables were copied in before the step's first kernel; q and
+        # the new K/V are the previous kernel's output, and nothing is written before this wait.
+        tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=qo_mask, other=0.0)
     block_table_ptr = block_tables_ptr + seq64 * stride_bt
@@ -97,6 +102,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the cache is read: the next kernel may be scheduled
 
     if FUSE_STORE:
         k_new_row = k_new_ptr + seq64 * stride_knt + kv_head * stride_knh + offs_d
@@ -264,6 +271,7 @@ def launch_decode(
     else:
         k_new = v_new = slots = q  # unused under FUSE_STORE=False
         num_stores = 0
+    pdl = launch_with_pdl(q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, arrivals, k_new, v_new,
         slots,
@@ -275,5 +283,6 @@ def launch_decode(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
         SPLIT=num_splits > 1, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
-        DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, **cfg,
+        DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, PDL=pdl,
+        **cfg, **pdl_launch_options(pdl),
     )

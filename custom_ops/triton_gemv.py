@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.gemv_table import GemvConfig
+from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv, next_power_of_2
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
@@ -35,7 +36,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -47,41 +48,64 @@ def _gemv_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
 
-    for m_start in range(0, M, BLOCK_M):
-        offs_m = m_start + tl.arange(0, BLOCK_M)
+    if BLOCK_M == 1:
+        # One row (M == 1, decode at batch 1). The first weight tile is this layer's own data, so it
+        # is loaded before the PDL wait, while the kernel that writes x may still be running; products
+        # accumulate element-wise and are reduced across K once, at the end.
+        offs_m = tl.arange(0, 1)
         m_mask = offs_m < M
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if BLOCK_M == 1:
-            # One row: products accumulate element-wise and are reduced across K once, at the end.
-            acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k_start in range(k_begin, k_end, BLOCK_K):
+        k = k_begin + offs_k
+        k_mask = k < k_end
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x_0 = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        acc_k = w.to(tl.float32) * x_0[None, :]
+        for k_start in range(k_begin + BLOCK_K, k_end, BLOCK_K):
             k = k_start + offs_k
             k_mask = k < k_end
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if USE_DOT:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-            elif BLOCK_M == 1:
-                x_0 = tl.load(x_ptr + m_start * stride_xm + k, mask=k_mask, other=0.0).to(tl.float32)
-                acc_k += w.to(tl.float32) * x_0[None, :]
-            else:
-                w32 = w.to(tl.float32)
-                for i in tl.static_range(BLOCK_M):
-                    row_valid = (offs_k * 0 + m_start + i) < M  # a vector: the interpreter refuses scalar masks
-                    x_i = tl.load(x_ptr + (m_start + i) * stride_xm + k,
-                                  mask=k_mask & row_valid, other=0.0).to(tl.float32)
-                    row = tl.sum(w32 * x_i[None, :], 1)
-                    acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, row[None, :], 0.0)
-        if BLOCK_M == 1:
-            acc += tl.sum(acc_k, 1)[None, :]
+            x_0 = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            acc_k += w.to(tl.float32) * x_0[None, :]
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()  # every load is issued: the next kernel may be scheduled
+        acc = tl.sum(acc_k, 1)[None, :]
         mn_mask = m_mask[:, None] & n_mask[None, :]
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         if SPLIT_K == 1:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
+            tl.store(out_ptr + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
         else:
             # partials are [SPLIT_K, M, N] float32
             tl.store(part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=mn_mask)
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for m_start in range(0, M, BLOCK_M):
+            offs_m = m_start + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < M
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k_start in range(k_begin, k_end, BLOCK_K):
+                k = k_start + offs_k
+                k_mask = k < k_end
+                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                if USE_DOT:
+                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+                else:
+                    w32 = w.to(tl.float32)
+                    for i in tl.static_range(BLOCK_M):
+                        row_valid = (offs_k * 0 + m_start + i) < M  # a vector: the interpreter refuses scalar masks
+                        x_i = tl.load(x_ptr + (m_start + i) * stride_xm + k,
+                                      mask=k_mask & row_valid, other=0.0).to(tl.float32)
+                        row = tl.sum(w32 * x_i[None, :], 1)
+                        acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, row[None, :], 0.0)
+            mn_mask = m_mask[:, None] & n_mask[None, :]
+            out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            if SPLIT_K == 1:
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
+            else:
+                tl.store(part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc,
+                         mask=mn_mask)
 
     if SPLIT_K > 1:
         # All of this program's partial stores complete before its one arrival (acq_rel: released to
@@ -143,10 +167,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
             tiles_n, _ARRIVAL_BOUND if cuda else 0, x.device)
     else:
         parts = arrivals = out  # unused under SPLIT_K == 1
+    pdl = launch_with_pdl(x.device)
     _gemv_kernel[(tiles_n, cfg.split_k)](
         x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        USE_DOT=block_m >= 16, DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_DOT=block_m >= 16, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_options(pdl),
     )
     return out

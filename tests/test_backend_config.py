@@ -51,6 +51,7 @@ def test_explicit_capture_sizes_are_sorted_and_deduplicated():
     (dict(max_capture_size=0), "max_capture_size"),
     (dict(cudagraphs="yes"), "cudagraphs"),
     (dict(debug_checks=1), "debug_checks"),
+    (dict(pdl="on"), "pdl"),
 ])
 def test_invalid_config_names_the_field(kwargs, field):
     with pytest.raises((ValueError, TypeError), match=f"BackendConfig.{field}"):
@@ -109,3 +110,26 @@ def test_an_inductor_backend_on_cuda_starts_the_compile_workers_before_the_trace
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     InferGraphsBackend(BackendConfig())  # the CPU compiles C++ in-process: no Triton workers
     assert calls == [1]
+
+
+@pytest.mark.parametrize("config, env, expected", [
+    (dict(), None, True), (dict(pdl=False), None, False), (dict(), "0", False), (dict(), "1", True)])
+def test_inductor_compiles_with_programmatic_dependent_launch_unless_turned_off(monkeypatch, config, env, expected):
+    """Inductor emits PDL code only while the backend compiles, as BackendConfig.pdl and INFER_GRAPHS_PDL
+    say; the process-wide Inductor setting is left as it was."""
+    from torch._inductor import config as inductor_config
+
+    from compile_backend import BackendConfig, InferGraphsBackend
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no PDL option")
+    if env is None:
+        monkeypatch.delenv("INFER_GRAPHS_PDL", raising=False)
+    else:
+        monkeypatch.setenv("INFER_GRAPHS_PDL", env)
+    before = inductor_config.triton.enable_pdl
+    seen = []
+    monkeypatch.setattr(InferGraphsBackend, "_compile",
+                        lambda self, gm, inputs: seen.append(inductor_config.triton.enable_pdl) or "compiled")
+    assert InferGraphsBackend(BackendConfig(**config))(None, []) == "compiled"
+    assert seen == [expected]
+    assert inductor_config.triton.enable_pdl == before

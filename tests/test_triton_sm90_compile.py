@@ -49,15 +49,15 @@ DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_tables_ptr="*i3
                   "stride_vnh", "num_stores", "num_splits", "window")})
 out = {}
 try:
-    for block_m, split_k in ((1, 4), (8, 1), (16, 4)):
-        out[f"gemv-m{block_m}-s{split_k}"] = ptx(triton_gemv._gemv_kernel, GEMV, dict(
+    for block_m, split_k, pdl in ((1, 4, False), (8, 1, False), (16, 4, False), (1, 1, True), (1, 4, True)):
+        out[f"gemv-m{block_m}-s{split_k}" + ("-pdl" if pdl else "")] = ptx(triton_gemv._gemv_kernel, GEMV, dict(
             BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=block_m >= 16,
-            DOT_PRECISION="tf32"), num_warps=4, num_stages=3)
-    for splits in (1, 8):
-        out[f"decode-s{splits}"] = ptx(triton_decode._decode_kernel, DECODE, dict(
+            DOT_PRECISION="tf32", PDL=pdl), num_warps=4, num_stages=3, launch_pdl=pdl)
+    for splits, pdl in ((1, False), (8, False), (8, True)):
+        out[f"decode-s{splits}" + ("-pdl" if pdl else "")] = ptx(triton_decode._decode_kernel, DECODE, dict(
             NUM_HEADS=24, NUM_KV_HEADS=8, GROUP=3, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
             PAGE_SIZE=16, SPLIT=splits > 1, SOFTCAP=True, WINDOW=True, DOT_PRECISION="tf32",
-            FUSE_STORE=True), num_warps=4, num_stages=2)
+            FUSE_STORE=True, PDL=pdl), num_warps=4, num_stages=2, launch_pdl=pdl)
     from custom_ops import triton_prefill
     PREFILL = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
                    query_start_loc_ptr="*i32", seq_lens_ptr="*i32", k_new_ptr="*bf16", v_new_ptr="*bf16",
@@ -95,7 +95,7 @@ def assert_one_launch_merge(ptx: str) -> None:
     assert "ld.global.cg" in ptx                     # partials read from L2, never a stale L1 line
 
 
-@pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8"])
+@pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8", "gemv-m1-s4-pdl", "decode-s8-pdl"])
 def test_split_kernels_build_for_sm90_with_a_one_launch_merge(sm90_ptx, name):
     assert_one_launch_merge(sm90_ptx[name])
 
@@ -108,3 +108,34 @@ def test_unsplit_kernels_build_for_sm90_without_atomics(sm90_ptx, name):
 def test_prefill_with_the_fused_store_builds_for_sm90(sm90_ptx):
     """The prefill kernel with the K/V store in its launch (FUSE_STORE) lowers for the GPU."""
     assert ".entry" in sm90_ptx["prefill-fused-store"] and "st.global" in sm90_ptx["prefill-fused-store"]
+
+
+def _first(ptx: str, needle: str) -> int:
+    at = ptx.find(needle)
+    assert at >= 0, f"{needle!r} not in the PTX"
+    return at
+
+
+@pytest.mark.parametrize("name", ["gemv-m1-s1-pdl", "gemv-m1-s4-pdl", "decode-s8-pdl"])
+def test_pdl_kernels_wait_for_the_previous_kernel_before_any_store(sm90_ptx, name):
+    """Under programmatic dependent launch a kernel may run while the previous one still writes its
+    input: every store (and every atomic) must come after the grid-dependency wait, and the kernel lets
+    its successor be scheduled (launch_dependents)."""
+    ptx = sm90_ptx[name]
+    wait = _first(ptx, "griddepcontrol.wait")
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert _first(ptx, "st.global") > wait
+    if "atom.global" in ptx:
+        assert _first(ptx, "atom.global") > wait
+
+
+def test_the_batch1_gemv_loads_its_first_weight_tile_before_the_wait(sm90_ptx):
+    """The weights are the layer's own, not the previous kernel's output: at least one global load is
+    issued before the wait, so the weight stream starts while the previous kernel finishes."""
+    ptx = sm90_ptx["gemv-m1-s1-pdl"]
+    assert 0 <= ptx.find("ld.global") < _first(ptx, "griddepcontrol.wait")
+
+
+@pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8"])
+def test_kernels_built_without_pdl_have_no_grid_dependency_control(sm90_ptx, name):
+    assert "griddepcontrol" not in sm90_ptx[name]

@@ -1,0 +1,40 @@
+"""When a kernel of this project, or of Inductor's code for it, uses programmatic dependent launch.
+
+Under PDL (Hopper and newer) a kernel may be scheduled while the kernel before it is still finishing; it
+waits in-kernel (`gdc_wait`) before it reads anything that kernel wrote or writes anything at all, and
+does its independent work (loading its own weights, say) before the wait. A decode step is hundreds of
+small kernels, and that overlap is much of what separates them: Inductor's PDL alone took
+llama-3.2-3b's batch-1 decode graph from 3.069 to 2.922 ms on an H100 (bench/results/h100-2026-11-23/pdl/).
+
+No Triton import here: the compile backend asks too.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+PDL_ENV = "INFER_GRAPHS_PDL"
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def pdl_wanted() -> bool:
+    """On unless INFER_GRAPHS_PDL=0 (to measure it, or to rule it out); read at every call."""
+    return os.environ.get(PDL_ENV, "1") != "0"
+
+
+def launch_with_pdl(device: torch.device) -> bool:
+    """Whether a kernel launched on `device` uses PDL: compiled (not the interpreter) for a Hopper or
+    newer GPU (the griddepcontrol instructions are sm_90+), and wanted. Called by kernel launchers only."""
+    from custom_ops.triton_common import interpreting
+    if device.type != "cuda" or interpreting() or not pdl_wanted():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index][0] >= 9
+
+
+def pdl_launch_options(enabled: bool) -> dict:
+    """The launch keyword a PDL launch adds (none otherwise: the interpreter takes no launch_pdl)."""
+    return {"launch_pdl": True} if enabled else {}
