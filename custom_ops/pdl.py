@@ -3,8 +3,9 @@
 Under PDL (Hopper and newer) a kernel may be scheduled while the kernel before it is still finishing; it
 waits in-kernel (`gdc_wait`) before it reads anything that kernel wrote or writes anything at all, and
 does its independent work (loading its own weights, say) before the wait. A decode step is hundreds of
-small kernels, and that overlap is much of what separates them: Inductor's PDL alone took
-llama-3.2-3b's batch-1 decode graph from 3.069 to 2.922 ms on an H100 (bench/results/h100-2026-11-23/pdl/).
+small kernels, and that overlap is much of what separates them: on an H100, llama-3.2-3b's batch-1
+decode graph took 3.132 ms with PDL off and 2.885 ms with it on, gemma-3-1b's 1.671 and 1.445 ms
+(bench/results/h100-2026-11-24/pdl-ab/).
 
 No Triton import here: the compile backend asks too.
 """
