@@ -6,9 +6,18 @@ on) and reads what the engine reports of its own start-up, `llm.stats()`: the st
 seconds and memory keys, and the backend's per-size piecewise capture seconds. Nothing here replays
 the engine's start-up order itself. "cold" runs with empty Inductor and Triton caches, "warm" again
 with the caches the cold run filled.
+
+Both runs see Python bytecode as an installed torch has it (pip writes .pyc files at install). An
+image whose site-packages hold no .pyc and that forbids writing them (PYTHONDONTWRITEBYTECODE, as the
+H100 image of 2026-11-23 did) compiles ~1,400 of torch's modules from source in every process: 4.1 of
+a warm start-up's 6.2 s "setup" phase in a cProfile there
+(bench/results/h100-2026-11-23/startup-setup-phase-cprofile-warm.log). There the children get a
+bytecode cache of their own (PYTHONPYCACHEPREFIX), filled by one import-only child first; the report
+notes which case it was.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -86,8 +95,37 @@ def startup_phases(startup) -> list[tuple[str, float, float | None]]:
     return out
 
 
-def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str | None = None) -> dict:
-    env = dict(os.environ)
+# What an engine's start-up imports (the rest comes in the cold run, whose bytecode the warm run reuses).
+_PRIMING_IMPORTS = "import torch._dynamo, torch._inductor.compile_fx, torch.distributed.fsdp, engine, bench.common"
+
+
+def has_cached_bytecode(module_file: str) -> bool:
+    """Whether Python would load `module_file` from a cached .pyc (beside it, or under the pycache prefix)."""
+    try:
+        return os.path.exists(importlib.util.cache_from_source(module_file))
+    except (NotImplementedError, ValueError):
+        return False
+
+
+def bytecode_env(env: dict, cache_dir: str) -> tuple[dict, bool, str]:
+    """(env for the children, whether to prime it, a note): bytecode caching as an installed torch has
+    it. Where torch's own modules have no .pyc (an image built without them), the children write theirs
+    (under PYTHONPYCACHEPREFIX: the caller's, else one in cache_dir), after an import-only child
+    fills it."""
+    env = dict(env)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    import torch._dynamo
+    if has_cached_bytecode(torch._dynamo.__file__):
+        return env, False, "python bytecode: cached .pyc files of torch were found (as an installed torch has)"
+    env.setdefault("PYTHONPYCACHEPREFIX", os.path.join(cache_dir, "pycache"))
+    return env, True, ("python bytecode: this image had no .pyc for torch; the children cache theirs under "
+                       "PYTHONPYCACHEPREFIX, filled by an import-only child before the cold run (as pip's "
+                       "install would have)")
+
+
+def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str | None = None,
+           env: dict | None = None) -> dict:
+    env = dict(os.environ if env is None else env)
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
@@ -107,9 +145,15 @@ def run(model: str, timeout_s: float = 400, full_graph_compile: str | None = Non
     _require_cuda()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as cache_dir:
-        runs["cold"] = _child(model, cache_dir, timeout_s, full_graph_compile)
-        runs["warm"] = _child(model, cache_dir, timeout_s, full_graph_compile)
-    return build_report(model, runs)
+        env, prime, bytecode_note = bytecode_env(dict(os.environ), cache_dir)
+        if prime:
+            subprocess.run([sys.executable, "-c", _PRIMING_IMPORTS], env=env, timeout=timeout_s, check=True,
+                           capture_output=True)
+        runs["cold"] = _child(model, cache_dir, timeout_s, full_graph_compile, env)
+        runs["warm"] = _child(model, cache_dir, timeout_s, full_graph_compile, env)
+    report = build_report(model, runs)
+    report.notes.append(bytecode_note)
+    return report
 
 
 def build_report(model: str, runs: dict[str, dict]) -> Report:

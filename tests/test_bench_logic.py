@@ -449,3 +449,32 @@ def test_serving_configs_take_short_names_and_reject_unknown_ones():
     assert serving.config_names(None) == list(serving.CONFIGS)
     with pytest.raises(ValueError, match="unknown.*'fast'"):
         serving.config_names("decode,fast")
+
+
+def test_capture_children_get_bytecode_caching_as_an_installed_torch_has(tmp_path, monkeypatch):
+    """The start-up bench measures what a user's installed torch does: bytecode writes are never
+    forbidden for the children, and where torch has no .pyc a cache of their own is made (and primed)."""
+    from bench import capture
+    env, prime, note = capture.bytecode_env({"PYTHONDONTWRITEBYTECODE": "1", "X": "y"}, str(tmp_path))
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["X"] == "y"
+    assert ("PYTHONPYCACHEPREFIX" in env) == prime
+    assert ("no .pyc" in note) == prime
+    monkeypatch.setattr(capture, "has_cached_bytecode", lambda path: False)
+    env, prime, note = capture.bytecode_env({}, str(tmp_path))
+    assert prime and env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pycache") and "no .pyc" in note
+    env, prime, _ = capture.bytecode_env({"PYTHONPYCACHEPREFIX": "/elsewhere"}, str(tmp_path))
+    assert prime and env["PYTHONPYCACHEPREFIX"] == "/elsewhere"
+    monkeypatch.setattr(capture, "has_cached_bytecode", lambda path: True)
+    env, prime, note = capture.bytecode_env({}, str(tmp_path))
+    assert not prime and "PYTHONPYCACHEPREFIX" not in env
+
+
+def test_cached_bytecode_is_found_where_python_would_load_it(tmp_path):
+    import py_compile
+
+    from bench.capture import has_cached_bytecode
+    source = tmp_path / "module_x.py"
+    source.write_text("X = 1\n")
+    assert not has_cached_bytecode(str(source))
+    py_compile.compile(str(source))  # where the running interpreter puts it (beside it, or under its prefix)
+    assert has_cached_bytecode(str(source))
