@@ -16,24 +16,29 @@ import os
 import torch
 
 PDL_ENV = "INFER_GRAPHS_PDL"
-_capabilities: dict[int, tuple[int, int]] = {}
+_by_device: dict[int, bool] = {}
 
 
 def pdl_wanted() -> bool:
-    """On unless INFER_GRAPHS_PDL=0 (to measure it, or to rule it out); read at every call."""
+    """On unless INFER_GRAPHS_PDL=0 (to measure it, or to rule it out)."""
     return os.environ.get(PDL_ENV, "1") != "0"
 
 
 def launch_with_pdl(device: torch.device) -> bool:
     """Whether a kernel launched on `device` uses PDL: compiled (not the interpreter) for a Hopper or
-    newer GPU (the griddepcontrol instructions are sm_90+), and wanted. Called by kernel launchers only."""
-    from custom_ops.triton_common import interpreting
-    if device.type != "cuda" or interpreting() or not pdl_wanted():
+    newer GPU (the griddepcontrol instructions are sm_90+), and wanted. Decided at the first launch on
+    each device and kept: a launcher runs per layer between piecewise graphs, where two environment
+    reads per call would be host time the GPU waits for."""
+    if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _capabilities:
-        _capabilities[index] = torch.cuda.get_device_capability(index)
-    return _capabilities[index][0] >= 9
+    decided = _by_device.get(index)
+    if decided is None:
+        from custom_ops.triton_common import interpreting
+        decided = (not interpreting() and pdl_wanted()
+                   and torch.cuda.get_device_capability(index)[0] >= 9)
+        _by_device[index] = decided
+    return decided
 
 
 def pdl_launch_options(enabled: bool) -> dict:

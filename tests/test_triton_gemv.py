@@ -112,3 +112,27 @@ def test_gpu_gemv_split_k_replays_in_a_cuda_graph_with_new_inputs():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference(x, weight)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("capability, env, expected", [
+    ((9, 0), None, True), ((10, 0), "1", True), ((8, 0), None, False), ((9, 0), "0", False)])
+def test_kernels_use_pdl_on_hopper_and_newer_unless_turned_off(monkeypatch, capability, env, expected):
+    """Programmatic dependent launch needs sm_90's griddepcontrol; INFER_GRAPHS_PDL=0 rules it out. The
+    decision is made at a device's first launch and kept (no environment read per launch)."""
+    from custom_ops import pdl
+    monkeypatch.setattr(pdl, "_by_device", {})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if env is None:
+        monkeypatch.delenv("INFER_GRAPHS_PDL", raising=False)
+    else:
+        monkeypatch.setenv("INFER_GRAPHS_PDL", env)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    cuda0 = torch.device("cuda", 0)
+    assert pdl.launch_with_pdl(cuda0) is expected
+    assert pdl.pdl_launch_options(expected) == ({"launch_pdl": True} if expected else {})
+    monkeypatch.setenv("INFER_GRAPHS_PDL", "1" if env == "0" else "0")
+    assert pdl.launch_with_pdl(cuda0) is expected  # kept
+    assert pdl.launch_with_pdl(torch.device("cpu")) is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(pdl, "_by_device", {})
+    assert pdl.launch_with_pdl(cuda0) is False  # the interpreter runs no griddepcontrol
