@@ -270,6 +270,8 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_o
                 fake = [Request(f"warm-up-{j}", [0], SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
                         for j in range(logits.shape[0])]
                 sampler(logits, fake)
+                if cuda:  # real logits of this model: the argmax method is timed on them once
+                    sampler.argmax.choose(logits)
             del logits
     if not cuda:
         return 0

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.argmax import RowArgmax
 from engine.request import Request, TokenLogprobs
 from engine.staging import host_to_device
-
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
@@ -33,6 +33,7 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._one = torch.ones(1, dtype=torch.int32, device=device)  # the count a sampled token adds
         self._no_prompt: torch.Tensor | None = None  # the prompt mask of every request without a repetition penalty
+        self.argmax = RowArgmax()  # engine.runtime's warm-up picks its method per vocabulary (choose)
 
     def attach(self, request: Request) -> None:
         """Give a seeded sampling request its own generator (once; it survives preemption)."""
@@ -115,9 +116,9 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if all(r.params.temperature == 0 for r in requests):
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
+        greedy = self.argmax(logits)
         temperature = host_to_device([r.params.temperature or 1.0 for r in requests], torch.float32, logits.device)
         probs = self._filtered_probs(logits / temperature[:, None], requests)
         noise = torch.empty_like(probs)
@@ -127,7 +128,7 @@ class Sampler:
                 noise[i].exponential_(generator=request.generator)
         # Exp(1) can return 0: a floor keeps 0/0 (NaN, which argmax would pick) out of zero-prob tokens.
         noise.clamp_(min=1e-30)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = self.argmax(probs / noise)
         is_greedy = host_to_device([r.params.temperature == 0 for r in requests], torch.bool, logits.device)
         return torch.where(is_greedy, greedy, sampled)
 

@@ -133,3 +133,54 @@ def test_inductor_compiles_with_programmatic_dependent_launch_unless_turned_off(
     assert InferGraphsBackend(BackendConfig(**config))(None, []) == "compiled"
     assert seen == [expected]
     assert inductor_config.triton.enable_pdl == before
+
+
+def test_persistent_reductions_apply_only_while_the_backend_compiles_and_key_the_cache(monkeypatch):
+    """Inside the backend's compile Inductor's heuristics object makes rows up to the limit persistent,
+    and a post-grad pass with a uuid naming the limit (chained to a user's own pass) puts that into
+    Inductor's cache key; after it both are as they were."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.virtualized import V
+
+    from compile_backend import InferGraphsBackend
+
+    class UserPass(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            UserPass.calls += 1
+
+        def uuid(self):
+            return "user-pass-v1"
+
+    user = UserPass()
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", user)
+    before = type(V.choices)
+    seen = []
+
+    def compile_(self, gm, inputs):
+        key_pass = inductor_config.post_grad_custom_post_pass
+        seen.append((type(V.choices).limit, key_pass.uuid()))
+        key_pass(torch.fx.Graph())
+        return "compiled"
+    monkeypatch.setattr(InferGraphsBackend, "_compile", compile_)
+    assert InferGraphsBackend(BackendConfig())(None, []) == "compiled"
+    assert InferGraphsBackend(BackendConfig(persistent_reduction_limit=4096))(None, []) == "compiled"
+    assert seen == [(8192, "infer_graphs.persistent_limit=8192|user-pass-v1"),
+                    (4096, "infer_graphs.persistent_limit=4096|user-pass-v1")]
+    assert UserPass.calls == 2  # the user's pass still runs
+    assert inductor_config.post_grad_custom_post_pass is user and type(V.choices) is before
+
+    seen.clear()
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", None)
+    monkeypatch.setattr(InferGraphsBackend, "_compile", lambda self, gm, inputs: seen.append(
+        (type(V.choices) is before, inductor_config.post_grad_custom_post_pass)) or "compiled")
+    InferGraphsBackend(BackendConfig(persistent_reduction_limit=0))(None, [])
+    assert seen == [(True, None)]  # 0: Inductor's own rule, nothing patched
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True])
+def test_a_bad_persistent_reduction_limit_is_refused_by_name(limit):
+    with pytest.raises(ValueError, match="persistent_reduction_limit"):
+        BackendConfig(persistent_reduction_limit=limit)

@@ -185,3 +185,41 @@ def test_full_mode_passes_through_to_an_outer_capture():
         graph.replay()
         torch.testing.assert_close(out, model(ids, positions))
     assert backend.stats.full_steps == 2 and backend.stats.piece_captures == 0
+
+
+def _residual_rms_norm(h: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = h + r  # a decoder layer's residual add, then its RMSNorm (models.layers.rms_norm's order)
+    xf = x.float()
+    return x, w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+@pytest.mark.parametrize("hidden", [1152, 3072])
+def test_residual_add_and_rms_norm_compile_to_one_persistent_kernel(hidden):
+    """With the backend's default persistent_reduction_limit the add and the norm over a hidden size
+    above Inductor's own 1,024 are one persistent kernel (Inductor's rule gives a looped reduction and
+    more kernels), and both agree with a float64 reference at several token counts."""
+    from torch._inductor.utils import run_and_get_code
+
+    def kernels(limit: int, tokens: int) -> tuple[list[str], tuple[torch.Tensor, torch.Tensor], tuple]:
+        torch._dynamo.reset()
+        backend = InferGraphsBackend(BackendConfig(cudagraphs=False, persistent_reduction_limit=limit))
+        fn = torch.compile(_residual_rms_norm, backend=backend, fullgraph=True, dynamic=True)
+        g = torch.Generator(device=CUDA).manual_seed(tokens)
+        args = (torch.randn(tokens, hidden, device=CUDA, generator=g, dtype=torch.bfloat16),
+                torch.randn(tokens, hidden, device=CUDA, generator=g, dtype=torch.bfloat16),
+                (1 + 0.1 * torch.randn(hidden, device=CUDA, generator=g)).to(torch.bfloat16))
+        with torch._inductor.config.patch(force_disable_caches=True):
+            out, codes = run_and_get_code(fn, *args)
+        names = sorted({line.split("def ")[1].split("(")[0] for code in codes for line in code.splitlines()
+                        if line.startswith("def triton_")})
+        return names, out, args
+
+    for tokens in (1, 7, 64):
+        names, (x, y), (h, r, w) = kernels(8192, tokens)
+        assert len(names) == 1 and names[0].startswith("triton_per_"), names
+        ref_x = h.double() + r.double()
+        ref_y = w.double() * ref_x * torch.rsqrt(ref_x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        torch.testing.assert_close(x.double(), ref_x, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(y.double(), ref_y, rtol=2e-2, atol=2e-2)
+    names, _, _ = kernels(0, 7)
+    assert not any(n.startswith("triton_per_") for n in names), names  # Inductor's own choice

@@ -196,3 +196,51 @@ def test_a_bad_sampling_value_is_refused_by_name(saved, field, value):
         with pytest.raises(InvalidRequestError, match=field) as info:
             llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, **{field: value}))
         assert info.value.param == field
+
+
+
+def _tied_and_random_rows(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tied = torch.randint(-3, 4, (n, vocab), generator=g).to(dtype)  # every row has many equal maxima
+    spread = torch.randn(n, vocab, generator=g).to(dtype)
+    with_nan = spread.clone()
+    with_nan[0, vocab // 3] = with_nan[0, vocab // 2] = float("nan")  # argmax picks the first NaN
+    return [t.to(device) for t in (tied, spread, with_nan)]
+
+
+@pytest.mark.parametrize("vocab, chunks", [(128256, 256), (151936, 128), (262144, 256), (4096, 16)])
+def test_chunked_argmax_is_argmax_with_its_tie_and_nan_rules(vocab, chunks):
+    """The greedy token of the chunked reduction is torch's argmax, row by row: the lowest index among
+    equal maxima, and a NaN if there is one (CPU here; the GPU test below runs the CUDA kernels)."""
+    from engine.argmax import chunked_argmax
+    for n in (1, 5):
+        for dtype in (torch.float32, torch.bfloat16):
+            for x in _tied_and_random_rows(n, vocab, dtype, "cpu", seed=vocab + n):
+                assert torch.equal(chunked_argmax(x, chunks), x.argmax(dim=-1))
+                assert torch.equal(chunked_argmax(x), x.argmax(dim=-1))  # the default chunk count
+    x = torch.randn(2, 1000)
+    assert torch.equal(chunked_argmax(x, 16), x.argmax(dim=-1))  # 1000 % 16 != 0: plain argmax
+
+
+def test_row_argmax_keeps_torchs_argmax_off_cuda():
+    """Nothing to time on the CPU: the choice stays torch's argmax, and the rows' tokens are its."""
+    from engine.argmax import RowArgmax
+    argmax = RowArgmax()
+    x = _tied_and_random_rows(3, 4096, torch.float32, "cpu", seed=1)[1]
+    assert argmax.choose(x) is False
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("vocab", [128256, 151936, 262144])
+def test_gpu_chunked_argmax_is_argmax_on_cuda(vocab):
+    """Either method the timing picks gives torch's argmax on the device, at every batch size."""
+    from engine.argmax import RowArgmax, chunked_argmax
+    argmax = RowArgmax()
+    argmax.choose(torch.randn(4, vocab, device="cuda", dtype=torch.bfloat16))
+    for n in (1, 8, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            for x in _tied_and_random_rows(n, vocab, dtype, "cuda", seed=vocab + n):
+                assert torch.equal(chunked_argmax(x), x.argmax(dim=-1))
+                assert torch.equal(argmax(x), x.argmax(dim=-1))
