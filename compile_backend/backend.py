@@ -18,7 +18,6 @@ import torch.fx
 from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs, lower_graph_only_ops
 from compile_backend.compiled_graph import CompiledGraph
 from compile_backend.config import BackendConfig
-from compile_backend.inductor_heuristics import persistent_reductions
 from compile_backend.layered import compile_layered
 from compile_backend.pool import GraphPool, gc_frozen, pool_handle
 from compile_backend.split import SplitSummary, split_graph
@@ -38,21 +37,16 @@ def _warm_compile_workers() -> None:
 
 
 def _inductor_options(config: BackendConfig) -> contextlib.AbstractContextManager:
-    """Inductor settings for this backend's compiles, in effect only while it compiles:
-    - programmatic dependent launch (its kernels on Hopper and newer launch while the previous one
-      finishes and wait for its results in-kernel), unless BackendConfig.pdl or INFER_GRAPHS_PDL=0
-      turns it off; Inductor only emits it for sm_90+ CUDA devices, and its FX-graph cache key covers
-      the setting. A torch without the option compiles as before.
-    - persistent inner reductions up to BackendConfig.persistent_reduction_limit elements per row
-      (compile_backend.inductor_heuristics: an RMSNorm and the residual add before it in one kernel)."""
+    """Inductor settings for this backend's compiles: programmatic dependent launch (its kernels on
+    Hopper and newer launch while the previous one finishes and wait for its results in-kernel), unless
+    BackendConfig.pdl or INFER_GRAPHS_PDL=0 turns it off. Inductor only emits it for sm_90+ CUDA
+    devices; its FX-graph cache key covers the setting. A torch without the option compiles as before."""
     if config.piece_compiler != "inductor":
         return contextlib.nullcontext()
     from torch._inductor import config as inductor_config
-    stack = contextlib.ExitStack()
-    if hasattr(inductor_config.triton, "enable_pdl"):
-        stack.enter_context(inductor_config.patch({"triton.enable_pdl": config.pdl and pdl_wanted()}))
-    stack.enter_context(persistent_reductions(config.persistent_reduction_limit))
-    return stack
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        return contextlib.nullcontext()
+    return inductor_config.patch({"triton.enable_pdl": config.pdl and pdl_wanted()})
 
 
 class InferGraphsBackend:

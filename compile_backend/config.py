@@ -51,10 +51,6 @@ class BackendConfig:
                       (compile_backend/layered.py).
     pdl:              Inductor's kernels use programmatic dependent launch on Hopper and newer GPUs
                       (custom_ops/pdl.py says why; INFER_GRAPHS_PDL=0 also turns it off).
-    persistent_reduction_limit: Inductor keeps inner reductions of up to this many elements per row
-                      in one persistent kernel with the pointwise work around them (its own limit is
-                      1,024: a decoder's RMSNorm over the hidden size became three kernels with the
-                      residual add; compile_backend/inductor_heuristics.py). 0 keeps Inductor's rule.
     """
 
     splitting_ops: tuple[str, ...] = ("infer::attention",)
@@ -65,7 +61,6 @@ class BackendConfig:
     debug_checks: bool = False
     full_graph_compile: str = "piecewise"
     pdl: bool = True
-    persistent_reduction_limit: int = 8192
 
     def __post_init__(self) -> None:
         ops = self.splitting_ops
@@ -89,9 +84,6 @@ class BackendConfig:
         for name in ("cudagraphs", "debug_checks", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BackendConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        limit = self.persistent_reduction_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"BackendConfig.persistent_reduction_limit must be an int >= 0, got {limit!r}")
 
         max_size = self.max_capture_size
         if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1):

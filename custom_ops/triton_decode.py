@@ -28,21 +28,6 @@ from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
 
-@triton.jit
-def _attend_tile(q, k, v, n_valid, m_i, l_i, acc, scale, softcap,
-                 SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile into the running (max, sum, accumulator); the tile holds >= 1 valid key."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    s = log2_scores(s, scale, softcap, SOFTCAP=SOFTCAP)
-    s = tl.where(n_valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds >= 1 valid key
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
 # The batch size reaches the kernel as num_stores and num_splits. Triton would compile a variant per
 # value class of an int argument (== 1, divisible by 16, other), so every decode batch size and
 # split count would cost a compile on a cold start-up (about 1 s each on an H100 host); at run time
@@ -58,7 +43,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,7 +68,17 @@ def _decode_kernel(
     heads = kv_head * GROUP + offs_g
     qo_mask = (offs_g < GROUP)[:, None] & d_mask[None, :]
     seq64 = seq.to(tl.int64)
+    if PDL:
+        # The step's lengths and page tables were copied in before the step's first kernel; q and
+        # the new K/V are the previous kernel's output, and nothing is written before this wait.
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=qo_mask, other=0.0)
     block_table_ptr = block_tables_ptr + seq64 * stride_bt
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     # Every key in [begin, end) is visible (the window start was applied above); only the tail of
     # the last tile is masked. With FUSE_STORE the new token (position seq_len - 1) is not in the
     # cache yet: the loop stops before it and the split that owns it takes it from k/v directly.
@@ -91,44 +86,22 @@ def _decode_kernel(
         cache_end = tl.minimum(end, seq_len - 1)
     else:
         cache_end = end
-    # Under PDL with the store fused, the split's first tile is loaded before the wait: the page table
-    # was copied in before the step's first kernel, and the cached keys and values were written by
-    # earlier steps (this launch writes only the newest slot, which the loop never reads). The page
-    # lookup and the tile load, two dependent trips to memory, then overlap the previous kernel.
-    PREFETCH: tl.constexpr = PDL and FUSE_STORE
-    n = begin + offs_n
-    n_valid = n < cache_end
-    if PREFETCH:
-        k, v = load_kv_tile(
-            k_ptr, v_ptr, block_table_ptr, n, n_valid, kv_head,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
-            PAGE_SIZE=PAGE_SIZE, PAGED=True, MASKED=True, EVEN_D=EVEN_D)
-    if PDL:
-        # q and the new K/V are the previous kernel's output, and nothing is written before this wait.
-        tl.extra.cuda.gdc_wait()
-    q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=qo_mask, other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if not PREFETCH:
-        k, v = load_kv_tile(
-            k_ptr, v_ptr, block_table_ptr, n, n_valid, kv_head,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
-            PAGE_SIZE=PAGE_SIZE, PAGED=True, MASKED=True, EVEN_D=EVEN_D)
-    if begin < cache_end:
-        m_i, l_i, acc = _attend_tile(q, k, v, n_valid, m_i, l_i, acc, scale, softcap,
-                                     SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION)
-    for start_n in range(begin + BLOCK_N, cache_end, BLOCK_N):
+    for start_n in range(begin, cache_end, BLOCK_N):
         n = start_n + offs_n
         n_valid = n < cache_end
         k, v = load_kv_tile(
             k_ptr, v_ptr, block_table_ptr, n, n_valid, kv_head,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, offs_d, d_mask,
             PAGE_SIZE=PAGE_SIZE, PAGED=True, MASKED=True, EVEN_D=EVEN_D)
-        m_i, l_i, acc = _attend_tile(q, k, v, n_valid, m_i, l_i, acc, scale, softcap,
-                                     SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = log2_scores(s, scale, softcap, SOFTCAP=SOFTCAP)
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds >= 1 valid key
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the cache is read: the next kernel may be scheduled
 
@@ -180,37 +153,27 @@ def _decode_kernel(
             counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == active - 1:
-                # Per query head, the partials of up to BLOCK_S splits are one vector load each (a
-                # loop over splits was one dependent L2 round trip per split); .cg reads L2.
-                offs_s = tl.arange(0, BLOCK_S)
-                for g in tl.static_range(GROUP):
-                    row = (seq64 * NUM_HEADS + kv_head * GROUP + g) * num_splits
-                    m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
-                    l_run = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
-                    acc_run = tl.zeros([BLOCK_D], dtype=tl.float32)
-                    for s0 in range(0, active, BLOCK_S):
-                        s_idx = s0 + offs_s
-                        s_mask = s_idx < active
-                        m_s = tl.load(part_max_ptr + row + s_idx, mask=s_mask, other=float("-inf"),
-                                      cache_modifier=".cg")
-                        l_s = tl.load(part_sum_ptr + row + s_idx, mask=s_mask, other=0.0, cache_modifier=".cg")
-                        acc_s = tl.load(part_acc_ptr + (row + s_idx)[:, None] * BLOCK_D + offs_d[None, :],
-                                        mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
-                        m_new = tl.maximum(m_run, tl.max(m_s, 0))
-                        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits weigh 0
-                        alpha = tl.exp2(m_run - m_ref)
-                        beta = tl.exp2(m_s - m_ref)
-                        l_run = l_run * alpha + tl.sum(l_s * beta, 0)
-                        acc_run = acc_run * alpha + tl.sum(acc_s * beta[:, None], 0)
-                        m_run = m_new
-                    o = acc_run / tl.where(l_run > 0.0, l_run, 1.0)
-                    tl.store(out_ptr + seq64 * stride_ot + (kv_head * GROUP + g) * stride_oh + offs_d,
-                             o.to(out_ptr.dtype.element_ty), mask=d_mask)
+                m_run = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_run = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_run = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for s in range(0, active):
+                    m_s = tl.load(part_max_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_sum_ptr + rows + s, mask=g_mask, other=0.0, cache_modifier=".cg")
+                    acc_s = tl.load(part_acc_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :],
+                                    mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_run, m_s)
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits weigh 0
+                    alpha = tl.exp2(m_run - m_ref)
+                    beta = tl.exp2(m_s - m_ref)
+                    l_run = l_run * alpha + l_s * beta
+                    acc_run = acc_run * alpha[:, None] + acc_s * beta[:, None]
+                    m_run = m_new
+                o = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qo_mask)
                 tl.atomic_xchg(counter, 0)  # every active split has arrived: ready for the next launch
 
 
 MIN_TOKENS_PER_SPLIT = 64
-MERGE_BLOCK = 16  # split partials the merge reads per load
 MAX_SPLITS = 128
 _sm_counts: dict[int, int] = {}
 
@@ -321,5 +284,5 @@ def launch_decode(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
         SPLIT=num_splits > 1, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
         DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, PDL=pdl,
-        BLOCK_S=MERGE_BLOCK, **cfg, **pdl_launch_options(pdl),
+        **cfg, **pdl_launch_options(pdl),
     )
