@@ -1,7 +1,7 @@
 """The sampler's argmax over a vocabulary row: torch's one-pass reduction, or a chunked one where the
 device runs that faster, chosen by timing both once per vocabulary size and dtype.
 
-On an H100 (torch 2.11, bench/results/h100-2026-11-24/argmax-*.log) torch's argmax of one
+On an H100 (torch 2.11; bench/results/h100-2026-11-24/argmax-probe.log times both in graph replays) torch's argmax of one
 128,256-wide row (Llama 3's vocabulary) took about 26 us of GPU time: the row is reduced by few
 blocks. Cut into 256 runs it is one wide reduction and two tiny ones, half the time. For 151,936 and
 262,144 (Qwen3, Gemma 3) torch's own reduction is already the faster one, so neither choice fits every
