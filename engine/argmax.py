@@ -1,12 +1,12 @@
 """The sampler's argmax over a vocabulary row: torch's one-pass reduction, or a chunked one where the
 device runs that faster, chosen by timing both once per vocabulary size and dtype.
 
-On an H100 (torch 2.11; bench/results/h100-2026-11-24/argmax-probe.log times both in graph replays) torch's argmax of one
-128,256-wide row (Llama 3's vocabulary) took about 26 us of GPU time: the row is reduced by few
-blocks. Cut into 256 runs it is one wide reduction and two tiny ones, half the time. For 151,936 and
-262,144 (Qwen3, Gemma 3) torch's own reduction is already the faster one, so neither choice fits every
-vocabulary; the engine times both at warm-up and keeps the faster. Both give the same token: the
-lowest index among equal maxima, and a NaN where a row has one.
+On an H100 (torch 2.11) torch's argmax of one 128,256-wide row (Llama 3's vocabulary) took about
+26 us of GPU time: the row is reduced by few blocks. Cut into 256 runs it is one wide reduction and
+two tiny ones, half the time. For 151,936 and 262,144 (Qwen3, Gemma 3) torch's own reduction is
+already the faster one (bench/results/h100-2026-11-24/argmax-probe.log times both in graph replays),
+so neither choice fits every vocabulary: the engine times both at warm-up and keeps the faster. Both
+give the same token: the lowest index among equal maxima, and a NaN where a row has one.
 """
 from __future__ import annotations
 
