@@ -25,6 +25,7 @@ from engine.argmax import RowArgmax
 from engine.request import Request, TokenLogprobs
 from engine.staging import host_to_device
 
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = device

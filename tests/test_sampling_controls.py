@@ -198,7 +198,6 @@ def test_a_bad_sampling_value_is_refused_by_name(saved, field, value):
         assert info.value.param == field
 
 
-
 def _tied_and_random_rows(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tied = torch.randint(-3, 4, (n, vocab), generator=g).to(dtype)  # every row has many equal maxima
