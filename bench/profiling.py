@@ -68,7 +68,7 @@ _KIND_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("_decode_kernel", "_prefill_kernel", "flash", "fmha", "attention")),
     ("kv_store", ("store_kv",)),
     ("gemm", ("triton_tem_", "_gemv_kernel", "_splitk_gemv")),
-    ("norm", ()),               # decided below: an Inductor kernel with rsqrt or a norm in its name
+    ("norm", ("_add_rms_norm",)),  # ours, and below: an Inductor kernel with rsqrt or a norm in its name
     ("fused_elementwise", ()),  # decided below: any other Inductor kernel
     ("gemm_splitk_reduce", ("splitkreduce",)),
     ("gemm", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "cublas")),
@@ -88,7 +88,7 @@ def classify_kernel(name: str) -> str:
     inductor = low.startswith(_INDUCTOR_PREFIXES)
     for kind, patterns in _KIND_PATTERNS:
         if kind == "norm":
-            if inductor and ("rsqrt" in low or "norm" in low):
+            if (inductor and ("rsqrt" in low or "norm" in low)) or any(p in low for p in patterns):
                 return kind
         elif kind == "fused_elementwise":
             if inductor:

@@ -48,9 +48,12 @@ class DecoderModel(nn.Module):
         # Every table is gathered once per step and shared by its layers; which table a layer reads is
         # static, so the choice is resolved at trace time and leaves no branch in the graph.
         tables = [rotary(positions, h.dtype) for rotary in self.rotary]
+        # A layer returns the residual stream and its own contribution unadded: the next layer's
+        # first norm (or the final one) adds and normalizes in one kernel.
+        delta = None
         for layer, rope in zip(self.layers, self.layer_rope):
-            h = layer(h, *tables[rope])
-        return self.norm(h)
+            h, delta = layer(h, delta, *tables[rope])
+        return self.norm.add_and_norm(h, delta)[1]
 
 
 class CausalLM(nn.Module):

@@ -34,9 +34,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, tp)
         self.post_feedforward_layernorm = _norm(config)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, what this layer adds to it), as models.llama's layer."""
+        h, x = self.input_layernorm.add_and_norm(h, delta)
+        attended = self.post_attention_layernorm(self.self_attn(x, cos, sin))
+        h, x = self.pre_feedforward_layernorm.add_and_norm(h, attended)
+        return h, self.post_feedforward_layernorm(self.mlp(x))
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import custom_ops  # noqa: F401  (registers torch.ops.infer.attention and torch.ops.infer.linear)
-from custom_ops import AttentionLayer, gemv_linear, register_attention_layer
+from custom_ops import AttentionLayer, add_rms_norm, gemv_linear, register_attention_layer, rms_norm
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
 
@@ -84,11 +83,8 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32.
-
-    `unit_offset=True` is Gemma's variant: scale by (1 + w) in float32 and round once at the end
-    (its checkpoints store w around 0). Otherwise Llama's: normalize in float32, round to the input
-    dtype, then multiply by w in that dtype. The rounding order matters for bf16 parity.
+    """RMSNorm computed in float32 (custom_ops.norm.rms_norm says in which order it rounds: Llama's
+    round-then-scale, or with `unit_offset=True` Gemma's (1 + w), its checkpoints storing w around 0).
     """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, unit_offset: bool = False) -> None:
@@ -100,14 +96,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.unit_offset)
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """RMSNorm over the last dim (see RMSNorm); `weight` broadcasts against x, e.g. one row per head."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if unit_offset:
-        return (xf * (1.0 + weight.float())).to(x.dtype)
-    return weight * xf.to(x.dtype)
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, norm(h + delta)), the sum rounded to h's dtype first, in one kernel on CUDA (the
+        residual stream's add and the next block's norm); with no delta, (h, norm(h))."""
+        if delta is None:
+            return h, self(h)
+        return add_rms_norm(h, delta, self.weight, self.eps, self.unit_offset)
 
 
 class RotaryEmbedding(nn.Module):

@@ -19,9 +19,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = GatedMLP(config, tp)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, what this layer adds to it): the add is left to the next norm
+        (models.base.DecoderModel), which does both in one kernel."""
+        h, x = self.input_layernorm.add_and_norm(h, delta)
+        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, cos, sin))
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(CausalLM):

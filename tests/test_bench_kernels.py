@@ -29,6 +29,7 @@ NAMES = {
     "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, "
     "at::native::ArgMaxOps<float>>>": "reduce",
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, T2, T3)": "elementwise",
+    "_add_rms_norm_kernel": "norm",
     "some_unknown_kernel": "other",
 }
 

@@ -54,6 +54,23 @@ def test_fullgraph_compile_has_one_attention_op_per_layer(arch):
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_every_residual_add_meets_its_norm_in_one_fused_op(arch):
+    """Two residual adds per layer, each fused with the norm after it (the next block's, or the final
+    norm), except none before the first layer: 2 * layers ops, and the compiled model equals eager."""
+    torch._dynamo.reset()
+    model = models.from_config(CONFIGS[arch], dtype=torch.float32)
+    backend = CountingBackend()
+    ids, positions = torch.randint(0, 96, (9,)), torch.arange(9)
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend, fullgraph=True)(ids, positions)
+        expected = model(ids, positions)
+    fused = [n for g in backend.graphs for n in g.graph.nodes
+             if n.op == "call_function" and "add_rms_norm" in str(n.target)]
+    assert len(fused) == 2 * model.config.num_layers
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_one_trace_serves_every_token_count(arch):
     """With the token dimension marked dynamic, 11 and 5 tokens reuse one graph: the model has no
     shape-dependent Python branch (rope gathers by position, no .item(), no host sync)."""

@@ -1,0 +1,72 @@
+"""RMSNorm, and `torch.ops.infer.add_rms_norm(h, delta, weight, eps, unit_offset) -> (sum, normed)`:
+the residual add and the norm after it in one kernel on CUDA.
+
+`rms_norm` is the rounding contract every model here follows (transformers' own order, which bf16
+parity depends on): normalize in float32; Llama / Qwen3 round to the input dtype and then scale by w
+in that dtype, Gemma (`unit_offset`) scales by (1 + w) in float32 and rounds once. The fused op
+returns `h + delta` rounded to h's dtype and `rms_norm` of that rounded sum, so fusing changes no bit
+of what the unfused code defines; on the CPU it is that code.
+
+The op is opaque to Dynamo and Inductor (a fake implementation gives the shapes): Inductor lowers
+the add and the norm to a looping reduction, a normalize and the add again for its other consumer
+(three or more launches per norm at decode sizes, each a few microseconds of a latency-bound step),
+where the kernel does it in one pass per row.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """RMSNorm over the last dim; `weight` broadcasts against x, e.g. one row per head."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+def _check(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> None:
+    if h.shape != delta.shape or h.dtype != delta.dtype or h.device != delta.device:
+        raise ValueError(f"infer.add_rms_norm: h {tuple(h.shape)} {h.dtype} on {h.device} and delta "
+                         f"{tuple(delta.shape)} {delta.dtype} on {delta.device} must match")
+    if h.dim() == 0 or weight.shape != h.shape[-1:]:
+        raise ValueError(f"infer.add_rms_norm: weight {tuple(weight.shape)} must be [hidden] for h "
+                         f"{tuple(h.shape)}")
+
+
+def run_add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                     unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's implementation, callable directly by eager code (no dispatcher on the host path)."""
+    _check(h, delta, weight)
+    if not h.is_cuda:
+        total = (h + delta).contiguous()  # the layout the fake promises Inductor
+        return total, rms_norm(total, weight, eps, unit_offset).contiguous()
+    from custom_ops.triton_rms_norm import add_rms_norm_triton  # lazy: Triton only where it runs
+    shape = h.shape
+    rows = (h if h.stride(-1) == 1 else h.contiguous()).reshape(-1, shape[-1])
+    deltas = (delta if delta.stride(-1) == 1 else delta.contiguous()).reshape(-1, shape[-1])
+    total, normed = add_rms_norm_triton(rows, deltas, weight, eps, unit_offset)
+    return total.view(shape), normed.view(shape)
+
+
+@torch.library.custom_op("infer::add_rms_norm", mutates_args=())
+def add_rms_norm_op(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                    unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_add_rms_norm(h, delta, weight, eps, unit_offset)
+
+
+@add_rms_norm_op.register_fake
+def _add_rms_norm_fake(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                       unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(h, delta, weight)
+    return torch.empty_like(h, memory_format=torch.contiguous_format), \
+        torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a model calls: the op while Dynamo traces, the implementation itself when eager."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infer.add_rms_norm(h, delta, weight, eps, unit_offset)
+    return run_add_rms_norm(h, delta, weight, eps, unit_offset)
