@@ -67,6 +67,7 @@ _KIND_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention_merge", ("merge_splits",)),
     ("attention", ("_decode_kernel", "_prefill_kernel", "flash", "fmha", "attention")),
     ("kv_store", ("store_kv",)),
+    ("rope", ("_qk_norm_rope",)),
     ("gemm", ("triton_tem_", "_gemv_kernel", "_splitk_gemv")),
     ("norm", ("_add_rms_norm",)),  # ours, and below: an Inductor kernel with rsqrt or a norm in its name
     ("fused_elementwise", ()),  # decided below: any other Inductor kernel
@@ -77,7 +78,7 @@ _KIND_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("elementwise", ("elementwise_kernel",)),
 )
 # Display order: the matmuls, attention, then the small kernels fusion is about.
-KERNEL_KINDS: tuple[str, ...] = ("gemm", "gemm_splitk_reduce", "attention", "attention_merge", "kv_store", "norm",
+KERNEL_KINDS: tuple[str, ...] = ("gemm", "gemm_splitk_reduce", "attention", "attention_merge", "kv_store", "rope", "norm",
                                  "fused_elementwise", "copy", "reduce", "elementwise", "other")
 _INDUCTOR_PREFIXES = ("triton_poi_", "triton_per_", "triton_red_", "triton_for_")
 

@@ -1,5 +1,5 @@
 """Torch custom ops (attention, in place; linear, the decode GEMV where measured; the residual add
-with its RMSNorm; each with a fake implementation) and their kernels."""
+with its RMSNorm; q/k norm and rotary; each with a fake implementation) and their kernels."""
 from custom_ops.attention import attention, attention_layer_renamed, run_attention
 from custom_ops.forward_context import ForwardContext, RuntimeMode, forward_context, get_forward_context
 from custom_ops.gemv_table import GEMV_CONFIGS, GemvConfig, gemv_config
@@ -8,6 +8,7 @@ from custom_ops.layers import (
 )
 from custom_ops.linear import decode_linear, gemv_linear, run_linear
 from custom_ops.norm import add_rms_norm, rms_norm, run_add_rms_norm
+from custom_ops.rope import apply_rotary, qk_norm_rope, run_qk_norm_rope
 from custom_ops.metadata import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache
 
 __all__ = [
@@ -15,5 +16,5 @@ __all__ = [
     "get_forward_context", "AttentionLayer", "check_kv_cache", "get_attention_layer", "is_registered",
     "register_attention_layer", "unique_prefix", "SCRATCH_BLOCK", "AttentionMetadata",
     "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "decode_linear", "gemv_linear", "run_linear",
-    "add_rms_norm", "rms_norm", "run_add_rms_norm",
+    "add_rms_norm", "rms_norm", "run_add_rms_norm", "apply_rotary", "qk_norm_rope", "run_qk_norm_rope",
 ]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops import AttentionLayer, add_rms_norm, gemv_linear, register_attention_layer, rms_norm
+from custom_ops import AttentionLayer, add_rms_norm, gemv_linear, qk_norm_rope, register_attention_layer, rms_norm
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
 
@@ -122,12 +122,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by position: the half-split ("rotate_half") layout of HF checkpoints."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`)."""
 
@@ -194,14 +188,11 @@ class Attention(nn.Module):
         # and head strides, and a .contiguous() here was one copy kernel per layer per step.
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         # q and k are adjacent in the projection: their per-head norms (Qwen3, Gemma 3) and the rotary
-        # run over both heads' rows at once, one kernel per layer where q and k apart would be two,
-        # and q, k are views of its output.
-        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # q's weight on q's rows, k's on k's: the same math per element
-            weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
-                                self.k_norm.weight.expand(self.num_kv_heads, -1)])
-            qk = rms_norm(qk, weight, self.q_norm.eps, self.q_norm.unit_offset)
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        # run in one kernel over both (custom_ops.rope), which writes q and k as new tensors.
+        norm = self.q_norm is not None
+        q, k = qk_norm_rope(qkv, cos, sin, self.q_norm.weight if norm else None,
+                            self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                            self.q_norm.unit_offset if norm else False, self.num_heads, self.num_kv_heads)
         # Allocated right before the op so a graph split at the op hands this buffer, at a fixed
         # address, from the piece before (which allocates it) to the piece after (which reads it).
         out = torch.empty_like(q)

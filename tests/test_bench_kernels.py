@@ -30,6 +30,7 @@ NAMES = {
     "at::native::ArgMaxOps<float>>>": "reduce",
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, T2, T3)": "elementwise",
     "_add_rms_norm_kernel": "norm",
+    "_qk_norm_rope_kernel": "rope",
     "some_unknown_kernel": "other",
 }
 

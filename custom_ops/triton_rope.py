@@ -1,0 +1,98 @@
+"""Triton kernel for the per-head q/k RMSNorm (Qwen3, Gemma 3) and the rotary embedding of q and k,
+read from the fused qkv projection and written as q and k, in one launch.
+
+Inductor lowers these as separate kernels (the norm's reduction and normalize, then one rotary
+kernel for q and one for k, as two outputs of different shapes): two to four launches per layer in a
+decode step where each is a few microseconds of latency. Here a program owns BLOCK_H heads of one
+token: each row is read once, normalized (rounded to the activation dtype, as the unfused code
+rounds the norm's output), rotated in float32 and rounded once (custom_ops.rope).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.pdl import launch_with_pdl, pdl_launch_options
+from custom_ops.triton_common import cdiv, next_power_of_2
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_ptr, k_ptr,
+    stride_qkv, stride_cos, stride_sin, stride_q, stride_k, eps,
+    NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_HALF)
+    d_mask = offs < HALF
+    mask = (heads < NUM_HEADS)[:, None] & d_mask[None, :]
+    is_q = (heads < NUM_Q_HEADS)[:, None]
+    dtype = q_ptr.dtype.element_ty
+    if NORM:  # the layer's own weights: loaded before the PDL wait
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + offs, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_weight_ptr + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    row = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM
+    x1 = tl.load(row + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token * stride_cos + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + token * stride_sin + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        x1 = x1 * inv_rms
+        x2 = x2 * inv_rms
+        if UNIT_OFFSET:  # Gemma: scaled by (1 + w) in float32, rounded once
+            x1 = (x1 * (1.0 + w1)).to(dtype).to(tl.float32)
+            x2 = (x2 * (1.0 + w2)).to(dtype).to(tl.float32)
+        else:  # Qwen3: rounded, then scaled in the activation dtype
+            x1 = (w1 * x1.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x2 = (w2 * x2.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out1 = (x1 * cos - x2 * sin).to(dtype)
+    out2 = (x2 * cos + x1 * sin).to(dtype)
+    q_rows = q_ptr + token * stride_q + heads[:, None] * HEAD_DIM
+    k_rows = k_ptr + token * stride_k + (heads[:, None] - NUM_Q_HEADS) * HEAD_DIM
+    q_mask = mask & is_q
+    k_mask = mask & (heads >= NUM_Q_HEADS)[:, None]
+    tl.store(q_rows + offs[None, :], out1, mask=q_mask)
+    tl.store(q_rows + HALF + offs[None, :], out2, mask=q_mask)
+    tl.store(k_rows + offs[None, :], out1, mask=k_mask)
+    tl.store(k_rows + HALF + offs[None, :], out2, mask=k_mask)
+
+
+def qk_norm_rope_triton(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, unit_offset: bool,
+    num_heads: int, num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, num_heads, D], k [T, num_kv_heads, D] (new, contiguous) from qkv [T, >= (Hq + Hkv) * D]
+    whose last dim is contiguous, with cos / sin [T, D / 2] rows (any token stride). The caller
+    (custom_ops.rope) has checked the shapes."""
+    tokens = qkv.shape[0]
+    half = cos.shape[-1]
+    head_dim = 2 * half
+    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q, k
+    heads = num_heads + num_kv_heads
+    block_h = min(next_power_of_2(heads), max(1, 512 // head_dim))  # ~512 elements a program
+    norm = q_weight is not None
+    pdl = launch_with_pdl(qkv.device)
+    _qk_norm_rope_kernel[(tokens, cdiv(heads, block_h))](
+        qkv, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv, q, k,
+        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0), eps,
+        NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_H=block_h, BLOCK_HALF=next_power_of_2(half),
+        NORM=norm, UNIT_OFFSET=unit_offset, PDL=pdl,
+        num_warps=4, **pdl_launch_options(pdl),
+    )
+    return q, k
