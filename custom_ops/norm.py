@@ -1,5 +1,6 @@
-"""RMSNorm, and `torch.ops.infer.add_rms_norm(h, delta, weight, eps, unit_offset) -> (sum, normed)`:
-the residual add and the norm after it in one kernel on CUDA.
+"""RMSNorm, and `torch.ops.infer.add_rms_norm(h, delta, weight, eps, unit_offset, delta_weight=None)
+-> (sum, normed)`: the residual add and the norm after it in one kernel on CUDA (and, with
+`delta_weight`, Gemma 3's norm of the branch before the add).
 
 `rms_norm` is the rounding contract every model here follows (transformers' own order, which bf16
 parity depends on): normalize in float32; Llama / Qwen3 round to the input dtype and then scale by w
@@ -14,6 +15,8 @@ where the kernel does it in one pass per row.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -26,47 +29,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return weight * xf.to(x.dtype)
 
 
-def _check(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, delta_weight: torch.Tensor | None) -> None:
     if h.shape != delta.shape or h.dtype != delta.dtype or h.device != delta.device:
         raise ValueError(f"infer.add_rms_norm: h {tuple(h.shape)} {h.dtype} on {h.device} and delta "
                          f"{tuple(delta.shape)} {delta.dtype} on {delta.device} must match")
     if h.dim() == 0 or weight.shape != h.shape[-1:]:
         raise ValueError(f"infer.add_rms_norm: weight {tuple(weight.shape)} must be [hidden] for h "
                          f"{tuple(h.shape)}")
+    if delta_weight is not None and delta_weight.shape != weight.shape:
+        raise ValueError(f"infer.add_rms_norm: delta_weight {tuple(delta_weight.shape)} must be [hidden] "
+                         f"like weight {tuple(weight.shape)}")
 
 
 def run_add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                     unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's implementation, callable directly by eager code (no dispatcher on the host path)."""
-    _check(h, delta, weight)
+                     unit_offset: bool, delta_weight: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's implementation, callable directly by eager code (no dispatcher on the host path).
+    `delta_weight`: delta is first normalized with it (the same eps and variant), rounded, then added."""
+    _check(h, delta, weight, delta_weight)
     if not h.is_cuda:
+        if delta_weight is not None:
+            delta = rms_norm(delta, delta_weight, eps, unit_offset)
         total = (h + delta).contiguous()  # the layout the fake promises Inductor
         return total, rms_norm(total, weight, eps, unit_offset).contiguous()
     from custom_ops.triton_rms_norm import add_rms_norm_triton  # lazy: Triton only where it runs
     shape = h.shape
     rows = (h if h.stride(-1) == 1 else h.contiguous()).reshape(-1, shape[-1])
     deltas = (delta if delta.stride(-1) == 1 else delta.contiguous()).reshape(-1, shape[-1])
-    total, normed = add_rms_norm_triton(rows, deltas, weight, eps, unit_offset)
+    total, normed = add_rms_norm_triton(rows, deltas, weight, eps, unit_offset, delta_weight)
     return total.view(shape), normed.view(shape)
 
 
 @torch.library.custom_op("infer::add_rms_norm", mutates_args=())
 def add_rms_norm_op(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                    unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_add_rms_norm(h, delta, weight, eps, unit_offset)
+                    unit_offset: bool, delta_weight: Optional[torch.Tensor] = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_add_rms_norm(h, delta, weight, eps, unit_offset, delta_weight)
 
 
 @add_rms_norm_op.register_fake
 def _add_rms_norm_fake(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                       unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(h, delta, weight)
+                       unit_offset: bool, delta_weight: Optional[torch.Tensor] = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(h, delta, weight, delta_weight)
     return torch.empty_like(h, memory_format=torch.contiguous_format), \
         torch.empty_like(h, memory_format=torch.contiguous_format)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 unit_offset: bool, delta_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What a model calls: the op while Dynamo traces, the implementation itself when eager."""
     if torch.compiler.is_compiling():
-        return torch.ops.infer.add_rms_norm(h, delta, weight, eps, unit_offset)
-    return run_add_rms_norm(h, delta, weight, eps, unit_offset)
+        return torch.ops.infer.add_rms_norm(h, delta, weight, eps, unit_offset, delta_weight)
+    return run_add_rms_norm(h, delta, weight, eps, unit_offset, delta_weight)

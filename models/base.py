@@ -48,12 +48,14 @@ class DecoderModel(nn.Module):
         # Every table is gathered once per step and shared by its layers; which table a layer reads is
         # static, so the choice is resolved at trace time and leaves no branch in the graph.
         tables = [rotary(positions, h.dtype) for rotary in self.rotary]
-        # A layer returns the residual stream and its own contribution unadded: the next layer's
-        # first norm (or the final one) adds and normalizes in one kernel.
-        delta = None
+        # A layer returns the residual stream and its own contribution unadded (and names the norm
+        # that contribution still needs, Gemma's post-MLP norm): the next layer's first norm, or the
+        # final one, does that norm, the add and its own norm in one kernel.
+        delta = delta_norm = None
         for layer, rope in zip(self.layers, self.layer_rope):
-            h, delta = layer(h, delta, *tables[rope])
-        return self.norm.add_and_norm(h, delta)[1]
+            h, delta = layer(h, delta, delta_norm, *tables[rope])
+            delta_norm = layer.branch_norm
+        return self.norm.add_and_norm(h, delta, delta_norm)[1]
 
 
 class CausalLM(nn.Module):

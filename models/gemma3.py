@@ -34,13 +34,19 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, tp)
         self.post_feedforward_layernorm = _norm(config)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual stream, what this layer adds to it), as models.llama's layer."""
-        h, x = self.input_layernorm.add_and_norm(h, delta)
-        attended = self.post_attention_layernorm(self.self_attn(x, cos, sin))
-        h, x = self.pre_feedforward_layernorm.add_and_norm(h, attended)
-        return h, self.post_feedforward_layernorm(self.mlp(x))
+    @property
+    def branch_norm(self) -> RMSNorm:
+        """The norm this layer's returned delta (the MLP's output) still needs: the next layer's input
+        norm (or the final norm) applies it, adds and normalizes in one kernel."""
+        return self.post_feedforward_layernorm
+
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, delta_norm: RMSNorm | None,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, the MLP's output before its post-norm), as models.llama's layer."""
+        h, x = self.input_layernorm.add_and_norm(h, delta, delta_norm)
+        h, x = self.pre_feedforward_layernorm.add_and_norm(h, self.self_attn(x, cos, sin),
+                                                           self.post_attention_layernorm)
+        return h, self.mlp(x)
 
 
 class Gemma3ForCausalLM(CausalLM):

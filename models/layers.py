@@ -96,12 +96,21 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.unit_offset)
 
-    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None, delta_norm: RMSNorm | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + delta, norm(h + delta)), the sum rounded to h's dtype first, in one kernel on CUDA (the
-        residual stream's add and the next block's norm); with no delta, (h, norm(h))."""
+        residual stream's add and the next block's norm); with no delta, (h, norm(h)). `delta_norm`:
+        a norm the branch still needs before the add (Gemma 3's post-attention / post-MLP norms),
+        done in the same kernel."""
         if delta is None:
             return h, self(h)
-        return add_rms_norm(h, delta, self.weight, self.eps, self.unit_offset)
+        delta_weight = None
+        if delta_norm is not None:
+            if (delta_norm.eps, delta_norm.unit_offset) == (self.eps, self.unit_offset):
+                delta_weight = delta_norm.weight
+            else:  # the kernel takes one eps and variant for both norms
+                delta = delta_norm(delta)
+        return add_rms_norm(h, delta, self.weight, self.eps, self.unit_offset, delta_weight)
 
 
 class RotaryEmbedding(nn.Module):

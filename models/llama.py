@@ -12,6 +12,8 @@ from models.parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
+    branch_norm = None  # what this layer's returned delta still needs before the add: nothing
+
     def __init__(self, config: ModelConfig, layer_name: str, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
@@ -19,11 +21,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = GatedMLP(config, tp)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, delta_norm: RMSNorm | None,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, what this layer adds to it): the add is left to the next norm
-        (models.base.DecoderModel), which does both in one kernel."""
-        h, x = self.input_layernorm.add_and_norm(h, delta)
+        (models.base.DecoderModel), which does both in one kernel; `delta`, `delta_norm`: the previous
+        layer's, not yet added."""
+        h, x = self.input_layernorm.add_and_norm(h, delta, delta_norm)
         h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, cos, sin))
         return h, self.mlp(x)
 

@@ -17,14 +17,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 
 
+def norm64(x: torch.Tensor, weight: torch.Tensor, unit_offset: bool) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * (
+        1.0 + weight.double() if unit_offset else weight.double())
+
+
 def reference(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, unit_offset: bool,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 from the sum rounded to h's dtype (the contract: the norm reads the rounded sum)."""
+              delta_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 from the sum rounded to h's dtype (the contract: the norm reads the rounded sum; a
+    branch norm's output is rounded before the add)."""
+    if delta_weight is not None:
+        delta = norm64(delta, delta_weight, unit_offset).to(h.dtype)
     total = (h.double() + delta.double()).to(h.dtype)
-    x = total.double()
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
-    scale = 1.0 + weight.double() if unit_offset else weight.double()
-    return total, normed * scale
+    return total, norm64(total, weight, unit_offset)
 
 
 def assert_sum_rounded_once(total: torch.Tensor, want: torch.Tensor) -> None:
@@ -57,6 +63,17 @@ def test_kernel_matches_float64_reference(rows, hidden, dtype, unit_offset):
     assert normed.dtype == dtype and rel_err(normed, want_normed) < TOL[dtype]
 
 
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_with_a_branch_norm_matches_float64_reference(dtype, unit_offset):
+    h = torch.randn(3, 72, device=DEVICE, dtype=dtype)
+    delta = 5 * torch.randn(3, 72, device=DEVICE, dtype=dtype)  # the branch norm must rescale it
+    weight, delta_weight = (torch.randn(72, device=DEVICE, dtype=dtype) for _ in range(2))
+    total, normed = add_rms_norm_triton(h, delta, weight, EPS, unit_offset, delta_weight)
+    want_total, want_normed = reference(h, delta, weight, unit_offset, delta_weight)
+    assert rel_err(total, want_total.double()) < TOL[dtype] and rel_err(normed, want_normed) < TOL[dtype]
+
+
 def test_kernel_reads_strided_rows_and_writes_fresh_tensors():
     wide = torch.randn(4, 96, device=DEVICE)
     h, delta = wide[:, :48], wide[:, 48:]  # row stride 96, as a slice of a fused projection is
@@ -72,16 +89,21 @@ def test_op_registration_and_fake_pass_opcheck():
     h, delta, weight = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
     torch.library.opcheck(torch.ops.infer.add_rms_norm.default, (h, delta, weight, EPS, False))
     torch.library.opcheck(torch.ops.infer.add_rms_norm.default, (h, delta, weight, EPS, True))
+    torch.library.opcheck(torch.ops.infer.add_rms_norm.default, (h, delta, weight, EPS, True, torch.randn(16)))
 
 
 def test_op_equals_the_unfused_model_code_on_the_cpu():
     from custom_ops import rms_norm
     h, delta = torch.randn(6, 32, dtype=torch.bfloat16), torch.randn(6, 32, dtype=torch.bfloat16)
     weight = torch.randn(32, dtype=torch.bfloat16)
+    delta_weight = torch.randn(32, dtype=torch.bfloat16)
     for unit_offset in (False, True):
         total, normed = torch.ops.infer.add_rms_norm(h, delta, weight, EPS, unit_offset)
         assert torch.equal(total, h + delta)
         assert torch.equal(normed, rms_norm(h + delta, weight, EPS, unit_offset))
+        total, normed = torch.ops.infer.add_rms_norm(h, delta, weight, EPS, unit_offset, delta_weight)
+        want = h + rms_norm(delta, delta_weight, EPS, unit_offset)
+        assert torch.equal(total, want) and torch.equal(normed, rms_norm(want, weight, EPS, unit_offset))
 
 
 def test_bad_inputs_name_the_tensor_and_its_shape():
@@ -90,6 +112,8 @@ def test_bad_inputs_name_the_tensor_and_its_shape():
         run_add_rms_norm(h, torch.randn(2, 9), torch.randn(8), EPS, False)
     with pytest.raises(ValueError, match=r"weight \(7,\) must be \[hidden\]"):
         run_add_rms_norm(h, torch.randn(2, 8), torch.randn(7), EPS, False)
+    with pytest.raises(ValueError, match=r"delta_weight \(9,\) must be \[hidden\]"):
+        run_add_rms_norm(h, torch.randn(2, 8), torch.randn(8), EPS, False, torch.randn(9))
 
 
 @pytest.mark.gpu
@@ -97,19 +121,31 @@ def test_bad_inputs_name_the_tensor_and_its_shape():
 @pytest.mark.parametrize("rows", [1, 64])
 def test_gpu_bf16_model_sizes_match_reference_eager_and_in_a_graph(rows, hidden):
     torch.manual_seed(rows + hidden)
-    for unit_offset in (False, True):
+    for unit_offset, branch_norm in ((False, False), (True, False), (True, True)):  # gemma: branch norms
         h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         delta = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        want_total, want_normed = reference(h, delta, weight, unit_offset)
-        total, normed = run_add_rms_norm(h, delta, weight, EPS, unit_offset)
-        assert torch.equal(total, want_total) and rel_err(normed, want_normed) < TOL[torch.bfloat16]
+        delta_weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16) if branch_norm else None
+        want_total, want_normed = reference(h, delta, weight, unit_offset, delta_weight)
+        total, normed = run_add_rms_norm(h, delta, weight, EPS, unit_offset, delta_weight)
+        assert_sum(total, want_total, branch_norm)
+        assert rel_err(normed, want_normed) < TOL[torch.bfloat16]
 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            g_total, g_normed = run_add_rms_norm(h, delta, weight, EPS, unit_offset)
+            g_total, g_normed = run_add_rms_norm(h, delta, weight, EPS, unit_offset, delta_weight)
         h.copy_(torch.randn_like(h))  # fresh inputs at the captured addresses
         delta.copy_(torch.randn_like(delta))
         graph.replay()
-        want_total, want_normed = reference(h, delta, weight, unit_offset)
-        assert torch.equal(g_total, want_total) and rel_err(g_normed, want_normed) < TOL[torch.bfloat16]
+        want_total, want_normed = reference(h, delta, weight, unit_offset, delta_weight)
+        assert_sum(g_total, want_total, branch_norm)
+        assert rel_err(g_normed, want_normed) < TOL[torch.bfloat16]
+
+
+def assert_sum(total: torch.Tensor, want: torch.Tensor, branch_norm: bool) -> None:
+    """Without a branch norm the sum is one rounding of an exact sum: bit-equal. With one, the
+    branch's norm may round differently from float64 by one unit, and the sum with it."""
+    if branch_norm:
+        assert rel_err(total, want.double()) < TOL[torch.bfloat16]
+    else:
+        assert torch.equal(total, want)

@@ -67,6 +67,10 @@ def test_every_residual_add_meets_its_norm_in_one_fused_op(arch):
     fused = [n for g in backend.graphs for n in g.graph.nodes
              if n.op == "call_function" and "add_rms_norm" in str(n.target)]
     assert len(fused) == 2 * model.config.num_layers
+    # and no norm is left to Inductor but the first layer's input norm (Gemma's branch norms too)
+    rsqrts = [n for g in backend.graphs for n in g.graph.nodes
+              if n.op == "call_function" and "rsqrt" in str(n.target)]
+    assert len(rsqrts) == 1
     assert torch.equal(got, expected)
 
 
