@@ -25,6 +25,7 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from compile_backend.split import SplitGraph, op_name
+from custom_ops.linear import gated_linear_plain  # downward import: a graph-only op's plain form
 
 
 def _direct_impls() -> dict[str, Callable[..., Any]]:
@@ -92,7 +93,12 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
 # `infer::linear` picks the Triton GEMV at one row (a decode graph records it), but a step without a
 # graph would call it through the dispatcher, ~20 us of host time per linear, where Inductor's own
 # matmul costs a few.
-_GRAPH_ONLY_OPS = {"infer::linear": torch.ops.aten.linear.default}
+# `infer::gated_linear` likewise (the activation inside the GEMV); its plain form lets Inductor fuse
+# the activation as it always did. Each: (plain equivalent, the op's argument names in order).
+_GRAPH_ONLY_OPS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
+    "infer::linear": (torch.ops.aten.linear.default, ("x", "weight", "bias")),
+    "infer::gated_linear": (gated_linear_plain, ("gate_up", "weight", "activation")),
+}
 
 
 def lower_graph_only_ops(gm: torch.fx.GraphModule) -> int:
@@ -103,11 +109,12 @@ def lower_graph_only_ops(gm: torch.fx.GraphModule) -> int:
     lowered = 0
     for node in gm.graph.nodes:
         name = op_name(node.target) if node.op == "call_function" else None
-        plain = _GRAPH_ONLY_OPS.get(name.split(".")[0] if name else "")
-        if plain is None:
+        entry = _GRAPH_ONLY_OPS.get(name.split(".")[0] if name else "")
+        if entry is None:
             continue
-        args = list(node.args) + [None] * (3 - len(node.args))  # both take (x / input, weight, bias)
-        for i, key in enumerate(("x", "weight", "bias")):
+        plain, names = entry
+        args = list(node.args) + [None] * (len(names) - len(node.args))
+        for i, key in enumerate(names):
             if key in node.kwargs:
                 args[i] = node.kwargs[key]
         node.target, node.args, node.kwargs = plain, tuple(args), {}

@@ -1,5 +1,7 @@
 """`torch.ops.infer.linear(x, weight, bias) -> x @ weight^T (+ bias)`: a linear layer that runs the
-Triton GEMV (custom_ops.triton_gemv) where a measurement says it beats cuBLAS, F.linear elsewhere.
+Triton GEMV (custom_ops.triton_gemv) where a measurement says it beats cuBLAS, F.linear elsewhere;
+`torch.ops.infer.gated_linear(gate_up, weight, activation)` the same for a gated MLP's down
+projection, with act(gate) * up computed inside the GEMV (one launch fewer per layer at batch 1).
 
 The op is opaque to Dynamo and Inductor (a fake implementation gives the shape), so the choice is
 made at run time, per call, from the shapes (custom_ops.gemv_table): at one row on CUDA in bf16 or
@@ -54,6 +56,67 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if torch.compiler.is_compiling():
         return torch.ops.infer.linear(x, weight, bias)
     return run_linear(x, weight, bias)
+
+
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for gate_up [..., 2K] = [gate | up]: the models' gated-MLP code, in torch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"custom_ops.gated_linear: activation {activation!r} is not one of {GATED_ACTIVATIONS}")
+
+
+def gated_linear_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """What the gated op computes, in plain torch ops: what Inductor compiles in its place where no
+    graph records it (compile_backend.compile_pieces.lower_graph_only_ops)."""
+    return F.linear(act_and_mul(gate_up, activation), weight)
+
+
+def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """`act(gate) @ weight^T * up` for gate_up [..., 2K], weight [N, K]: the down projection of a gated
+    MLP with its activation inside the Triton GEMV where `run_linear` would run the GEMV (one row,
+    a measured shape); elsewhere one act-and-multiply launch on CUDA (torch's two on the CPU) and the
+    matmul, as before."""
+    n, k = weight.shape
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"custom_ops.gated_linear: activation {activation!r} is not one of {GATED_ACTIVATIONS}")
+    if gate_up.shape[-1] != 2 * k:
+        raise ValueError(f"custom_ops.gated_linear: gate_up {tuple(gate_up.shape)} must end in 2 * K = {2 * k} "
+                         f"for weight {tuple(weight.shape)}")
+    rows = gate_up.numel() // max(2 * k, 1)
+    config = None
+    if gate_up.dtype == weight.dtype and weight.stride(-1) == 1:
+        config = gemv_config(rows, n, k, gate_up.dtype, gate_up.device.type)
+    if config is None and not gate_up.is_cuda:
+        return F.linear(act_and_mul(gate_up, activation), weight)
+    from custom_ops.triton_gemv import act_mul, gemv  # lazy: Triton is imported only where it runs
+    flat = gate_up.reshape(rows, 2 * k)
+    if config is None:
+        return F.linear(act_mul(flat, activation), weight).view(*gate_up.shape[:-1], n)
+    return gemv(flat, weight, config, gate=activation).view(*gate_up.shape[:-1], n)
+
+
+def gated_gemv_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """What a model calls for a switched-on gated down projection: the op while Dynamo traces, the
+    implementation itself when eager."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infer.gated_linear(gate_up, weight, activation)
+    return run_gated_linear(gate_up, weight, activation)
+
+
+@torch.library.custom_op("infer::gated_linear", mutates_args=())
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    return run_gated_linear(gate_up, weight, activation)
+
+
+@gated_linear.register_fake
+def _gated_linear_fake(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("infer::linear", mutates_args=())

@@ -31,12 +31,37 @@ from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
 
+GATES = {None: 0, "silu": 1, "gelu_tanh": 2}  # the activations a gated GEMV applies to its x
+
+
+@triton.jit
+def gate_activation(g, GATE: tl.constexpr):
+    """SiLU (GATE 1) or tanh-approximated GELU (GATE 2) of float32 g (tanh through exp: the
+    interpreter has no tanh)."""
+    if GATE == 1:
+        return g / (1.0 + tl.exp(-g))
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (g + 0.044715 g^3)
+    return 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 0.5 g (1 + tanh(inner))
+
+
+@triton.jit
+def load_x(ptrs, mask, K, GATE: tl.constexpr):
+    """x's elements at ptrs; gated (GATE > 0), the row holds [gate K | up K] and x = act(gate) * up,
+    each product rounded to x's dtype as the unfused model code rounds act(gate) and the product."""
+    if GATE == 0:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    gate = tl.load(ptrs, mask=mask, other=0.0)
+    up = tl.load(ptrs + K, mask=mask, other=0.0)
+    act = gate_activation(gate.to(tl.float32), GATE).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,13 +84,13 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        x_0 = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        x_0 = load_x(x_ptr + k, k_mask, K, GATE).to(tl.float32)
         acc_k = w.to(tl.float32) * x_0[None, :]
         for k_start in range(k_begin + BLOCK_K, k_end, BLOCK_K):
             k = k_start + offs_k
             k_mask = k < k_end
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x_0 = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            x_0 = load_x(x_ptr + k, k_mask, K, GATE).to(tl.float32)
             acc_k += w.to(tl.float32) * x_0[None, :]
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # every load is issued: the next kernel may be scheduled
@@ -88,15 +113,15 @@ def _gemv_kernel(
                 k_mask = k < k_end
                 w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 if USE_DOT:
-                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    x = load_x(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                               m_mask[:, None] & k_mask[None, :], K, GATE)
                     acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
                 else:
                     w32 = w.to(tl.float32)
                     for i in tl.static_range(BLOCK_M):
                         row_valid = (offs_k * 0 + m_start + i) < M  # a vector: the interpreter refuses scalar masks
-                        x_i = tl.load(x_ptr + (m_start + i) * stride_xm + k,
-                                      mask=k_mask & row_valid, other=0.0).to(tl.float32)
+                        x_i = load_x(x_ptr + (m_start + i) * stride_xm + k, k_mask & row_valid, K,
+                                     GATE).to(tl.float32)
                         row = tl.sum(w32 * x_i[None, :], 1)
                         acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, row[None, :], 0.0)
             mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -126,6 +151,37 @@ def _gemv_kernel(
             tl.atomic_xchg(counter, 0)  # every split has arrived: ready for the next launch
 
 
+@triton.jit
+def _act_mul_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr, GATE: tl.constexpr,
+                    PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = k < K
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x = load_x(x_ptr + row * stride_xm + k, mask, K, GATE)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + row * stride_om + k, x, mask=mask)
+
+
+def act_mul(x: torch.Tensor, gate: str) -> torch.Tensor:
+    """act(gate) * up for x [M, 2K] = [gate | up] -> [M, K], rounded as `gemv(..., gate=)` reads it: the
+    gated GEMV's input where a matmul of more rows runs cuBLAS, one launch as Inductor's own."""
+    if gate not in GATES or gate is None:
+        raise ValueError(f"act_mul: gate {gate!r} is not one of {sorted(g for g in GATES if g)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape[0], x.shape[1] // 2
+    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m == 0 or k == 0:
+        return out
+    block = min(1024, next_power_of_2(k))
+    pdl = launch_with_pdl(x.device)
+    _act_mul_kernel[(m, cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block, GATE=GATES[gate],
+                                         PDL=pdl, num_warps=4, **pdl_launch_options(pdl))
+    return out
+
+
 _partials: dict[torch.device, Workspace] = {}
 _arrivals: dict[torch.device, Workspace] = {}
 # First-use sizes on CUDA (grown when a launch needs more): 4 MiB of partials holds split 8 of
@@ -135,18 +191,23 @@ _ARRIVAL_BOUND = 1 << 14
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+         out: torch.Tensor | None = None, gate: str | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation).
+    `gate` ("silu", "gelu_tanh"): x is [M, 2K], a gate and an up half, and the matmul reads
+    act(gate) * up (a gated MLP's down projection, its activation in the same kernel)."""
+    if gate not in GATES:
+        raise ValueError(f"gemv: gate {gate!r} is not one of {sorted(g for g in GATES if g)} or None")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gate else 1):
+        raise ValueError(f"gemv needs x [M, {'2K' if gate else 'K'}] and weight [N, K], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"gemv: x is {x.dtype} and weight {weight.dtype}; they must match")
     if weight.stride(1) != 1:
         raise ValueError("gemv: weight needs a contiguous last dimension (a [N, K] row-major matrix)")
     cfg = config or GemvConfig()
     x = x if x.stride(1) == 1 else x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -171,7 +232,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     _gemv_kernel[(tiles_n, cfg.split_k)](
         x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        USE_DOT=block_m >= 16, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
+        USE_DOT=block_m >= 16, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, GATE=GATES[gate],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_options(pdl),
     )
     return out

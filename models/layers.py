@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops import AttentionLayer, add_rms_norm, gemv_linear, qk_norm_rope, register_attention_layer, rms_norm
+from custom_ops import (
+    AttentionLayer, add_rms_norm, gated_gemv_linear, gemv_linear, qk_norm_rope, register_attention_layer, rms_norm,
+)
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
 
@@ -55,6 +57,18 @@ class Linear(nn.Module):
         if self.input_shard is None:
             return self._matmul(x, self.bias)
         y = self.tp.all_reduce(self._matmul(x, None))
+        return y if self.bias is None else y + self.bias
+
+    def gated(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """This projection of act(gate) * up, for gate_up [..., 2 * in_features]: with decode_gemv on,
+        one op that computes the activation inside the GEMV at one row (custom_ops.linear)."""
+        if not self.decode_gemv:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+            return self(act * up)
+        y = gated_gemv_linear(gate_up, self.weight, activation)
+        if self.input_shard is not None:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -147,9 +161,7 @@ class GatedMLP(nn.Module):
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * up)
+        return self.down_proj.gated(self.gate_up_proj(x), "gelu_tanh" if self.gelu else "silu")
 
 
 class Attention(nn.Module):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import custom_ops.linear
 import models
 from bench.configs import TINY_LLAMA
-from custom_ops import GEMV_CONFIGS, GemvConfig, gemv_config, run_linear
+from custom_ops import GEMV_CONFIGS, GemvConfig, gated_linear_plain, gemv_config, run_gated_linear, run_linear
+from custom_ops.linear import act_and_mul
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
 from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
 from models.layers import Linear
@@ -72,13 +73,43 @@ def test_run_linear_with_a_gemv_choice_matches_f_linear(monkeypatch, x_shape, bi
         torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_gated_linear_with_a_gemv_choice_matches_the_unfused_code(monkeypatch, activation, split_k):
+    """The activation inside the GEMV (Triton's interpreter): act(gate) * up, then the matmul."""
+    monkeypatch.setattr(custom_ops.linear, "gemv_config",
+                        lambda rows, n, k, dtype, device_type: GemvConfig(block_n=16, block_k=32, split_k=split_k,
+                                                                          num_warps=1) if rows == 1 else None)
+    gate_up, weight = 2 * torch.randn(1, 160), torch.randn(48, 80)
+    y = run_gated_linear(gate_up, weight, activation)
+    torch.testing.assert_close(y, F.linear(act_and_mul(gate_up, activation), weight), rtol=1e-4, atol=1e-4)
+    rows = torch.randn(3, 160)  # more rows: the table says cuBLAS, and the CPU runs torch's code
+    torch.testing.assert_close(run_gated_linear(rows, weight, activation),
+                               F.linear(act_and_mul(rows, activation), weight))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_mul_kernel_matches_torch(activation):
+    from custom_ops.triton_gemv import act_mul
+    x = 3 * torch.randn(5, 2 * 70)  # ragged: 70 is not a power of two
+    torch.testing.assert_close(act_mul(x, activation), act_and_mul(x, activation), rtol=1e-5, atol=1e-5)
+
+
+def test_gated_linear_names_a_bad_activation_or_width():
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        run_gated_linear(torch.randn(1, 16), torch.randn(4, 8), "relu")
+    with pytest.raises(ValueError, match=r"gate_up \(1, 12\) must end in 2 \* K = 16"):
+        run_gated_linear(torch.randn(1, 12), torch.randn(4, 8), "silu")
+    torch.library.opcheck(torch.ops.infer.gated_linear.default, (torch.randn(2, 16), torch.randn(4, 8), "silu"))
+
+
 def test_run_linear_refuses_out_with_a_bias():
     with pytest.raises(ValueError, match="no bias"):
         run_linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(4), out=torch.empty(1, 4))
 
 
 def _traced_matmuls(net: torch.nn.Module) -> dict[str, int]:
-    counts = {"infer.linear": 0, "F.linear": 0}
+    counts = {"infer.linear": 0, "infer.gated_linear": 0, "F.linear": 0}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         for node in gm.graph.nodes:
@@ -87,6 +118,9 @@ def _traced_matmuls(net: torch.nn.Module) -> dict[str, int]:
             elif node.op == "call_function" and node.target in (torch.ops.infer.linear,
                                                                   torch.ops.infer.linear.default):
                 counts["infer.linear"] += 1
+            elif node.op == "call_function" and node.target in (torch.ops.infer.gated_linear,
+                                                                  torch.ops.infer.gated_linear.default):
+                counts["infer.gated_linear"] += 1
         return gm.forward
     torch._dynamo.reset()
     step = torch.compile(lambda ids, pos: net.compute_logits(net(ids, pos)), backend=backend, fullgraph=True)
@@ -102,11 +136,11 @@ def test_set_decode_gemv_traces_the_op_for_every_matmul_and_plain_f_linear_when_
     linears = [m for m in net.modules() if isinstance(m, Linear)]
     assert models.set_decode_gemv(net, True) == len(linears) + 1  # and the model's own logits matmul
     assert all(m.decode_gemv for m in linears) and net.decode_gemv
-    # qkv, o, gate_up, down per layer, and the tied-embedding logits
-    assert _traced_matmuls(net) == {"infer.linear": 4 * layers + 1, "F.linear": 0}
+    # qkv, o, gate_up per layer, and the tied-embedding logits; down with the activation in it
+    assert _traced_matmuls(net) == {"infer.linear": 3 * layers + 1, "infer.gated_linear": layers, "F.linear": 0}
     models.set_decode_gemv(net, False)
     assert not any(m.decode_gemv for m in linears) and not net.decode_gemv
-    assert _traced_matmuls(net) == {"infer.linear": 0, "F.linear": 4 * layers + 1}
+    assert _traced_matmuls(net) == {"infer.linear": 0, "infer.gated_linear": 0, "F.linear": 4 * layers + 1}
 
 
 class RecordingTP(TensorParallel):
@@ -140,7 +174,9 @@ def test_row_parallel_linear_with_the_op_still_all_reduces_before_its_bias():
 
 def _linear_targets(gm: torch.fx.GraphModule) -> list[str]:
     names = {torch.ops.infer.linear: "infer.linear", torch.ops.infer.linear.default: "infer.linear",
-             torch.ops.aten.linear.default: "aten.linear", F.linear: "F.linear"}
+             torch.ops.aten.linear.default: "aten.linear", F.linear: "F.linear",
+             torch.ops.infer.gated_linear: "infer.gated_linear", torch.ops.infer.gated_linear.default: "infer.gated_linear",
+             gated_linear_plain: "gated_linear_plain"}
     return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names]
 
 
@@ -166,12 +202,14 @@ def test_an_unsplit_compile_keeps_the_op_for_full_steps_and_gives_the_pieces_pla
             out = compiled(ids, pos)
         graph = backend.graphs[0]
         unsplit = graph.full_forward.__self__
-        assert _linear_targets(unsplit) == ["infer.linear"] * (4 * layers)
+        assert _linear_targets(unsplit) == ["infer.linear", "infer.linear", "infer.linear",
+                                            "infer.gated_linear"] * layers
         runners = [graph.split.piece(info) for info in graph.split.summary.pieces]  # the eager compiler's
         fns = [getattr(r, "fn", None) for r in runners]
         pieces = [f.__self__ for f in fns if isinstance(getattr(f, "__self__", None), torch.fx.GraphModule)]
         assert len(pieces) > layers  # compute pieces between the attention calls
-        assert sum((_linear_targets(p) for p in pieces), []) == ["aten.linear"] * (4 * layers)
+        assert sorted(sum((_linear_targets(p) for p in pieces), [])) == sorted(
+            ["aten.linear"] * (3 * layers) + ["gated_linear_plain"] * layers)
         assert backend.stats.graph_only_ops_lowered == 4 * layers
         torch.testing.assert_close(out, expected)   # the pieces' plain linears compute the same
         with torch.no_grad(), forward_context(None, RuntimeMode.FULL, 3):

@@ -45,9 +45,9 @@ def gemv_calls(monkeypatch):
     calls = []
     real = custom_ops.triton_gemv.gemv
 
-    def spy(x, weight, config=None, out=None):
+    def spy(x, weight, config=None, out=None, gate=None):
         calls.append((weight.shape[0], weight.shape[1], torch.cuda.is_current_stream_capturing()))
-        return real(x, weight, config, out)
+        return real(x, weight, config, out, gate)
     monkeypatch.setattr(custom_ops.triton_gemv, "gemv", spy)
     return calls
 
@@ -95,6 +95,37 @@ def test_gpu_linear_op_captured_at_one_row_replays_the_split_k_gemv_on_fresh_inp
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(y, x.float() @ weight.float().t()) < TOL[torch.bfloat16]
+
+
+DOWN_SHAPES = [(3072, 8192), (2560, 9728), (1152, 6912)]  # llama-3.2-3b, qwen3-4b, gemma-3-1b
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gpu_gated_linear_runs_the_activation_inside_the_gemv_at_one_row_and_in_a_graph(gemv_calls, activation):
+    """Each model's down projection at one row: the GEMV with act(gate) * up in its loads, against
+    float32 from the same bf16-rounded activation; at two rows one act-and-multiply launch and cuBLAS;
+    captured at one row, the graph replays it on fresh inputs."""
+    from custom_ops.linear import act_and_mul
+    for n, k in DOWN_SHAPES:
+        assert (n, k) in GEMV_CONFIGS
+        weight = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+        gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+        gemv_calls.clear()
+        y = torch.ops.infer.gated_linear(gate_up, weight, activation)
+        assert gemv_calls == [(n, k, False)]
+        assert rel_err(y, act_and_mul(gate_up, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
+        rows = torch.randn(2, 2 * k, device="cuda", dtype=torch.bfloat16)
+        gemv_calls.clear()
+        y2 = torch.ops.infer.gated_linear(rows, weight, activation)
+        assert gemv_calls == []
+        assert rel_err(y2, act_and_mul(rows, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g = torch.ops.infer.gated_linear(gate_up, weight, activation)
+        gate_up.copy_(torch.randn_like(gate_up))
+        graph.replay()
+        assert rel_err(g, act_and_mul(gate_up, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
 
 
 # ------------------------------------------------------------------------------------- engine

@@ -49,10 +49,12 @@ DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_tables_ptr="*i3
                   "stride_vnh", "num_stores", "num_splits", "window")})
 out = {}
 try:
-    for block_m, split_k, pdl in ((1, 4, False), (8, 1, False), (16, 4, False), (1, 1, True), (1, 4, True)):
-        out[f"gemv-m{block_m}-s{split_k}" + ("-pdl" if pdl else "")] = ptx(triton_gemv._gemv_kernel, GEMV, dict(
-            BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=block_m >= 16,
-            DOT_PRECISION="tf32", PDL=pdl), num_warps=4, num_stages=3, launch_pdl=pdl)
+    for block_m, split_k, pdl, gate in ((1, 4, False, 0), (8, 1, False, 0), (16, 4, False, 0), (1, 1, True, 0),
+                                        (1, 4, True, 0), (1, 4, True, 1), (1, 1, True, 2)):
+        out[f"gemv-m{block_m}-s{split_k}" + ("-pdl" if pdl else "") + (f"-gate{gate}" if gate else "")] = ptx(
+            triton_gemv._gemv_kernel, GEMV, dict(
+                BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=block_m >= 16,
+                DOT_PRECISION="tf32", PDL=pdl, GATE=gate), num_warps=4, num_stages=3, launch_pdl=pdl)
     for splits, pdl in ((1, False), (8, False), (8, True)):
         out[f"decode-s{splits}" + ("-pdl" if pdl else "")] = ptx(triton_decode._decode_kernel, DECODE, dict(
             NUM_HEADS=24, NUM_KV_HEADS=8, GROUP=3, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
@@ -95,7 +97,8 @@ def assert_one_launch_merge(ptx: str) -> None:
     assert "ld.global.cg" in ptx                     # partials read from L2, never a stale L1 line
 
 
-@pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8", "gemv-m1-s4-pdl", "decode-s8-pdl"])
+@pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8", "gemv-m1-s4-pdl", "decode-s8-pdl",
+                                  "gemv-m1-s4-pdl-gate1"])
 def test_split_kernels_build_for_sm90_with_a_one_launch_merge(sm90_ptx, name):
     assert_one_launch_merge(sm90_ptx[name])
 
@@ -116,7 +119,8 @@ def _first(ptx: str, needle: str) -> int:
     return at
 
 
-@pytest.mark.parametrize("name", ["gemv-m1-s1-pdl", "gemv-m1-s4-pdl", "decode-s8-pdl"])
+@pytest.mark.parametrize("name", ["gemv-m1-s1-pdl", "gemv-m1-s4-pdl", "decode-s8-pdl", "gemv-m1-s4-pdl-gate1",
+                                  "gemv-m1-s1-pdl-gate2"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_store(sm90_ptx, name):
     """Under programmatic dependent launch a kernel may run while the previous one still writes its
     input: every store (and every atomic) must come after the grid-dependency wait, and the kernel lets
