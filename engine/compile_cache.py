@@ -14,6 +14,14 @@ hash of torch's own source files (`torch_key`), the Triton, CUDA/HIP versions an
 the Inductor config. Triton's key hashes the kernel source, its specialization, the Triton version
 and the target GPU. A stale artifact is never reused.
 
+One more thing must hold for Triton's key to repeat across processes: the ptxas it compiles with
+(the key hashes ptxas's version). Inductor points TRITON_PTXAS_PATH at torch's own ptxas, for the
+whole process, when it loads a kernel in-process, which it does only when its compile workers are
+not ready yet: a race that worker start-up speed decides. Our own kernels compiled after it got one
+key, in a process that won the race the other key, and a warm start recompiled all of them (on an
+H100, gemma-3-1b's prefill kernels alone: 12-18 s). `configure_compile_cache` sets the variable as
+Inductor would, once, before anything compiles, unless the user set it.
+
 Clear it with `python -m engine.compile_cache --clear` (or delete the directory).
 """
 from __future__ import annotations
@@ -24,6 +32,7 @@ import shutil
 from pathlib import Path
 
 CACHE_DIR_ENV = "INFER_GRAPHS_CACHE_DIR"
+PTXAS_ENV = "TRITON_PTXAS_PATH"
 
 
 def compile_cache_dir() -> Path:
@@ -35,14 +44,33 @@ def compile_cache_dir() -> Path:
 
 def configure_compile_cache() -> dict[str, str]:
     """Point Inductor and Triton at the cache directory unless the user chose their own; the
-    directories in effect. Call before the first compile (Inductor reads its variable once)."""
+    directories in effect, and the ptxas Triton compiles with when one is pinned (see the module's
+    docstring). Call before the first compile (Inductor reads its variable once)."""
     root = compile_cache_dir()
     chosen = {}
     for env, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         if not os.environ.get(env):
             os.environ[env] = str(root / sub)
         chosen[env] = os.environ[env]
+    ptxas = pin_ptxas()
+    if ptxas is not None:
+        chosen[PTXAS_ENV] = ptxas
     return chosen
+
+
+def pin_ptxas(torch_dir: Path | None = None) -> str | None:
+    """TRITON_PTXAS_PATH as Inductor sets it in-process (torch's bundled `bin/ptxas`, when it is an
+    executable file), unless the user set it; the path in effect, or None where there is none."""
+    if os.environ.get(PTXAS_ENV):
+        return os.environ[PTXAS_ENV]
+    if torch_dir is None:
+        import torch
+        torch_dir = Path(torch.__file__).parent
+    ptxas = torch_dir / "bin" / "ptxas"
+    if ptxas.is_file() and os.access(ptxas, os.X_OK):
+        os.environ[PTXAS_ENV] = str(ptxas)
+        return str(ptxas)
+    return None
 
 
 def clear_compile_cache() -> Path:

@@ -4,6 +4,7 @@ batch or on preemption. CPU, tiny random models; references are transformers' gr
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -171,14 +172,32 @@ def test_seeded_sampling_is_the_same_alone_in_any_batch_and_across_preemption(sa
     assert [o.token_ids for o in outputs] == alone
 
 
+def test_ptxas_is_pinned_to_torchs_own_before_anything_compiles(tmp_path, monkeypatch):
+    """Triton's cache key hashes the ptxas version: a process must use the one Inductor would switch
+    to, from its start, or warm starts miss the cache (engine.compile_cache)."""
+    from engine import compile_cache
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    assert compile_cache.pin_ptxas(tmp_path) is None and "TRITON_PTXAS_PATH" not in os.environ  # none bundled
+    ptxas = tmp_path / "bin" / "ptxas"
+    ptxas.parent.mkdir()
+    ptxas.write_text("#!/bin/sh\n")
+    assert compile_cache.pin_ptxas(tmp_path) is None  # not executable: left alone, as Inductor does
+    ptxas.chmod(0o755)
+    assert compile_cache.pin_ptxas(tmp_path) == str(ptxas) == os.environ["TRITON_PTXAS_PATH"]
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/users/own/ptxas")
+    assert compile_cache.pin_ptxas(tmp_path) == "/users/own/ptxas"
+
+
 def test_compile_cache_directory_respects_the_users_choice_and_clears_only_itself(tmp_path, monkeypatch):
     from engine import compile_cache
     monkeypatch.setenv("INFER_GRAPHS_CACHE_DIR", str(tmp_path / "ours"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users_triton"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(tmp_path / "users_ptxas"))
     chosen = compile_cache.configure_compile_cache()
     assert chosen == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ours" / "inductor"),
-                      "TRITON_CACHE_DIR": str(tmp_path / "users_triton")}
+                      "TRITON_CACHE_DIR": str(tmp_path / "users_triton"),
+                      "TRITON_PTXAS_PATH": str(tmp_path / "users_ptxas")}
     (tmp_path / "ours" / "inductor").mkdir(parents=True)
     (tmp_path / "users_triton").mkdir()
     assert compile_cache.clear_compile_cache() == tmp_path / "ours"
