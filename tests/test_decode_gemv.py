@@ -172,6 +172,22 @@ def test_row_parallel_linear_with_the_op_still_all_reduces_before_its_bias():
     torch.testing.assert_close(y, 2 * partial + layer.bias)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_row_parallel_gated_projection_all_reduces_before_its_bias(activation):
+    """The gated down projection of a rank's shard: its partial product is what is summed, the bias is
+    added once after the sum, as Linear.forward does."""
+    tp = RecordingTP(rank=0, world_size=2, group=object())
+    tp.reduced = []
+    layer = _switched_linear(16, 6, tp=tp, input_parallel=True)  # this rank holds 8 of 16 input features
+    gate_up = torch.randn(1, 16)  # [gate 8 | up 8] of this rank's intermediate columns
+    with torch.no_grad():
+        y = layer.gated(gate_up, activation)
+    partial = F.linear(act_and_mul(gate_up, activation), layer.weight)
+    assert len(tp.reduced) == 1
+    torch.testing.assert_close(tp.reduced[0], partial)
+    torch.testing.assert_close(y, 2 * partial + layer.bias)
+
+
 def _linear_targets(gm: torch.fx.GraphModule) -> list[str]:
     names = {torch.ops.infer.linear: "infer.linear", torch.ops.infer.linear.default: "infer.linear",
              torch.ops.aten.linear.default: "aten.linear", F.linear: "F.linear",
