@@ -7,7 +7,7 @@ from custom_ops.layers import (
     AttentionLayer, check_kv_cache, get_attention_layer, is_registered, register_attention_layer, unique_prefix,
 )
 from custom_ops.linear import (
-    decode_linear, gated_gemv_linear, gated_linear_plain, gemv_linear, run_gated_linear, run_linear,
+    act_and_mul, decode_linear, gated_gemv_linear, gated_linear_plain, gemv_linear, run_gated_linear, run_linear,
 )
 from custom_ops.norm import add_rms_norm, rms_norm, run_add_rms_norm
 from custom_ops.rope import apply_rotary, qk_norm_rope, run_qk_norm_rope
@@ -18,6 +18,6 @@ __all__ = [
     "get_forward_context", "AttentionLayer", "check_kv_cache", "get_attention_layer", "is_registered",
     "register_attention_layer", "unique_prefix", "SCRATCH_BLOCK", "AttentionMetadata",
     "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "decode_linear", "gemv_linear", "run_linear",
-    "gated_gemv_linear", "gated_linear_plain", "run_gated_linear",
+    "act_and_mul", "gated_gemv_linear", "gated_linear_plain", "run_gated_linear",
     "add_rms_norm", "rms_norm", "run_add_rms_norm", "apply_rotary", "qk_norm_rope", "run_qk_norm_rope",
 ]

@@ -18,13 +18,18 @@ from custom_ops.triton_common import next_power_of_2
 
 
 @triton.jit
-def _rms_norm_row(x, weight, hidden, eps, UNIT_OFFSET: tl.constexpr, dtype: tl.constexpr):
-    """One row's RMSNorm in the models' rounding order (custom_ops.norm.rms_norm), rounded to dtype;
-    masked-off lanes hold zeros and add nothing to the sum."""
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+def scale_normed(normed, weight, UNIT_OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """A normalized float32 value scaled by its norm weight in the models' rounding order
+    (custom_ops.norm.rms_norm), rounded to dtype; shared with the q/k norm of custom_ops.triton_rope."""
     if UNIT_OFFSET:
         return (normed * (1.0 + weight)).to(dtype)  # Gemma: scaled in float32, rounded once
-    return (weight * normed.to(dtype).to(tl.float32)).to(dtype)  # Llama: rounded, then scaled
+    return (weight * normed.to(dtype).to(tl.float32)).to(dtype)  # Llama / Qwen3: rounded, then scaled
+
+
+@triton.jit
+def _rms_norm_row(x, weight, hidden, eps, UNIT_OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """One row's RMSNorm, rounded to dtype; masked-off lanes hold zeros and add nothing to the sum."""
+    return scale_normed(x * tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps), weight, UNIT_OFFSET, dtype)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv, next_power_of_2
+from custom_ops.triton_rms_norm import scale_normed
 
 
 @triton.jit
@@ -48,14 +49,8 @@ def _qk_norm_rope_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        x1 = x1 * inv_rms
-        x2 = x2 * inv_rms
-        if UNIT_OFFSET:  # Gemma: scaled by (1 + w) in float32, rounded once
-            x1 = (x1 * (1.0 + w1)).to(dtype).to(tl.float32)
-            x2 = (x2 * (1.0 + w2)).to(dtype).to(tl.float32)
-        else:  # Qwen3: rounded, then scaled in the activation dtype
-            x1 = (w1 * x1.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x2 = (w2 * x2.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x1 = scale_normed(x1 * inv_rms, w1, UNIT_OFFSET, dtype).to(tl.float32)
+        x2 = scale_normed(x2 * inv_rms, w2, UNIT_OFFSET, dtype).to(tl.float32)
     out1 = (x1 * cos - x2 * sin).to(dtype)
     out2 = (x2 * cos + x1 * sin).to(dtype)
     q_rows = q_ptr + token * stride_q + heads[:, None] * HEAD_DIM

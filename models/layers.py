@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops import (
-    AttentionLayer, add_rms_norm, gated_gemv_linear, gemv_linear, qk_norm_rope, register_attention_layer, rms_norm,
+    AttentionLayer, act_and_mul, add_rms_norm, gated_gemv_linear, gemv_linear, qk_norm_rope, register_attention_layer,
+    rms_norm,
 )
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
@@ -63,9 +64,7 @@ class Linear(nn.Module):
         """This projection of act(gate) * up, for gate_up [..., 2 * in_features]: with decode_gemv on,
         one op that computes the activation inside the GEMV at one row (custom_ops.linear)."""
         if not self.decode_gemv:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
-            return self(act * up)
+            return self(act_and_mul(gate_up, activation))
         y = gated_gemv_linear(gate_up, self.weight, activation)
         if self.input_shard is not None:
             y = self.tp.all_reduce(y)
@@ -152,16 +151,16 @@ class GatedMLP(nn.Module):
         super().__init__()
         full = config.intermediate_size
         check_divides(tp.world_size, full, "intermediate_size")
-        self.intermediate_size = local = full // tp.world_size
+        local = full // tp.world_size
         start = tp.rank * local
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * local, config.mlp_bias, config.dtype, tp=tp,
             parts=(Part("gate_proj", local, full, start), Part("up_proj", local, full, start)))
         self.down_proj = Linear(full, config.hidden_size, config.mlp_bias, config.dtype, tp=tp, input_parallel=True)
-        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+        self.activation = "gelu_tanh" if config.hidden_act == "gelu_pytorch_tanh" else "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.gated(self.gate_up_proj(x), "gelu_tanh" if self.gelu else "silu")
+        return self.down_proj.gated(self.gate_up_proj(x), self.activation)
 
 
 class Attention(nn.Module):

@@ -70,6 +70,21 @@ try:
     out["prefill-fused-store"] = ptx(triton_prefill._prefill_kernel, PREFILL, dict(
         GROUP=3, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, PAGED=True,
         SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", FUSE_STORE=True), num_warps=4, num_stages=2)
+    from custom_ops import triton_rms_norm, triton_rope
+    NORM = dict(h_ptr="*bf16", delta_ptr="*bf16", weight_ptr="*bf16", delta_weight_ptr="*bf16", sum_ptr="*bf16",
+                out_ptr="*bf16", eps="fp32", **{name: "i32" for name in (
+                    "stride_h", "stride_delta", "stride_sum", "stride_out", "hidden")})
+    out["add-rms-norm-branch-pdl"] = ptx(triton_rms_norm._add_rms_norm_kernel, NORM, dict(
+        UNIT_OFFSET=True, DELTA_NORM=True, BLOCK=2048, PDL=True), num_warps=4, launch_pdl=True)
+    ROPE = dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_weight_ptr="*bf16", k_weight_ptr="*bf16",
+                q_ptr="*bf16", k_ptr="*bf16", eps="fp32", **{name: "i32" for name in (
+                    "stride_qkv", "stride_cos", "stride_sin", "stride_q", "stride_k")})
+    out["qk-norm-rope-pdl"] = ptx(triton_rope._qk_norm_rope_kernel, ROPE, dict(
+        NUM_Q_HEADS=32, NUM_HEADS=40, HEAD_DIM=128, HALF=64, BLOCK_H=4, BLOCK_HALF=64, NORM=True,
+        UNIT_OFFSET=False, PDL=True), num_warps=4, launch_pdl=True)
+    ACT = dict(x_ptr="*bf16", out_ptr="*bf16", K="i32", stride_xm="i32", stride_om="i32")
+    out["act-mul-pdl"] = ptx(triton_gemv._act_mul_kernel, ACT, dict(BLOCK=1024, GATE=2, PDL=True),
+                             num_warps=4, launch_pdl=True)
 except (RuntimeError, FileNotFoundError) as exc:
     if "ptxas" in str(exc):
         print(json.dumps({"skip": f"no ptxas in this Triton install: {exc}"})); sys.exit(0)
@@ -120,7 +135,8 @@ def _first(ptx: str, needle: str) -> int:
 
 
 @pytest.mark.parametrize("name", ["gemv-m1-s1-pdl", "gemv-m1-s4-pdl", "decode-s8-pdl", "gemv-m1-s4-pdl-gate1",
-                                  "gemv-m1-s1-pdl-gate2"])
+                                  "gemv-m1-s1-pdl-gate2", "add-rms-norm-branch-pdl", "qk-norm-rope-pdl",
+                                  "act-mul-pdl"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_store(sm90_ptx, name):
     """Under programmatic dependent launch a kernel may run while the previous one still writes its
     input: every store (and every atomic) must come after the grid-dependency wait, and the kernel lets
