@@ -28,6 +28,18 @@ from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
 
+@triton.jit
+def _load_partial(part_max_ptr, part_sum_ptr, part_acc_ptr, rows, s, active, g_mask, offs_d, BLOCK_D: tl.constexpr):
+    """Split s's (max, sum, accumulator) of the query heads at `rows`; a split past `active` reads as
+    (-inf, 0, 0), which weighs nothing. Read from L2 (.cg): never a stale L1 line."""
+    mask = g_mask & ((rows * 0 + s) < active)  # a vector: the interpreter refuses scalar masks
+    m = tl.load(part_max_ptr + rows + s, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_sum_ptr + rows + s, mask=mask, other=0.0, cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :], mask=mask[:, None], other=0.0,
+                  cache_modifier=".cg")
+    return m, l, acc
+
+
 # The batch size reaches the kernel as num_stores and num_splits. Triton would compile a variant per
 # value class of an int argument (== 1, divisible by 16, other), so every decode batch size and
 # split count would cost a compile on a cold start-up (about 1 s each on an H100 host); at run time
@@ -153,20 +165,29 @@ def _decode_kernel(
             counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == active - 1:
+                # Four splits per iteration, their loads issued together: the merge is a chain of
+                # cdiv(active, 4) L2 round trips, not `active` (2.7 us of a llama-3.2-3b layer's 9 us at
+                # batch 1). Element-wise over [BLOCK_G, BLOCK_D]: no cross-thread reduction.
                 m_run = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
                 l_run = tl.zeros([BLOCK_G], dtype=tl.float32)
                 acc_run = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                for s in range(0, active):
-                    m_s = tl.load(part_max_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_sum_ptr + rows + s, mask=g_mask, other=0.0, cache_modifier=".cg")
-                    acc_s = tl.load(part_acc_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :],
-                                    mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_run, m_s)
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits weigh 0
+                for s in range(0, active, 4):
+                    m0, l0, a0 = _load_partial(part_max_ptr, part_sum_ptr, part_acc_ptr, rows, s, active, g_mask,
+                                               offs_d, BLOCK_D)
+                    m1, l1, a1 = _load_partial(part_max_ptr, part_sum_ptr, part_acc_ptr, rows, s + 1, active, g_mask,
+                                               offs_d, BLOCK_D)
+                    m2, l2, a2 = _load_partial(part_max_ptr, part_sum_ptr, part_acc_ptr, rows, s + 2, active, g_mask,
+                                               offs_d, BLOCK_D)
+                    m3, l3, a3 = _load_partial(part_max_ptr, part_sum_ptr, part_acc_ptr, rows, s + 3, active, g_mask,
+                                               offs_d, BLOCK_D)
+                    m_new = tl.maximum(tl.maximum(m_run, tl.maximum(m0, m1)), tl.maximum(m2, m3))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty or absent splits weigh 0
                     alpha = tl.exp2(m_run - m_ref)
-                    beta = tl.exp2(m_s - m_ref)
-                    l_run = l_run * alpha + l_s * beta
-                    acc_run = acc_run * alpha[:, None] + acc_s * beta[:, None]
+                    b0, b1 = tl.exp2(m0 - m_ref), tl.exp2(m1 - m_ref)
+                    b2, b3 = tl.exp2(m2 - m_ref), tl.exp2(m3 - m_ref)
+                    l_run = l_run * alpha + (l0 * b0 + l1 * b1) + (l2 * b2 + l3 * b3)
+                    acc_run = (acc_run * alpha[:, None] + (a0 * b0[:, None] + a1 * b1[:, None])
+                               + (a2 * b2[:, None] + a3 * b3[:, None]))
                     m_run = m_new
                 o = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
                 tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qo_mask)

@@ -192,11 +192,13 @@ def test_decode_padding_rows_are_zero_and_never_stored():
 
 
 @pytest.mark.parametrize("fuse_store", [True, False], ids=["fused-store", "store-kernel"])
-def test_decode_last_split_merges_in_the_same_launch_and_leaves_counters_at_zero(fuse_store):
+@pytest.mark.parametrize("num_splits", [4, 9])
+def test_decode_last_split_merges_in_the_same_launch_and_leaves_counters_at_zero(fuse_store, num_splits):
     """4 splits, sequences whose keys fill 1, 2, 3 and 4 of them (tiles of 16 keys under the
     interpreter, 64 on the GPU: the lengths span both): the splits holding keys write partials and
     the last to arrive merges them into out; the arrival counters are 0 again after every launch,
-    so a second launch with fresh inputs is right too."""
+    so a second launch with fresh inputs is right too. With 9 splits up to 7 hold keys: the merge
+    takes them four at a time, the last group part empty."""
     from custom_ops import triton_decode
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
     layer = make_layer(8, 2, 16)
@@ -204,7 +206,7 @@ def test_decode_last_split_merges_in_the_same_launch_and_leaves_counters_at_zero
         q, k, v, cache, meta = make_batch([n - 1 for n in lens], [1] * len(lens), layer, block_size=8,
                                           dtype=torch.float32, device=DEVICE)
         ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
-        out = run_paged(q, k, v, cache, meta, layer, num_splits=4, fuse_store=fuse_store)
+        out = run_paged(q, k, v, cache, meta, layer, num_splits=num_splits, fuse_store=fuse_store)
         assert torch.equal(cache.cpu(), ref_cache)
         check_close(out.cpu(), ref, len(lens), torch.float32)
         counters = triton_decode._arrivals[device].buffer
