@@ -316,6 +316,35 @@ def issue13_rows(results: str) -> list[Row]:
     return rows
 
 
+KNOCKOUT_KINDS = ("attention", "norm", "rope")  # the knockout suite's single-kind rows, in this order
+
+
+def knockout_lines(results: str) -> list[str]:
+    """Where a batch-1 decode step's time goes, from the knockout suite: per model, the replay, its floor,
+    what each kernel kind costs the step and what is left without the GEMVs (empty without its JSON)."""
+    reports = _load(results, "knockout")
+    if not reports:
+        return []
+    lines = ["### Where the batch-1 decode step goes (knockout suite: the replay with one kernel kind left out)", "",
+             "| model | replay | floor | " + " | ".join(f"{k} costs" for k in KNOCKOUT_KINDS)
+             + " | all but the GEMVs |", "|---|---|---|" + "---|" * len(KNOCKOUT_KINDS) + "---|"]
+    for model in _models(reports):
+        report = reports.get(model)
+        base = _find(report, variant="none") if report else None
+        if base is None:
+            continue
+        layers = report.meta.get("layers")
+        cells = []
+        for kind in KNOCKOUT_KINDS:
+            row = _find(report, variant=kind)
+            cells.append("-" if row is None else f"{row['saved_ms'] * 1e3:.0f} us ({row['saved_us_per_layer']:.1f} "
+                                                 f"us x {layers} layers)")
+        rest = _find(report, variant="gemv")
+        lines.append(f"| {model} | {base['replay_ms']:.3f} ms | {base['floor_ms']:.3f} ms | " + " | ".join(cells)
+                     + f" | {'-' if rest is None else format(rest['replay_ms'], '.3f') + ' ms'} |")
+    return lines + [""]
+
+
 def goal_rows(results: str) -> dict[int, list[Row]]:
     """The goal rows of each issue, by issue number."""
     return {6: issue6_rows(results), 10: issue10_rows(results), 11: issue11_rows(results), 12: issue12_rows(results), 13: issue13_rows(results)}
@@ -337,6 +366,8 @@ def main(argv=None) -> int:
         lines += [f"## Issue {issue}: {ISSUES[issue]}", "", "| goal | target | measured | status |", "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
         lines.append("")
+        if issue == 11:
+            lines += knockout_lines(args.results)
     if args.analysis:
         with open(args.analysis) as f:
             lines.append(f.read())

@@ -108,3 +108,20 @@ def test_a_serving_report_from_before_the_http_suite_is_not_read_as_complete(tmp
     report.write(str(tmp_path))
     assert [(measured, status) for _, _, measured, status in goal_rows(str(tmp_path))[13]] == [
         ("no baseline rows", "n/a"), ("no baseline row", "n/a"), ("no sent / completed columns", "n/a")]
+
+
+def test_issue11_shows_where_the_batch1_step_goes_from_the_knockout_report(tmp_path):
+    from bench.summary import knockout_lines
+    assert knockout_lines(str(tmp_path)) == []  # no knockout JSON: no table
+    report = Report("knockout", "gemma-3-1b", "dev", ["variant", "replay_ms", "saved_ms", "saved_us_per_layer",
+                                                      "floor_ms"])
+    report.meta["layers"] = 26
+    for variant, ms in (("none", 1.232), ("norm", 1.167), ("rope", 1.188), ("attention", 1.003), ("gemv", 0.305)):
+        report.add(variant=variant, replay_ms=ms, saved_ms=1.232 - ms, saved_us_per_layer=(1.232 - ms) * 1e3 / 26,
+                   floor_ms=0.667)
+    report.write(str(tmp_path))
+    table = knockout_lines(str(tmp_path))
+    assert table[-2] == ("| gemma-3-1b | 1.232 ms | 0.667 ms | 229 us (8.8 us x 26 layers) | 65 us (2.5 us x 26 "
+                         "layers) | 44 us (1.7 us x 26 layers) | 0.305 ms |")
+    main([str(tmp_path)])
+    assert "| gemma-3-1b | 1.232 ms |" in (tmp_path / "SUMMARY.md").read_text()
