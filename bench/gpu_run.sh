@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|peers|kernels|gemm  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh tests-decode|tests-attention-rest  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -8,6 +9,13 @@ OUT=${OUT:-/tmp/out}
 R=/tmp/bench_res/res
 mkdir -p "$R"
 LOG=$OUT/log.txt
+gpu_tests() {  # gpu_tests NAME SECONDS PYTEST-ARGS...: one pytest run under its own timeout, its log in $OUT
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s)
+  echo "=== pytest $* (limit ${limit}s) $(date -u +%T)" | tee -a "$LOG"
+  timeout "$limit" python3 -m pytest -q "$@" >"$OUT/gpu-tests-$name.log" 2>&1
+  echo "=== rc=$? in $(( $(date +%s) - start ))s: $(tail -1 "$OUT/gpu-tests-$name.log")" | tee -a "$LOG"
+}
 suite() {  # suite SECONDS ARGS...
   local limit=$1; shift
   local start=$(date +%s)
@@ -51,6 +59,19 @@ case "${1:-smoke}" in
     suite 240 gemm --model llama-3.2-3b  # the first model also compiles the Triton configs
     suite 170 gemm --model qwen3-4b
     suite 170 gemm --model gemma-3-1b
+    ;;
+  knockout)  # what each kernel kind costs the batch-1 decode step: 6 engine start-ups a model, ~2.5-3 min
+    suite 280 knockout --model llama-3.2-3b
+    suite 280 knockout --model gemma-3-1b
+    ;;
+  tests-decode)  # the decode path's GPU tests, ~4 min on a fresh H100 (Triton compiles included)
+    gpu_tests attention-decode 200 tests/test_triton_attention.py -k "decode or merge"
+    gpu_tests fused-ops 150 tests/test_add_rms_norm.py tests/test_qk_norm_rope.py tests/test_decode_gemv_gpu.py \
+      tests/test_triton_gemv.py
+    gpu_tests engine 200 -m gpu tests/test_engine_gpu.py
+    ;;
+  tests-attention-rest)  # the prefill and dense attention tests: one compile per random shape, the slow part
+    gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"
     ;;
   rest)
     bash bench/notebooks/run_gpu.sh 140 >>"$LOG" 2>&1
