@@ -196,6 +196,7 @@ def _decode_kernel(
 
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 128
+ONE_TILE_SPLITS = 32  # up to this many splits, a split may be one tile shorter than 64 keys
 _sm_counts: dict[int, int] = {}
 
 
@@ -211,16 +212,24 @@ def _sm_count(device: torch.device) -> int:
     return _sm_counts[index]
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """Splits per (sequence, kv head) so the grid holds ~2 waves of programs, each >= 64 keys.
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
+                      block_n: int = MIN_TOKENS_PER_SPLIT) -> int:
+    """Splits per (sequence, kv head) so the grid holds ~2 waves of programs, each >= 64 keys, or one
+    tile of `block_n` keys where that is still at most ONE_TILE_SPLITS splits.
 
     Depends only on host ints, so a graph captured for a batch size keeps a valid grid. Batch 1 at
     8k context with 8 kv heads: 33 splits (of 4 tiles each, so 32 busy), ~256 programs on 132 SMs;
-    one kv head (Gemma 3 1B/270M) at 4k: 64 splits of 64 keys.
+    one kv head (Gemma 3 1B/270M) at 4k: 64 splits of 64 keys. A split's tiles are a chain of
+    dependent loads, the merge one L2 round trip per four splits: with head dim 256 (32-key tiles)
+    and a short visible length, one tile a split is faster (gemma-3-1b's batch-1 step at context 576,
+    512-key window: 1.2376 -> 1.2054 ms on an H100, bench/results/h100-2026-11-26/decode-attention-probe/).
     """
     programs = num_seqs * num_kv_heads
     wanted = cdiv(2 * sm_count, programs)
-    by_length = cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    length = max(max_seq_len, 1)
+    by_length = cdiv(length, MIN_TOKENS_PER_SPLIT)
+    if cdiv(length, block_n) <= ONE_TILE_SPLITS:
+        by_length = max(by_length, cdiv(length, block_n))
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
@@ -280,7 +289,7 @@ def launch_decode(
     visible = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
     if num_splits is None:
         num_splits = 1 if interpreting() else decode_num_splits(
-            num_seqs, num_kv_heads, visible, _sm_count(q.device))
+            num_seqs, num_kv_heads, visible, _sm_count(q.device), block_n)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
         part_acc, part_max, part_sum = _partials(q.device, num_seqs, num_heads, num_kv_heads, num_splits, block_d)

@@ -249,6 +249,12 @@ def test_num_splits_fill_the_gpu_and_respect_length():
     assert decode_num_splits(1, 8, 300, 132) == 5        # short contexts: >= 64 keys a split
     assert decode_num_splits(1, 1, 4096, 132) == 64      # one kv head (Gemma 3): many small splits
     assert decode_num_splits(1, 1, 1 << 20, 132) == 128  # capped
+    # 32-key tiles (head dim 256): one tile a split while that is at most 32 splits, else the 64-key rule
+    assert decode_num_splits(1, 1, 512, 132, block_n=32) == 16  # Gemma 3's 512-key window
+    assert decode_num_splits(1, 1, 640, 132, block_n=32) == 20
+    assert decode_num_splits(1, 1, 4096, 132, block_n=32) == 64
+    assert decode_num_splits(64, 1, 512, 132, block_n=32) == 5   # the grid's two waves still bound it
+    assert decode_num_splits(1, 8, 512, 132, block_n=64) == 8   # 64-key tiles: the 64-key rule
 
 
 # ----------------------------------------------------------------------------------------- GPU
