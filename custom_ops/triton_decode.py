@@ -196,7 +196,7 @@ def _decode_kernel(
 
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 128
-ONE_TILE_SPLITS = 32  # up to this many splits, a split may be one tile shorter than 64 keys
+ONE_TILE_SPLITS = 32  # splits of a single tile (fewer than 64 keys) are allowed up to this count
 _sm_counts: dict[int, int] = {}
 
 
