@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from bench.common import build_model, parse_ints
+from bench.common import build_model, free_device_memory, parse_ints
 from bench.floors import decode_floor_ms, model_cost
 from bench.measure import Report, measure_ceilings
 
@@ -96,6 +96,7 @@ def run(model: str, contexts=None, **_: object) -> Report:
     net = build_model(model)
     cost, layers = model_cost(net), net.config.num_layers
     del net
+    free_device_memory()  # the children size their KV pools from what the device has free
     floor = decode_floor_ms(cost, 1, context + 1, ceilings.copy_bytes_per_s)
     report = Report("knockout", model, ceilings.device_name, COLUMNS)
     report.meta.update(torch=torch.__version__, context=context, layers=layers, iters=ITERS)

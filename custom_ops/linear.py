@@ -93,7 +93,7 @@ def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: st
     if gate_up.dtype == weight.dtype and weight.stride(-1) == 1:
         config = gemv_config(rows, n, k, gate_up.dtype, gate_up.device.type)
     if config is None and not gate_up.is_cuda:
-        return F.linear(act_and_mul(gate_up, activation), weight)
+        return gated_linear_plain(gate_up, weight, activation)
     from custom_ops.triton_gemv import act_mul, gemv  # lazy: Triton is imported only where it runs
     flat = gate_up.reshape(rows, 2 * k)
     if config is None:

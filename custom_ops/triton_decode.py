@@ -227,9 +227,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     programs = num_seqs * num_kv_heads
     wanted = cdiv(2 * sm_count, programs)
     length = max(max_seq_len, 1)
-    by_length = cdiv(length, MIN_TOKENS_PER_SPLIT)
-    if cdiv(length, block_n) <= ONE_TILE_SPLITS:
-        by_length = max(by_length, cdiv(length, block_n))
+    one_tile = cdiv(length, block_n)
+    by_length = max(cdiv(length, MIN_TOKENS_PER_SPLIT), one_tile if one_tile <= ONE_TILE_SPLITS else 0)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
