@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from compile_backend.pool import capture_stream, gc_paused, reserved_bytes, weak_tensor
+from compile_backend.pool import capture_stream, gc_paused, new_graph, reserved_bytes, weak_tensor
 from compile_backend.stats import BackendStats
 
 
@@ -79,7 +79,7 @@ class PieceRunner:
     def _capture(self, num_tokens: int, args: tuple) -> Any:
         stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
+        graph = new_graph()
         with torch.cuda.stream(stream):
             # Warm-up outside the capture: first-call work (kernel loading, autotuning, per-stream
             # library workspaces) must not be recorded or allocate from the pool.

@@ -12,11 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from typing import Any, Iterator
 
 import torch
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
+_live_graphs: weakref.WeakSet[torch.cuda.CUDAGraph] = weakref.WeakSet()
+
+
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A CUDA graph counted by `live_graphs()` until it is freed. Every graph this project captures
+    is made here: NCCL cannot leave a communicator while a graph that captured one of its collectives
+    lives (engine.tp_channel.leave_process_group), so a closed engine must be seen to hold none."""
+    graph = torch.cuda.CUDAGraph()
+    _live_graphs.add(graph)
+    return graph
+
+
+def live_graphs() -> int:
+    """How many graphs made by `new_graph()` this process still holds (a graph in a reference cycle
+    counts until a collection frees it)."""
+    return len(_live_graphs)
 
 
 class GraphPool:
@@ -32,7 +49,7 @@ class GraphPool:
     def __init__(self) -> None:
         self.handle: Any = torch.cuda.graph_pool_handle()
         self._flag = torch.zeros(1, device="cuda")
-        self._keepalive: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        self._keepalive: torch.cuda.CUDAGraph | None = new_graph()
         stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -91,7 +91,8 @@ class DecodeGraphs:
         self.stream.synchronize()
 
     def _record(self, meta: AttentionMetadata, batch_size: int) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
+        from compile_backend.pool import new_graph
+        graph = new_graph()
         with torch.cuda.stream(self.stream):
             graph.capture_begin(pool=self.pool)
             try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import os
@@ -329,6 +330,11 @@ class LLM:
         cuda = runtime.kv_cache.device.type == "cuda"
         attempt(runtime.close)
         del runtime  # the runner's static buffers and the model (if the engine loaded it) go here
+        # Compiled code and its captured graphs sit in reference cycles (Dynamo's and the split
+        # module's), and the capture loops froze them out of the collector's young generations: without
+        # a collection now they (and their pool memory) live until some later one, and under tensor
+        # parallelism NCCL's communicator cannot be left while a graph that captured it lives.
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()  # hand the freed blocks (and the graph pool's) back to the device
         if self.tp is not None:  # after the graphs, which hold NCCL's communicator; with the workers

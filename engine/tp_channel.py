@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from custom_ops import RuntimeMode
 from engine.config import EngineConfig
 from engine.dispatch import BatchDescriptor
+
+logger = logging.getLogger("engine")
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)  # followers wait here for the next step of an idle engine
 STOP, STEP, STATS = 0, 1, 2
@@ -170,5 +174,16 @@ def leave_process_group(abort: bool | None = None) -> None:
     since 2023). ncclCommAbort is a local call. Gloo (the CPU) is destroyed."""
     if abort is None:
         abort = dist.get_backend() == "nccl"
+    if abort:
+        from compile_backend.pool import live_graphs  # lazy: compile_backend is slow to import
+        # Both calls wait while a graph that captured one of the communicator's collectives lives
+        # (NCCL's commDestroySync polls its persistent references): free what only a collection
+        # frees, and say so when graphs survive, since the wait below is then theirs.
+        gc.collect()
+        if torch.cuda.is_initialized():  # a graph's release completes after its last replay
+            torch.cuda.synchronize()
+        if live := live_graphs():
+            logger.error("tensor parallelism: %d CUDA graphs of this process are still alive while it leaves "
+                         "the process group; NCCL waits for graphs that captured its collectives", live)
     if not (abort and abort_process_groups()):
         dist.destroy_process_group()

@@ -79,3 +79,21 @@ def test_two_engines_over_one_model_replay_decode_graphs_of_their_own_kv_pool(mo
     with second:  # the other engine's close takes nothing of this one's: its half again, same tokens
         add(second, halves[1])
         assert drain(second) == {str(i): expected[str(i)] for i, _ in halves[1]}
+
+
+def test_close_frees_every_cuda_graph_the_engine_captured_without_the_caller_collecting(model_dirs):
+    """NCCL cannot leave a communicator while a graph that captured one of its collectives lives
+    (tensor parallelism's close would wait for it), and a graph's pool memory goes back only with the
+    graph: after close() none of the engine's piecewise, decode or pool-keeping graphs is left, with no
+    `gc.collect()` by the caller."""
+    from compile_backend.pool import live_graphs
+    gc.collect()
+    before = live_graphs()
+    llm = LLM(str(model_dirs["llama"]), **{**BASE, "num_gpu_blocks": 64, "prefill_graphs": True,
+                                           "prefill_graph_sizes": (8, 64), "decode_graph_sizes": (1, 4)})
+    llm.generate([[1, 5, 9, 13, 17, 21], [1, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["modes"]["full"] > 0 and stats["backend"]["piece_replays"] > 0
+    assert live_graphs() > before + 2  # the pool's, two decode graphs, the pieces per prefill size
+    llm.close()
+    assert live_graphs() == before
