@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs, lower_graph_only_ops
-from compile_backend.compiled_graph import CompiledGraph
+from compile_backend.compiled_graph import CompiledGraph, GraphHandle
 from compile_backend.config import BackendConfig
 from compile_backend.layered import compile_layered
 from compile_backend.pool import GraphPool, gc_frozen, pool_handle
@@ -59,6 +59,7 @@ class InferGraphsBackend:
         self.config = config or BackendConfig()
         self.stats = BackendStats()
         self.graphs: list[CompiledGraph] = []
+        self._handles: list[GraphHandle] = []  # what Dynamo holds, one per graph
         self._pool = pool
         self._owns_pool = False
         if self.config.piece_compiler == "inductor" and torch.cuda.is_available():
@@ -75,6 +76,11 @@ class InferGraphsBackend:
         """Drop every compiled graph, its captured CUDA graphs and static buffers, and the pool if it
         is this backend's own. Dynamo may still hold this object (its backend registry); after
         release it holds nothing heavy. The owner must also drop the compiled callable."""
+        for handle in self._handles:
+            handle.cut()
+        for graph in self.graphs:
+            graph.release()
+        self._handles.clear()
         self.graphs.clear()
         if self._owns_pool:
             self._pool.release()
@@ -113,7 +119,9 @@ class InferGraphsBackend:
         logger.info("%s\ncompiled with %s in %.1f s (%d distinct compute pieces%s)", summary,
                     self.config.piece_compiler, seconds, distinct,
                     f", and {self.config.full_graph_compile} code for FULL steps" if full is not None else "")
-        return graph
+        handle = GraphHandle(graph)
+        self._handles.append(handle)
+        return handle
 
     def _compile_full(self, gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any]) -> Callable[..., Any]:
         """The code FULL steps run, with the splitting ops inside (config.full_graph_compile)."""

@@ -39,6 +39,30 @@ def _token_dim(value: Any) -> int | None:
     return None
 
 
+class GraphHandle:
+    """What the backend hands Dynamo for one compiled graph: a forwarder that `cut()` empties.
+
+    Dynamo installs it as a global of the traced function's module, and keeps that global for as long
+    as the compiled entry's guards live; a guard on an object that never dies (under tensor
+    parallelism, on a class) keeps it for the whole process. Slotted, so `torch._dynamo.disable`'s
+    wrapper (functools.wraps copies a callable's `__dict__`) holds no second reference to the graph:
+    once cut, the graph, its captured CUDA graphs and their pool go with their engine."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: CompiledGraph) -> None:
+        self.graph: CompiledGraph | None = graph
+
+    def __call__(self, *args: Any) -> Any:
+        graph = self.graph
+        if graph is None:
+            raise RuntimeError("infer_graphs: this compiled graph was released (its backend's release())")
+        return graph(*args)
+
+    def cut(self) -> None:
+        self.graph = None
+
+
 class CompiledGraph:
     def __init__(self, split: SplitGraph, runners: dict[str, Any], fake_inputs: Sequence[Any],
                  input_names: Sequence[str], config: BackendConfig, stats: BackendStats, pool: Any,
@@ -68,6 +92,15 @@ class CompiledGraph:
         self.static_inputs: dict[int, torch.Tensor] = {}       # input index -> buffer at max size
         self.static_views: dict[int, list[torch.Tensor]] = {}  # token count -> views, one per step input
         self._warned_fallback = False
+
+    def release(self) -> None:
+        """Drop every captured graph and static buffer now (whoever still holds this object)."""
+        for piece in self.pieces:
+            piece.captured.clear()
+        self.pieces.clear()
+        self.captured.clear()
+        self.static_inputs.clear()
+        self.static_views.clear()
 
     def __call__(self, *args: Any) -> Any:
         context = get_forward_context()

@@ -11,6 +11,7 @@ on a small machine, so each architecture builds one TP engine: Llama and Gemma 3
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -110,10 +112,16 @@ def test_two_spawned_ranks_generate_the_same_greedy_tokens_as_one_compiled_llama
             assert rank["backend"]["splitting_pieces"] == num_layers
             assert rank["backend"]["compute_pieces"] == num_layers + 1
         processes = list(llm.tp.processes)
+        compiled = weakref.ref(llm.runtime.backend.graphs[0])
     finally:
         llm.close()
     assert processes and all(not p.is_alive() for p in processes)
     assert not torch.distributed.is_initialized()  # the next engine of this process starts its own group
+    # Dynamo keeps what the backend returned for as long as the guards of a tensor-parallel trace
+    # live (the process): the compiled graph must not go with it, or its CUDA graphs would outlive
+    # the engine, and NCCL's communicator cannot be left while a graph that captured it lives.
+    gc.collect()
+    assert compiled() is None
 
 
 def test_gemma3_on_two_ranks_matches_and_a_worker_that_dies_makes_the_engine_raise(saved):
