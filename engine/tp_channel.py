@@ -167,11 +167,12 @@ def abort_process_groups() -> bool:
 
 def leave_process_group(abort: bool | None = None) -> None:
     """Leave the default group and its subgroups, once this rank's graphs are freed and nothing is
-    in flight. NCCL's communicators are aborted (local) instead of destroyed: on 2 H200s (torch 2.11)
-    the graceful destroy of a communicator that CUDA graphs had captured did not finish in 30 s,
-    whether or not the graphs were freed first and the ranks tore down at once, and an abort started
-    after it waited behind it (the same hang in ncclCommDestroy is pytorch/pytorch#115388, open
-    since 2023). ncclCommAbort is a local call. Gloo (the CPU) is destroyed."""
+    in flight. NCCL's destroy and abort both wait until every CUDA graph that captured one of the
+    communicator's collectives is destroyed (its commDestroySync polls the graphs' references; the
+    hang of pytorch/pytorch#115388 is that wait), so a graph that outlives its engine makes this
+    hang: on 2 H100s the backend's piecewise graphs did, kept through Dynamo's globals, until the
+    backend handed Dynamo a handle it can cut (compile_backend.compiled_graph.GraphHandle). The
+    communicators are aborted (a local call: no peer is waited for); gloo (the CPU) is destroyed."""
     if abort is None:
         abort = dist.get_backend() == "nccl"
     if abort:
