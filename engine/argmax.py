@@ -1,18 +1,26 @@
-"""The sampler's argmax over a vocabulary row: torch's one-pass reduction, or a chunked one where the
-device runs that faster, chosen by timing both once per vocabulary size and dtype.
+"""The sampler's argmax over a vocabulary row: torch's one-pass reduction, a chunked one, or one Triton
+launch (custom_ops.triton_argmax), whichever the device runs fastest, chosen by timing all three once
+per vocabulary size and dtype.
 
 On an H100 (torch 2.11) torch's argmax of one 128,256-wide row (Llama 3's vocabulary) took about
 26 us of GPU time: the row is reduced by few blocks. Cut into 256 runs it is one wide reduction and
 two tiny ones, half the time. For 151,936 and 262,144 (Qwen3, Gemma 3) torch's own reduction is
-already the faster one (bench/results/h100-2026-11-24/argmax-probe.log times both in graph replays),
-so neither choice fits every vocabulary: the engine times both at warm-up and keeps the faster. Both
-give the same token: the lowest index among equal maxima, and a NaN where a row has one.
+already the faster of those two (bench/results/h100-2026-11-24/argmax-probe.log times both in graph
+replays), so neither choice fits every vocabulary. The Triton kernel spreads a row over about two
+programs per SM and merges the chunks in the same launch, for the launch- and occupancy-bound case
+(torch: 8.9 us for one 262,144-wide bf16 row); whether it wins for a vocabulary is what the timing
+decides. The timing is of one row, and the kept method serves every batch size. All three give the
+same token: the lowest index among equal maxima, and the first NaN where a row has one; a method
+whose token differs from torch's on the timed row is not timed. Off CUDA it is always torch's.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
+
+from custom_ops.triton_argmax import ROW_ARGMAX_DTYPES, row_argmax
 
 logger = logging.getLogger("engine")
 
@@ -56,33 +64,43 @@ def _gpu_us_per_call(fn, x: torch.Tensor) -> float:
     return start.elapsed_time(end) * 1e3 / _TIMED_CALLS
 
 
+def _candidates(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    methods = {"torch's": _plain_argmax, "chunked": chunked_argmax}
+    if dtype in ROW_ARGMAX_DTYPES:
+        methods["triton"] = row_argmax
+    return methods
+
+
 class RowArgmax:
-    """argmax(dim=-1) of [N, V] rows by the faster method for (V, dtype) on this device; `choose` times
-    both (on CUDA; elsewhere torch's). Unchosen shapes use torch's, so nothing here ever syncs a step."""
+    """argmax(dim=-1) of [N, V] rows by the fastest method for (V, dtype) on this device; `choose` times
+    them (on CUDA; elsewhere torch's). Unchosen shapes and CPU tensors use torch's, so nothing here ever
+    syncs a step."""
 
     def __init__(self) -> None:
-        self._chunked: dict[tuple[int, torch.dtype], bool] = {}
+        self._methods: dict[tuple[int, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._chunked.get((x.shape[-1], x.dtype)):
-            return chunked_argmax(x)
-        return _plain_argmax(x)
+        method = self._methods.get((x.shape[-1], x.dtype)) if x.is_cuda else None
+        return (method or _plain_argmax)(x)
 
     def choose(self, logits: torch.Tensor) -> bool:
-        """Time both methods on one row of `logits` (real values: a warm-up step's) and keep the faster
-        for its vocabulary size and dtype, and for float32 (the sampled path's dtype). True if chunked."""
+        """Time the methods on one row of `logits` (real values: a warm-up step's) and keep the fastest
+        for its vocabulary size and dtype, and for float32 (the sampled path's dtype). True unless
+        torch's argmax is kept for `logits`' own."""
         for dtype in dict.fromkeys((logits.dtype, torch.float32)):
             row = logits[:1].to(dtype)
             key = (row.shape[-1], dtype)
-            if key in self._chunked:
+            if key in self._methods:
                 continue
-            faster = False
-            if row.is_cuda and torch.equal(chunked_argmax(row), row.argmax(dim=-1)):
+            fastest = _plain_argmax
+            if row.is_cuda:
+                methods, expected = _candidates(dtype), row.argmax(dim=-1)
                 with torch.cuda.device(row.device):
-                    plain, chunked = _gpu_us_per_call(_plain_argmax, row), _gpu_us_per_call(chunked_argmax, row)
-                faster = chunked < plain
-                logger.info("sampler: argmax over %d %s logits: torch's %.1f us, chunked %.1f us per row: %s",
-                            key[0], str(dtype).removeprefix("torch."), plain, chunked,
-                            "chunked" if faster else "torch's")
-            self._chunked[key] = faster
-        return self._chunked[(logits.shape[-1], logits.dtype)]
+                    us = {name: _gpu_us_per_call(fn, row) for name, fn in methods.items()
+                          if torch.equal(fn(row), expected)}
+                name = min(us, key=us.get)
+                fastest = methods[name]
+                logger.info("sampler: argmax over %d %s logits, us per row: %s: %s", key[0],
+                            str(dtype).removeprefix("torch."), ", ".join(f"{n} {t:.1f}" for n, t in us.items()), name)
+            self._methods[key] = fastest
+        return self._methods[(logits.shape[-1], logits.dtype)] is not _plain_argmax

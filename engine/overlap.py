@@ -49,21 +49,42 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1  # an in-flight token on the host, inside a call; out of vocabulary: a missed gather fails loudly
 
 
-def _read_back(tensors: list[torch.Tensor], stream: torch.cuda.Stream) -> tuple[list[torch.Tensor], torch.cuda.Event]:
-    """Pinned host copies of device tensors, queued on `stream` behind the work queued so far on the
-    current stream, and the event recorded after them (read the copies once it has completed).
+class ReadBack:
+    """Device-to-host copies of each step's sampled tokens (and log-probabilities), on their own stream.
 
-    On their own stream because a device-to-host copy on the compute stream holds it up: the next
-    step's first kernels waited ~9.6 us behind an 8-byte copy on an H100, measured between graph
-    replays; on a side stream the step took +0.1 us. The device tensors must stay alive until the
-    event completes (the caller keeps them: their blocks may otherwise be reused on the compute
-    stream while the copy still reads them)."""
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    return hosts, ready
+    Their own stream: a device-to-host copy on the compute stream holds it up, so the next step's first
+    kernels waited ~9.6 us behind an 8-byte copy on an H100 (measured between graph replays); on a side
+    stream the step took +0.1 us. The tokens land in pinned buffers allocated once (a fresh pinned block
+    per step costs the host tens of us, and the host is the bottleneck at large batches): a step's
+    buffer is written again DEPTH steps later, after `OverlapLoop._resolve` has waited for its event and
+    read it. The device tensors must stay alive until the event completes (the caller keeps them: their
+    blocks could otherwise be reused on the compute stream while the copy still reads them)."""
+
+    DEPTH = 3  # buffers in turn: one step launched, one in flight, one being read
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self._tokens = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(self.DEPTH)]
+        self._turn = 0
+
+    def copy(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                               torch.cuda.Event]:
+        """(host tokens, host log-probabilities or None, the event after both copies), queued behind the
+        work queued so far on the current stream."""
+        buffer = self._tokens[self._turn]
+        self._turn = (self._turn + 1) % self.DEPTH
+        if tokens.dtype != torch.int64 or tokens.numel() > buffer.numel():
+            raise ValueError(f"ReadBack: {tokens.numel()} {tokens.dtype} tokens; it holds {buffer.numel()} int64")
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            host_tokens = buffer[:tokens.numel()].copy_(tokens, non_blocking=True)
+            host_logprobs = None
+            if logprobs is not None:  # rare, and of varying shape: torch's pinned blocks
+                host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                host_logprobs.copy_(logprobs, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return host_tokens, host_logprobs, ready
 
 
 class TokenSlots:
@@ -118,7 +139,7 @@ class OverlapLoop:
         self.runtime = runtime
         self.device = runtime.runner.device
         self.slots = TokenSlots(2 * scheduler.max_num_seqs, self.device)
-        self._read_back_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._read_back = ReadBack(scheduler.max_num_seqs, self.device) if self.device.type == "cuda" else None
         self._pending: dict[Request, int] = {}  # request -> position of its newest in-flight token
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0  # launched while the previous step was still in flight
@@ -250,12 +271,9 @@ class OverlapLoop:
             if logprobs is not None:
                 logprob_rows, host_logprobs = logprobs
             if tokens.is_cuda:
-                device_logprobs = [host_logprobs] if host_logprobs is not None else []
-                keep += device_logprobs  # read by the copy on the read-back stream
-                hosts, ready = _read_back([tokens, *device_logprobs], self._read_back_stream)
-                host_tokens = hosts[0]
                 if host_logprobs is not None:
-                    host_logprobs = hosts[1]
+                    keep.append(host_logprobs)  # read by the copy on the read-back stream
+                host_tokens, host_logprobs, ready = self._read_back.copy(tokens, host_logprobs)
             else:
                 host_tokens = tokens
         positions = self._advance(out)

@@ -1,0 +1,154 @@
+"""Triton argmax over the last dimension of [N, V] rows in ONE launch (the sampler's greedy token).
+
+At the sampler's shapes (V = 128,256 .. 262,144, N = 1..64) the data is small (0.5 MB for one bf16 row
+of 262,144) and torch's reduction is bound by launch and occupancy, not bandwidth: on an H100, between
+decode-graph replays, it took 8.9 us of GPU time for that one row and 30 us for 64 rows. Here the grid
+is ``(N, num_chunks)``: each program reads one chunk of a row in a single load and reduces it to its
+maximum and the first index of it, packed in one int64 key (`_argmax_key`); it stores the key in the
+row's partials and bumps the row's arrival counter, and the program that arrives last reduces the
+row's keys into ``out`` and resets the counter to 0 for the next launch (as the decode attention
+kernel does, custom_ops.triton_decode). No second kernel, no host sync.
+
+The result is torch's ``x.argmax(dim=-1)``: values are compared in float32 (exact for every input
+dtype), a NaN ranks above every number, and among equal values (equal NaNs too) the lowest index
+wins. Padding lanes past V read -inf with indices >= V, so they lose every tie to a real element: an
+all -inf row gives 0.
+
+The grid and every constexpr depend only on (N, V, dtype), so a launch is CUDA-graph capturable; the
+partials and counters are bounded workspaces per device (custom_ops.workspace), reused by every launch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.triton_common import cdiv, interpreting, next_power_of_2
+from custom_ops.triton_decode import _sm_count
+from custom_ops.workspace import Workspace
+
+ROW_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_CHUNK = 1024   # elements one program reads: 2 KiB of bf16, one 16-byte load per thread at 4 warps
+MAX_CHUNK = 8192   # 16 KiB of bf16: past this a batch has enough programs without longer ones
+MAX_MERGE_BLOCK = 1024  # partials the last program loads per step of its merge
+_KEY_PAD = tl.constexpr(-(2**63))  # below every key: a partial past num_chunks never wins
+
+
+@triton.jit
+def _argmax_key(x, index):
+    """An int64 whose order is torch's argmax preference for (float32 x, int32 index >= 0): a NaN
+    above every number, then the larger value, then the LOWER index. The high half is x's bits made
+    to order as signed ints (negative floats' magnitude bits flipped); the low half is
+    0x7FFFFFFF - index. So a reduction is one integer max (a pair of float max and tie-breaking index
+    min, or a custom tl.reduce, costs more: in the interpreter, element by element)."""
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0: one key, so the lower index wins, as in torch
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x != x, 0x7FC00000, bits)  # every NaN one key, above +inf's 0x7F800000
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+
+
+@triton.jit
+def _key_index(key):
+    """The index an _argmax_key holds (its low half, which the int32 cast keeps)."""
+    return (0x7FFFFFFF - key.to(tl.int32)).to(tl.int64)
+
+
+@triton.jit
+def _row_argmax_kernel(
+    x_ptr, out_ptr, part_ptr, arrivals_ptr, stride_x, vocab, num_chunks,
+    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    # Padding lanes read -inf with indices >= vocab: they lose every tie to a real element.
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < vocab, other=float("-inf"))
+    key = tl.max(_argmax_key(x.to(tl.float32), offs), axis=0)
+    if not SPLIT:
+        tl.store(out_ptr + row, _key_index(key))
+    else:
+        parts = part_ptr + row * num_chunks
+        tl.store(parts + chunk, key)
+        # The key is stored before the one arrival (acq_rel: released to the last arriver, whose .cg
+        # loads below then see every chunk's key from L2, never a stale L1 line).
+        tl.debug_barrier()
+        counter = arrivals_ptr + row
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == num_chunks - 1:
+            best = tl.full([BLOCK_CHUNKS], _KEY_PAD, tl.int64)
+            for start in range(0, num_chunks, BLOCK_CHUNKS):
+                c = start + tl.arange(0, BLOCK_CHUNKS)
+                keys = tl.load(parts + c, mask=c < num_chunks, other=_KEY_PAD, cache_modifier=".cg")
+                best = tl.maximum(best, keys)
+            tl.store(out_ptr + row, _key_index(tl.max(best, axis=0)))
+            tl.atomic_xchg(counter, 0)  # every chunk of the row has arrived: ready for the next launch
+
+
+def argmax_chunk(num_rows: int, vocab: int, sm_count: int) -> int:
+    """Elements per program: a power of two in [MIN_CHUNK, MAX_CHUNK] giving the grid about two
+    programs per SM where the batch allows it.
+
+    One row is cut into about 2 * SMs chunks (an H100's 132 SMs and a 262,144 vocabulary: 256 chunks
+    of 1,024, each one 2 KiB load of bf16), so a batch-1 argmax is one short wave over every SM. A
+    larger batch needs fewer chunks per row for the same count, down to chunks of MAX_CHUNK (N = 64:
+    32 chunks a row, 2,048 programs): longer chunks would leave fewer programs to hide the memory
+    latency with, and the merge reads one partial per chunk, so there is no point in chunks shorter
+    than MIN_CHUNK. Depends only on host ints, so a captured graph keeps a valid grid.
+    """
+    wanted_chunks = cdiv(2 * sm_count, num_rows)
+    return min(max(next_power_of_2(cdiv(vocab, wanted_chunks)), MIN_CHUNK), MAX_CHUNK)
+
+
+_partials: dict[torch.device, Workspace] = {}
+_arrivals: dict[torch.device, Workspace] = {}
+# First-use sizes on CUDA (grown when a launch needs more): 16k chunk keys, 128 KiB, hold 512 rows of
+# a 262,144 vocabulary at 32 chunks each; a counter per row for 1,024 rows.
+_PARTIAL_BOUND = 1 << 14
+_ARRIVAL_BOUND = 1 << 10
+
+
+def _workspace(device: torch.device, num_rows: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk keys int64 [num_rows * num_chunks], arrival counters int32 [num_rows], all 0): views of
+    the device's two workspaces (custom_ops.workspace)."""
+    cuda = device.type == "cuda"
+    keys = _partials.setdefault(device, Workspace(torch.int64)).take(
+        num_rows * num_chunks, _PARTIAL_BOUND if cuda else 0, device)
+    arrivals = _arrivals.setdefault(device, Workspace(torch.int32, zeroed=True)).take(
+        num_rows, _ARRIVAL_BOUND if cuda else 0, device)
+    return keys, arrivals
+
+
+def row_argmax(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64 [N]) for x [N, V], float32 / bfloat16 / float16 with a contiguous last
+    dim, on CUDA (or a CPU tensor in Triton's interpreter). `chunk` (a power of two) overrides
+    argmax_chunk's elements per program: tests use it to cut small rows into many chunks."""
+    if x.dim() != 2 or x.shape[1] < 1 or x.shape[1] >= 2**31:
+        raise ValueError(f"row_argmax needs x [N, V] with 1 <= V < 2**31, got {tuple(x.shape)}")
+    if x.dtype not in ROW_ARGMAX_DTYPES:
+        raise ValueError(f"row_argmax: x is {x.dtype}; the kernel reads {', '.join(map(str, ROW_ARGMAX_DTYPES))}")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        raise ValueError(f"row_argmax needs a contiguous last dimension, got x {tuple(x.shape)} strides {x.stride()}")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"row_argmax: x is on {x.device}; the kernel runs on CUDA (or in Triton's interpreter)")
+    if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
+        raise ValueError(f"row_argmax: chunk must be a power of two, got {chunk}")
+    num_rows, vocab = x.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+    if num_rows == 0:
+        return out
+    if chunk is None:
+        # the interpreter runs programs one by one: the fewest (largest) chunks are the fastest there
+        chunk = argmax_chunk(num_rows, vocab, _sm_count(x.device) if x.device.type == "cuda" else 1)
+    num_chunks = cdiv(vocab, chunk)
+    if num_chunks > 1:
+        keys, arrivals = _workspace(x.device, num_rows, num_chunks)
+    else:
+        keys = arrivals = out  # unused without SPLIT
+    _row_argmax_kernel[(num_rows, num_chunks)](
+        x, out, keys, arrivals, x.stride(0), vocab, num_chunks,
+        CHUNK=chunk, BLOCK_CHUNKS=min(next_power_of_2(num_chunks), MAX_MERGE_BLOCK), SPLIT=num_chunks > 1,
+        # 8 or 16 elements a thread at 4 warps (one or two 16-byte loads of bf16), 16 or 32 at 8
+        num_warps=4 if chunk <= 2048 else 8,
+    )
+    return out
