@@ -30,7 +30,7 @@ from custom_ops.workspace import Workspace
 ROW_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_CHUNK = 1024   # elements one program reads: 2 KiB of bf16, one 16-byte load per thread at 4 warps
 MAX_CHUNK = 8192   # 16 KiB of bf16: past this a batch has enough programs without longer ones
-MAX_MERGE_BLOCK = 1024  # partials the last program loads per step of its merge
+MAX_MERGE_BLOCK = 256  # keys the last program loads per step of its merge (one step at N = 1 on an H100)
 _KEY_PAD = tl.constexpr(-(2**63))  # below every key: a partial past num_chunks never wins
 
 
@@ -39,8 +39,9 @@ def _argmax_key(x, index):
     """An int64 whose order is torch's argmax preference for (float32 x, int32 index >= 0): a NaN
     above every number, then the larger value, then the LOWER index. The high half is x's bits made
     to order as signed ints (negative floats' magnitude bits flipped); the low half is
-    0x7FFFFFFF - index. So a reduction is one integer max (a pair of float max and tie-breaking index
-    min, or a custom tl.reduce, costs more: in the interpreter, element by element)."""
+    0x7FFFFFFF - index. So a chunk, and a row's chunks, reduce with one integer max: not two
+    reductions (the float max, then the lowest index holding it), nor a tl.reduce over (value, index)
+    with a custom combine, which the interpreter runs element by element (0.25 s a program)."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0: one key, so the lower index wins, as in torch
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(x != x, 0x7FC00000, bits)  # every NaN one key, above +inf's 0x7F800000
@@ -92,9 +93,10 @@ def argmax_chunk(num_rows: int, vocab: int, sm_count: int) -> int:
     One row is cut into about 2 * SMs chunks (an H100's 132 SMs and a 262,144 vocabulary: 256 chunks
     of 1,024, each one 2 KiB load of bf16), so a batch-1 argmax is one short wave over every SM. A
     larger batch needs fewer chunks per row for the same count, down to chunks of MAX_CHUNK (N = 64:
-    32 chunks a row, 2,048 programs): longer chunks would leave fewer programs to hide the memory
-    latency with, and the merge reads one partial per chunk, so there is no point in chunks shorter
-    than MIN_CHUNK. Depends only on host ints, so a captured graph keeps a valid grid.
+    32 chunks a row, 2,048 programs): longer ones would leave fewer programs in flight to hide the
+    memory latency. Never shorter than MIN_CHUNK, one 16-byte load per thread: a shorter chunk only
+    adds programs and keys to merge to a grid that already covers the SMs (or a vocabulary too small
+    to matter). Depends only on host ints, so a captured graph keeps a valid grid.
     """
     wanted_chunks = cdiv(2 * sm_count, num_rows)
     return min(max(next_power_of_2(cdiv(vocab, wanted_chunks)), MIN_CHUNK), MAX_CHUNK)
