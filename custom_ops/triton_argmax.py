@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.triton_common import cdiv, interpreting, next_power_of_2
-from custom_ops.triton_decode import _sm_count
+from custom_ops.triton_common import cdiv, interpreting, next_power_of_2, sm_count
 from custom_ops.workspace import Workspace
 
 ROW_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -114,10 +113,11 @@ def _workspace(device: torch.device, num_rows: int, num_chunks: int) -> tuple[to
     """(chunk keys int64 [num_rows * num_chunks], arrival counters int32 [num_rows], all 0): views of
     the device's two workspaces (custom_ops.workspace)."""
     cuda = device.type == "cuda"
-    keys = _partials.setdefault(device, Workspace(torch.int64)).take(
-        num_rows * num_chunks, _PARTIAL_BOUND if cuda else 0, device)
-    arrivals = _arrivals.setdefault(device, Workspace(torch.int32, zeroed=True)).take(
-        num_rows, _ARRIVAL_BOUND if cuda else 0, device)
+    if device not in _partials:  # not setdefault: that would build a Workspace on every call
+        _partials[device] = Workspace(torch.int64)
+        _arrivals[device] = Workspace(torch.int32, zeroed=True)
+    keys = _partials[device].take(num_rows * num_chunks, _PARTIAL_BOUND if cuda else 0, device)
+    arrivals = _arrivals[device].take(num_rows, _ARRIVAL_BOUND if cuda else 0, device)
     return keys, arrivals
 
 
@@ -141,7 +141,7 @@ def row_argmax(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         return out
     if chunk is None:
         # the interpreter runs programs one by one: the fewest (largest) chunks are the fastest there
-        chunk = argmax_chunk(num_rows, vocab, _sm_count(x.device) if x.device.type == "cuda" else 1)
+        chunk = argmax_chunk(num_rows, vocab, sm_count(x.device) if x.device.type == "cuda" else 1)
     num_chunks = cdiv(vocab, chunk)
     if num_chunks > 1:
         keys, arrivals = _workspace(x.device, num_rows, num_chunks)

@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton attention kernels: key/value tile loads and the score transform.
+"""Pieces shared by the Triton kernels: key/value tile loads and the score transform, grid sizing.
 
 Scores live in the log2 domain inside the kernels (``exp2`` is one instruction, ``exp`` is two), so
 ``scale`` is multiplied by log2(e) once; with a logit softcap the tanh is applied to the natural-
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -19,6 +20,18 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (cached: the property query is slow), which sizes the
+    kernels' grids."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
 
 
 def interpreting() -> bool:

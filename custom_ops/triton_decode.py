@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
-from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2
+from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2, sm_count
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
@@ -197,19 +197,9 @@ def _decode_kernel(
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 128
 ONE_TILE_SPLITS = 32  # splits of a single tile (fewer than 64 keys) are allowed up to this count
-_sm_counts: dict[int, int] = {}
-
-
 # One bounded scratch per device (custom_ops.workspace): split partials, and the arrival counters.
 _workspaces: dict[torch.device, Workspace] = {}
 _arrivals: dict[torch.device, Workspace] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
@@ -247,7 +237,7 @@ def _partials(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads:
     one workspace (custom_ops.workspace)."""
     rows = num_seqs * num_heads * num_splits
     group = num_heads // num_kv_heads
-    bound_rows = 4 * _sm_count(device) * group if device.type == "cuda" else rows  # CPU: the interpreter
+    bound_rows = 4 * sm_count(device) * group if device.type == "cuda" else rows  # CPU: the interpreter
     workspace = _workspaces.setdefault(device, Workspace())
     flat = workspace.take(rows * (block_d + 2), bound_rows * (block_d + 2), device)
     return (flat[:rows * block_d].view(rows, block_d), flat[rows * block_d:rows * (block_d + 1)],
@@ -258,7 +248,7 @@ def _arrival_counters(device: torch.device, num_seqs: int, num_kv_heads: int) ->
     """int32 [num_seqs * num_kv_heads], all 0: how many splits of each (sequence, kv head) have
     written their partials in the running launch (its last split resets it to 0)."""
     programs = num_seqs * num_kv_heads
-    bound = 4 * _sm_count(device) if device.type == "cuda" else programs  # splits > 1 only below 2 * SMs
+    bound = 4 * sm_count(device) if device.type == "cuda" else programs  # splits > 1 only below 2 * SMs
     counters = _arrivals.setdefault(device, Workspace(torch.int32, zeroed=True))
     return counters.take(programs, bound, device)
 
@@ -288,7 +278,7 @@ def launch_decode(
     visible = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
     if num_splits is None:
         num_splits = 1 if interpreting() else decode_num_splits(
-            num_seqs, num_kv_heads, visible, _sm_count(q.device), block_n)
+            num_seqs, num_kv_heads, visible, sm_count(q.device), block_n)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
         part_acc, part_max, part_sum = _partials(q.device, num_seqs, num_heads, num_kv_heads, num_splits, block_d)
