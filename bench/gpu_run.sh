@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
 #   bash bench/gpu_run.sh smoke|full|rest|e2e|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
-#   bash bench/gpu_run.sh tests-decode|tests-attention-rest  -> GPU test logs in $OUT (each plan fits one 10-minute call)
+#   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -69,6 +69,14 @@ case "${1:-smoke}" in
     gpu_tests fused-ops 150 tests/test_add_rms_norm.py tests/test_qk_norm_rope.py tests/test_decode_gemv_gpu.py \
       tests/test_triton_gemv.py
     gpu_tests engine 200 -m gpu tests/test_engine_gpu.py
+    ;;
+  tests-tp)  # 2 GPUs (nvidia-h100-x2 / h200-x2): tensor parallelism with both graph kinds, three TP engines in
+    # one process (each close must leave the NCCL group), and the graph/memory release after close; ~2 min
+    gpu_tests tp 300 -m gpu tests/test_tp_gpu.py tests/test_engine_lifecycle_gpu.py
+    ;;
+  tests-overlap)  # the overlapped loop, the sampler and the argmax on the GPU, then engine parity; ~4 min
+    gpu_tests overlap 200 -m gpu tests/test_engine_overlap.py tests/test_staging.py tests/test_triton_argmax.py
+    gpu_tests engine 230 -m gpu tests/test_engine_gpu.py tests/test_sampling_controls.py
     ;;
   tests-attention-rest)  # the prefill and dense attention tests: one compile per random shape, the slow part
     gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"
