@@ -243,15 +243,24 @@ class ModelRunner:
             request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
             if num_extra:
                 table, *extra = pool.tables(request.request_id)
+            else:
+                table, extra = pool.block_table(request.request_id), ()
+            if end - start == 1:  # a decode token: appends, not generators (the host's step at batch 64)
+                block, offset = divmod(start, block_size)
+                ids.append(request.token_ids[start])
+                positions.append(start)
+                slots.append(table[block] * block_size + offset)
+                for g, group_table in enumerate(extra):
+                    group_slots[g].append(group_table[block] * block_size + offset)
+                    group_tables[g].append(group_table)
+            else:
+                ids.extend(request.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
                 for g, group_table in enumerate(extra):
                     group_slots[g].extend(group_table[p // block_size] * block_size + p % block_size
                                           for p in range(start, end))
                     group_tables[g].append(group_table)
-            else:
-                table = pool.block_table(request.request_id)
-            ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
             seq_lens.append(end)
             tables.append(table)
