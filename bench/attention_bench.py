@@ -29,6 +29,7 @@ from triton.testing import do_bench
 
 from custom_ops import AttentionLayer, AttentionMetadata
 from custom_ops import triton_attention
+from custom_ops.triton_common import sm_count
 from custom_ops.triton_decode import decode_config, decode_num_splits
 
 LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
@@ -113,7 +114,7 @@ def bench_decode(batch, context, copy_gbps, num_splits=None, config=None, layer=
     total = kv_bytes + io_bytes
     gbps = total / (ms * 1e-3) / 1e9
     splits = num_splits or decode_num_splits(batch, layer.num_kv_heads, visible,
-                                             torch.cuda.get_device_properties(0).multi_processor_count,
+                                             sm_count(torch.device("cuda", 0)),
                                              dict(decode_config(layer.head_dim), **(config or {}))["BLOCK_N"])
     shape = f"{layer.num_heads}/{layer.num_kv_heads}/{layer.head_dim}"
     if layer.sliding_window or layer.logit_softcap:

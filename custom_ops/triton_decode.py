@@ -202,7 +202,7 @@ _workspaces: dict[torch.device, Workspace] = {}
 _arrivals: dict[torch.device, Workspace] = {}
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       block_n: int = MIN_TOKENS_PER_SPLIT) -> int:
     """Splits per (sequence, kv head) so the grid holds ~2 waves of programs, each >= 64 keys, or one
     tile of `block_n` keys where that is still at most ONE_TILE_SPLITS splits.
@@ -215,7 +215,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     512-key window: 1.2376 -> 1.2054 ms on an H100, bench/results/h100-2026-11-26/decode-attention-probe/).
     """
     programs = num_seqs * num_kv_heads
-    wanted = cdiv(2 * sm_count, programs)
+    wanted = cdiv(2 * num_sms, programs)
     length = max(max_seq_len, 1)
     one_tile = cdiv(length, block_n)
     by_length = max(cdiv(length, MIN_TOKENS_PER_SPLIT), one_tile if one_tile <= ONE_TILE_SPLITS else 0)

@@ -330,10 +330,10 @@ class LLM:
         cuda = runtime.kv_cache.device.type == "cuda"
         attempt(runtime.close)
         del runtime  # the runner's static buffers and the model (if the engine loaded it) go here
-        # Compiled code and its captured graphs sit in reference cycles (Dynamo's and the split
-        # module's), and the capture loops froze them out of the collector's young generations: without
-        # a collection now they (and their pool memory) live until some later one, and under tensor
-        # parallelism NCCL's communicator cannot be left while a graph that captured it lives.
+        # A collection now, not at some later one: whatever of the engine is left in a reference cycle
+        # (the capture loops' gc.freeze moved their survivors to the oldest generation, collected
+        # rarely) would keep its graphs and their pool memory, and under tensor parallelism NCCL's
+        # communicator cannot be left while a graph that captured it lives.
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()  # hand the freed blocks (and the graph pool's) back to the device
