@@ -79,7 +79,8 @@ class CompiledGraph:
             if not info.is_splitting:
                 piece = split.piece(info)
                 names = tuple(n.name for n in piece.graph.nodes if n.op == "placeholder")
-                fn = PieceRunner(info.name, info.index, fn, self.plan, names, pool, stats, config.debug_checks)
+                fn = PieceRunner(info.name, info.index, fn, self.plan, names, pool, stats, config.debug_checks,
+                                 config.warm_up_every_size)
                 self.pieces.append(fn)
             # The split module calls `self.<name>(...)`: a plain attribute (not a submodule) takes
             # the submodule's place so the call goes straight to the runner.

@@ -51,6 +51,10 @@ class BackendConfig:
                       (compile_backend/layered.py).
     pdl:              Inductor's kernels use programmatic dependent launch on Hopper and newer GPUs
                       (custom_ops/pdl.py says why; INFER_GRAPHS_PDL=0 also turns it off).
+    warm_up_every_size: run each piece once outside the capture before every size's capture, not only
+                      before its first one and before sizes that can load new Triton code
+                      (compile_backend/piecewise.py): for a piece whose first call at a new shape
+                      does work a capture cannot hold (an autotuner keyed on the token count).
     """
 
     splitting_ops: tuple[str, ...] = ("infer::attention",)
@@ -61,6 +65,7 @@ class BackendConfig:
     debug_checks: bool = False
     full_graph_compile: str = "piecewise"
     pdl: bool = True
+    warm_up_every_size: bool = False
 
     def __post_init__(self) -> None:
         ops = self.splitting_ops
@@ -81,7 +86,7 @@ class BackendConfig:
         if self.full_graph_compile not in FULL_GRAPH_COMPILES:
             raise ValueError(f"BackendConfig.full_graph_compile must be one of {FULL_GRAPH_COMPILES}, got "
                              f"{self.full_graph_compile!r}")
-        for name in ("cudagraphs", "debug_checks", "pdl"):
+        for name in ("cudagraphs", "debug_checks", "pdl", "warm_up_every_size"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BackendConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -18,6 +18,7 @@ class BackendStats:
     capture_seconds: dict[int, float] = field(default_factory=dict)  # token count -> seconds
     graph_pool_bytes: int = 0         # pool growth caused by this backend's captures
     piece_captures: int = 0
+    piece_warm_ups: int = 0           # runs outside a capture before one (compile_backend/piecewise.py)
     piece_replays: int = 0
     replay_steps: int = 0             # PIECEWISE steps served by graphs
     fallback_steps: int = 0           # PIECEWISE steps on CUDA with no graph for their size

@@ -161,6 +161,20 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
     memory = rt.memory
     full_own_code = backend is not None and backend.config.full_graph_compile != "piecewise"
     memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, full_own_code, timeline)
+    from compile_backend.pool import gc_frozen  # lazy: compile_backend is slow to import
+    # One full collection for all the capture phases below: each phase's own freeze then only visits
+    # what was made since (compile_backend.pool.gc_frozen).
+    with contextlib.ExitStack() as frozen:
+        with timeline.phase("gc freeze"):
+            frozen.enter_context(gc_frozen())
+        _capture_and_size(rt, config, timeline, min_over_ranks, min_blocks)
+
+
+def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeline,
+                      min_over_ranks: Callable[[int], int] | None, min_blocks: int) -> None:
+    """Piecewise capture, decode-graph measure, the KV pool sized from what is left, decode capture."""
+    runner, kv_cache, backend, memory = rt.runner, rt.kv_cache, rt.backend, rt.memory
+    device = runner.device
     if config.prefill_graphs:
         with timeline.phase("piecewise capture"):
             rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)

@@ -67,6 +67,81 @@ def test_replay_matches_eager_for_every_captured_size(arch):
            capture_seconds=round(sum(stats.capture_seconds.values()), 3), pool_bytes=stats.graph_pool_bytes)
 
 
+def _counting_runner(warm_every_size: bool, sync_on_first_call: frozenset[int] = frozenset()):
+    """A PieceRunner over x * 2 + 1 that records every call's token count; on its first call at a
+    size in `sync_on_first_call` it synchronizes (first-call work a capture cannot hold)."""
+    from compile_backend.piecewise import PieceRunner, StepAction, StepPlan
+    from compile_backend.pool import GraphPool
+    from compile_backend.stats import BackendStats
+
+    calls: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n in sync_on_first_call and n not in calls:
+            torch.cuda.synchronize()
+        calls.append(n)
+        return x * 2 + 1
+
+    plan, pool = StepPlan(StepAction.CAPTURE), GraphPool()
+    runner = PieceRunner("piece", 0, fn, plan, ("x",), pool.handle, BackendStats(), False, warm_every_size)
+    return runner, plan, calls, pool
+
+
+@pytest.mark.parametrize("every_size", [False, True])
+def test_a_piece_warms_up_before_its_first_capture_and_each_new_specialization_class(every_size):
+    """Warm-ups cost as much host time as captures: a piece runs outside a capture before its first one
+    and before a size of a new (n mod 16, n == 1) class only, or before every size when asked."""
+    from compile_backend.piecewise import StepAction
+    runner, plan, calls, _pool = _counting_runner(every_size)
+    buffer = torch.randn(64, 8, device=CUDA)
+    sizes = (64, 32, 16, 12, 28, 1)
+    for n in sizes:
+        plan.num_tokens = n
+        torch.testing.assert_close(runner(buffer[:n]), buffer[:n] * 2 + 1)
+    if every_size:
+        assert calls == [n for n in sizes for _ in range(2)]
+    else:  # 32 and 16 share 64's class, 28 shares 12's: captured without a warm-up
+        assert calls == [64, 64, 32, 16, 12, 12, 28, 1, 1]
+    assert runner.stats.piece_captures == len(sizes)
+    assert runner.stats.piece_warm_ups == (len(sizes) if every_size else 3)
+    plan.action = StepAction.REPLAY
+    buffer.copy_(torch.randn_like(buffer))
+    before = len(calls)
+    for n in sizes:
+        plan.num_tokens = n
+        torch.testing.assert_close(runner(buffer[:n]).clone(), buffer[:n] * 2 + 1, msg=f"{n} tokens")
+    assert len(calls) == before  # replays run no Python of the piece
+
+
+def test_a_capture_that_needed_a_warm_up_fails_naming_the_setting_and_succeeds_with_it():
+    """A first call at 16 tokens that synchronizes cannot be captured without a warm-up at 16: the
+    error names BackendConfig.warm_up_every_size (in a child: torch cannot resume capturing in a
+    process whose capture failed), and with that setting the same piece captures and replays."""
+    import subprocess
+    import sys
+    script = (
+        "import torch\n"
+        "from tests.test_backend_gpu import _counting_runner\n"
+        "runner, plan, calls, pool = _counting_runner(False, frozenset({16}))\n"
+        "x = torch.randn(32, 8, device='cuda')\n"
+        "for n in (32, 16):\n"
+        "    plan.num_tokens = n\n"
+        "    runner(x[:n])\n"
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert child.returncode != 0
+    assert "capturing piece piece for 16 tokens failed" in child.stderr
+    assert "BackendConfig.warm_up_every_size=True" in child.stderr
+    runner, plan, calls, _pool = _counting_runner(True, frozenset({16}))
+    x = torch.randn(32, 8, device=CUDA)
+    for n in (32, 16):
+        plan.num_tokens = n
+        torch.testing.assert_close(runner(x[:n]), x[:n] * 2 + 1)
+    assert calls == [32, 32, 16, 16]
+
+
 @pytest.fixture(scope="module")
 def inductor_llama():
     """Llama with Inductor pieces, every default size captured (one compile for the tests below)."""
