@@ -36,6 +36,13 @@ def default_decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def default_full_graph_compile(prefill_graphs: bool) -> str:
+    """What decode graphs record when EngineConfig.full_graph_compile is None: the pieces themselves
+    when prefill graphs replay them anyway (one compile, the same kernels), else the layered code, so
+    the pieces that steps without a graph call keep their cheaper plain matmuls."""
+    return "piecewise" if prefill_graphs else "layered"
+
+
 @dataclass
 class EngineConfig:
     model: str = "default"                 # HF-format dir, a name models.resolve_model_path knows, or "default"
@@ -60,11 +67,16 @@ class EngineConfig:
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
     async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/overlap.py)
-    # what the decode graphs record when compiled, from the pieces' own trace: "layered" one Inductor
-    # graph per decoder layer with its attention op inside, identical layers compiled once (cut after
-    # the op, which costs no fusion: compile_backend/layered.py); "unsplit" the whole forward as one
-    # Inductor graph (the same kernels, a compile as large as the model); "piecewise" the split pieces
-    full_graph_compile: str = "layered"
+    # what the decode graphs record when compiled, from the pieces' own trace: "piecewise" the split
+    # pieces with the attention op called between them; "layered" one Inductor graph per decoder layer
+    # with its attention op inside, identical layers compiled once (compile_backend/layered.py);
+    # "unsplit" the whole forward as one Inductor graph. The three record the same kernels (H100,
+    # bench/results/h100-2026-11-26/startup-compile: llama-3.2-3b and gemma-3-1b decode replays within
+    # 0.3%); "layered" and "unsplit" are a second compile. Its one use: the pieces then run the
+    # graph-only ops (the decode GEMV) as plain matmuls, which steps without a graph call more cheaply
+    # (compile_backend.compile_pieces.lower_graph_only_ops). None: "piecewise" with prefill graphs
+    # (every piece call is then a replay, and one compile serves both), "layered" without.
+    full_graph_compile: str | None = None
     # batch-1 decode linears and LM head on the Triton GEMV where an H100 measurement of the kernel
     # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS). Measured end
     # to end (`python -m bench decode --decode-gemv`, H100, llama-3.2-3b): the batch-1 decode graph
@@ -106,8 +118,8 @@ class EngineConfig:
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
         _check(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", self.hybrid_kv_cache, "a bool")
         _check(isinstance(self.decode_gemv, bool), "decode_gemv", self.decode_gemv, "a bool")
-        _check(self.full_graph_compile in _FULL_GRAPH_COMPILES, "full_graph_compile", self.full_graph_compile,
-               f"one of {', '.join(_FULL_GRAPH_COMPILES)}")
+        _check(self.full_graph_compile is None or self.full_graph_compile in _FULL_GRAPH_COMPILES,
+               "full_graph_compile", self.full_graph_compile, f"None or one of {', '.join(_FULL_GRAPH_COMPILES)}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):
             sizes = getattr(self, name)
@@ -155,6 +167,7 @@ class EngineConfig:
             cuda_graphs, prefill_graphs = False, False
         changes["cuda_graphs"] = on_cuda if cuda_graphs is None else cuda_graphs
         changes["prefill_graphs"] = prefill_graphs
+        changes["full_graph_compile"] = self.full_graph_compile or default_full_graph_compile(prefill_graphs)
         max_len = self.max_model_len
         if max_len is None:
             max_len = min(model_max_len or 4096, 4096)

@@ -84,9 +84,18 @@ def test_full_step_code_comes_from_the_pieces_trace_and_decodes_like_them(tmp_pa
 
 
 def test_full_graph_compile_names_its_choices():
-    with pytest.raises(ConfigError, match="EngineConfig.full_graph_compile='split' is invalid: expected one of "
-                                          "layered, unsplit, piecewise"):
+    with pytest.raises(ConfigError, match="EngineConfig.full_graph_compile='split' is invalid: expected None or "
+                                          "one of layered, unsplit, piecewise"):
         LLM(torch.nn.Linear(2, 2), full_graph_compile="split")
+
+
+def test_full_graph_compile_defaults_to_the_pieces_when_prefill_graphs_replay_them():
+    from engine.config import EngineConfig, default_full_graph_compile
+    assert default_full_graph_compile(True) == "piecewise"
+    assert default_full_graph_compile(False) == "layered"
+    # on the CPU prefill graphs are off, so the pieces keep their plain matmuls
+    assert EngineConfig(device="cpu").resolve().full_graph_compile == "layered"
+    assert EngineConfig(device="cpu", full_graph_compile="unsplit").resolve().full_graph_compile == "unsplit"
 
 
 @pytest.mark.gpu
