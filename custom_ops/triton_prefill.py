@@ -243,8 +243,18 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tile shapes per head dim (swept on an H100; see bench/NOTES_attention.md)."""
+# Up to this many query rows per sequence, short-prefill tiles: many small programs. The long-prefill
+# tiles were swept on long sequences, where they are compute-bound; for a short prompt their grid is a
+# few dozen programs (24 heads x 1 row tile at 64 tokens) on 132 SMs. Paged prefill per layer on an H100
+# (bench/results/h100-2026-11-26/prefill-tiles), the long tiles -> these: llama heads (24/8, D 128)
+# 25.2 -> 11.1 us at 64 tokens, 31.3 -> 18.4 at 256, 39.6 -> 27.8 at 512; gemma-3 sliding heads (4/1,
+# D 256) 52.3 -> 14.5, 47.6 -> 21.2, 53.8 -> 30.1. Longer prompts were not swept with these tiles.
+SHORT_PREFILL_ROWS = 512
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, max_query_len: int | None = None) -> dict:
+    """Tile shapes per head dim (swept on an H100; see bench/NOTES_attention.md), and per prompt length
+    when `max_query_len` is given (SHORT_PREFILL_ROWS)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # twice the shared memory per tile: smaller tiles, same code
@@ -253,6 +263,10 @@ def prefill_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
         if head_dim <= 128:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    if max_query_len is not None and max_query_len <= SHORT_PREFILL_ROWS and head_dim > 64:  # 64: not swept
+        if head_dim > 128 or max_query_len <= 128:
+            return dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3)
     if head_dim <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     if head_dim <= 128:
@@ -281,7 +295,7 @@ def launch_prefill(
     read from ``k, v`` and written to their slots by the same launch (the cache need not hold them)."""
     if new_kv is not None and not paged:
         raise ValueError("launch_prefill: new_kv (a fused store) needs the paged cache")
-    cfg = dict(prefill_config(head_dim, q.dtype))
+    cfg = dict(prefill_config(head_dim, q.dtype, max_query_len))
     cfg.update(config or {})
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     if max_query_len <= 0 or num_seqs <= 0:

@@ -337,13 +337,16 @@ def test_gpu_every_decode_batch_and_prefill_token_count_reuses_one_compiled_vari
         check_close(run_paged(q, k, v, cache, meta, layer).cpu(), ref, batch, torch.bfloat16)
         before = _compiled_variants(triton_decode._decode_kernel) if before is None else before
     assert _compiled_variants(triton_decode._decode_kernel) == before
-    # prefill: one sequence of 1, 7, 28, 64 and 1024 tokens
-    before = None
-    for tokens in (64, 1, 7, 28, 1024):
-        q, k, v, cache, meta = make_batch([0], [tokens], layer, 16, torch.bfloat16, "cuda")
-        run_paged(q, k, v, cache, meta, layer)
-        before = _compiled_variants(triton_prefill._prefill_kernel) if before is None else before
-    assert _compiled_variants(triton_prefill._prefill_kernel) == before
+    # prefill: one variant per tile class (triton_prefill.prefill_config: short prompts get smaller
+    # tiles), whatever the token count inside it
+    counts = []
+    for group in ((64, 1, 7, 28, 128), (256, 300, 512), (1024, 2000)):
+        for tokens in group:
+            q, k, v, cache, meta = make_batch([0], [tokens], layer, 16, torch.bfloat16, "cuda")
+            run_paged(q, k, v, cache, meta, layer)
+            counts.append(_compiled_variants(triton_prefill._prefill_kernel))
+    first = counts[0]
+    assert counts == [first] * 5 + [first + 1] * 3 + [first + 2] * 2, counts
 
 
 @pytest.mark.gpu
