@@ -108,7 +108,8 @@ class PieceRunner:
                     f"infer_graphs: capturing piece {self.name} for {num_tokens} tokens failed; it ran without "
                     "a warm-up at this size (its first call at an earlier size of the same specialization "
                     "class did the first-call work). If the piece does work at each new token count that a "
-                    "capture cannot hold, set BackendConfig.warm_up_every_size=True.") from exc
+                    "capture cannot hold, set BackendConfig.warm_up_every_size=True, in a new process: torch "
+                    "leaves a failed capture's allocator and RNG state behind.") from exc
         torch.cuda.current_stream().wait_stream(stream)
         # Capturing records kernels without running them: replay once so this step's outputs hold values.
         graph.replay()

@@ -253,8 +253,8 @@ SHORT_PREFILL_ROWS = 512
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, max_query_len: int | None = None) -> dict:
-    """Tile shapes per head dim (swept on an H100; see bench/NOTES_attention.md), and per prompt length
-    when `max_query_len` is given (SHORT_PREFILL_ROWS)."""
+    """Tile shapes per head dim (swept on an H100; see bench/NOTES_attention.md), and for head dims above
+    64 per prompt length when `max_query_len` is given (SHORT_PREFILL_ROWS)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # twice the shared memory per tile: smaller tiles, same code

@@ -2,10 +2,10 @@
 
 Each phase (load, tokenizer, setup, compile, warm-up, gc freeze: one collection before the capture
 phases, piecewise capture, decode-graph measure, KV pool, decode capture) is timed with perf_counter
-and, on CUDA, ends with a synchronize so that asynchronous work is charged to the phase that queued it; its line at INFO gives the seconds and
-the device memory allocated when it ended. `as_dict()` is `LLM.stats()["startup"]`: the phases in
-order, their sum and the total measured from the start of `LLM(...)` to ready, so time that no
-phase accounts for shows as the difference.
+and, on CUDA, ends with a synchronize so that asynchronous work is charged to the phase that queued
+it; its line at INFO gives the seconds and the device memory allocated when it ended. `as_dict()`
+is `LLM.stats()["startup"]`: the phases in order, their sum and the total measured from the start of
+`LLM(...)` to ready, so time that no phase accounts for shows as the difference.
 """
 from __future__ import annotations
 
