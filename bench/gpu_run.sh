@@ -71,12 +71,15 @@ case "${1:-smoke}" in
     gpu_tests engine 200 -m gpu tests/test_engine_gpu.py
     ;;
   tests-tp)  # 2 GPUs (nvidia-h100-x2 / h200-x2): tensor parallelism with both graph kinds, three TP engines in
-    # one process (each close must leave the NCCL group), and the graph/memory release after close; ~2 min
-    gpu_tests tp 300 -m gpu tests/test_tp_gpu.py tests/test_engine_lifecycle_gpu.py
+    # one process (each close must leave the NCCL group), and the graph release after close; ~2 min. The
+    # fifty-engine memory test needs one GPU only (tests-overlap's machine), not two at twice the cost.
+    gpu_tests tp 300 -m gpu tests/test_tp_gpu.py tests/test_engine_lifecycle_gpu.py -k "not fifty"
     ;;
-  tests-overlap)  # the overlapped loop, the sampler and the argmax on the GPU, then engine parity; ~4 min
+  tests-overlap)  # the overlapped loop, the sampler and the argmax on the GPU, then engine parity and the
+    # fifty-engine memory test; ~6 min
     gpu_tests overlap 200 -m gpu tests/test_engine_overlap.py tests/test_staging.py tests/test_triton_argmax.py
     gpu_tests engine 230 -m gpu tests/test_engine_gpu.py tests/test_sampling_controls.py
+    gpu_tests lifecycle 150 -m gpu tests/test_engine_lifecycle_gpu.py -k fifty
     ;;
   tests-attention-rest)  # the prefill and dense attention tests: one compile per random shape, the slow part
     gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"

@@ -177,9 +177,7 @@ def leave_process_group(abort: bool | None = None) -> None:
         abort = dist.get_backend() == "nccl"
     if abort:
         from compile_backend.pool import live_graphs  # lazy: compile_backend is slow to import
-        # Both calls wait while a graph that captured one of the communicator's collectives lives
-        # (NCCL's commDestroySync polls its persistent references): free what only a collection
-        # frees, and say so when graphs survive, since the wait below is then theirs.
+        # Free what only a collection frees, and name the graphs that survive: the wait below is theirs.
         gc.collect()
         if torch.cuda.is_initialized():  # a graph's release completes after its last replay
             torch.cuda.synchronize()
