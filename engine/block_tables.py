@@ -31,9 +31,20 @@ _EMPTY: tuple[int, ...] = ()  # what a row holds after reset, or for an empty ta
 
 
 class PersistentBlockTables:
-    def __init__(self, max_seqs: int, width: int, device: torch.device, pin: bool) -> None:
+    """`table`: where the rows live, a [max_seqs, width] int32 block of `shared` (flat), starting at
+    flat index `base` (StaticBuffers keeps every KV group's tables in one tensor, so one step's new
+    entries for all groups are one index_copy_); by default a tensor of its own."""
+
+    def __init__(self, max_seqs: int, width: int, device: torch.device, pin: bool,
+                 shared: torch.Tensor | None = None, base: int = 0) -> None:
         self.max_seqs, self.width = max_seqs, width
-        self.table = torch.full((max_seqs, width), SCRATCH_BLOCK, dtype=torch.int32, device=device)
+        if shared is None:
+            shared = torch.full((max_seqs * width,), SCRATCH_BLOCK, dtype=torch.int32, device=device)
+        if shared.dim() != 1 or shared.dtype != torch.int32 or base + max_seqs * width > shared.numel():
+            raise ValueError(f"PersistentBlockTables: shared must be a flat int32 tensor holding {max_seqs} x {width} "
+                             f"entries from {base}, got {shared.dtype} {tuple(shared.shape)}")
+        self.shared, self.base = shared, base
+        self.table = shared[base:base + max_seqs * width].view(max_seqs, width)
         self._holds: list[Sequence[int]] = [_EMPTY] * max_seqs
         self._synced = [0] * max_seqs  # entries of the held table already on the device
         n = max_seqs * width
@@ -61,6 +72,12 @@ class PersistentBlockTables:
     def update(self, tables: Sequence[Sequence[int]]) -> None:
         """Make rows 0..len(tables)-1 hold `tables` (host -> device asynchronously; call with the
         staging memory free, i.e. after the previous step's copies ran)."""
+        self.ship(*self.plan(tables))
+
+    def plan(self, tables: Sequence[Sequence[int]]) -> tuple[array.array, array.array]:
+        """What `update` does, except sending the new entries: rows that moved are moved on the device
+        now, and the (flat indices into `shared`, values) still to be written are returned, for
+        `ship` or for the caller's own copy (StaticBuffers: inside the step's one staging copy)."""
         holds, synced, width = self._holds, self._synced, self.width
         if len(tables) > self.max_seqs or any(len(t) > width for t in tables):  # before any state changes
             raise ValueError(f"{len(tables)} block tables of up to {max(map(len, tables), default=0)} entries "
@@ -92,21 +109,26 @@ class PersistentBlockTables:
             self.table[self._move[k:2 * k]] = self.table[self._move[:k]]
             self.rows_moved += k
         index, values = array.array("q"), array.array("i")
+        base = self.base
         for i, count in new_synced.items():
             if count < 0:
-                index.append(i * width)
+                index.append(base + i * width)
                 values.append(SCRATCH_BLOCK)
         for i, table in enumerate(tables):
             done = synced[i]
             if len(table) > done:
-                index.extend(range(i * width + done, i * width + len(table)))
+                index.extend(range(base + i * width + done, base + i * width + len(table)))
                 values.extend(table[done:])
                 synced[i] = len(table)
+        self.entries_copied += len(index)
+        return index, values
+
+    def ship(self, index: array.array, values: array.array) -> None:
+        """Write planned entries through this table's own staging: two copies and one index_copy_."""
         n = len(index)
         if n:
             self._index_host[:n] = torch.frombuffer(index, dtype=torch.int64)
             self._value_host[:n] = torch.frombuffer(values, dtype=torch.int32)
             self._index[:n].copy_(self._index_host[:n], non_blocking=True)
             self._value[:n].copy_(self._value_host[:n], non_blocking=True)
-            self.table.view(-1).index_copy_(0, self._index[:n], self._value[:n])
-            self.entries_copied += n
+            self.shared.index_copy_(0, self._index[:n], self._value[:n])

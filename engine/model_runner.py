@@ -35,27 +35,44 @@ class StaticBuffers:
     mirrored by one pinned host slab, so a step's values reach the device in ONE copy: a copy per
     tensor was six to eight small transfers per step, each a few microseconds on the stream between
     two steps' graphs. The slab's order puts the short per-sequence regions first, then the
-    per-token ones; a step copies from the start to the end of its last used token. Block tables
-    travel apart (PersistentBlockTables: only their new entries).
+    per-token ones; a step copies from the start to the end of its last used token.
+
+    Block tables are not re-sent (PersistentBlockTables: only their new entries), and every KV group's
+    tables live in one device tensor: a decode step's new entries (at most one per row and group)
+    ride in the slab too, and land with ONE index_copy_ for all groups. Apart, they were two more
+    copies and a kernel per group, on the stream between two decode graphs (gemma-3-1b, two groups,
+    batch 16: ~13 us of a ~55 us gap between replays on an H100). A step with more new entries than
+    the slab's share (a prefill) sends them through each table's own staging.
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
         self._pin, self._device = device.type == "cuda", device
-        self.tables = PersistentBlockTables(max_seqs, max_blocks_per_seq, device, self._pin)
-        self.block_tables = self.tables.table
-        self.group_tables: list[PersistentBlockTables] = []
         self._lay_out(num_groups=1)
         self._loaded = False
+        self.table_entries_in_slab = 0    # block-table entries that rode the step's one copy
+        self.table_entries_apart = 0      # ... and those of steps with more than fit (prefills)
         # Marks when the last step's host -> device copy has run, so the next step does not
         # overwrite pinned staging memory that an asynchronous copy is still reading.
         self._copied = torch.cuda.Event() if self._pin else None
 
     def _lay_out(self, num_groups: int) -> None:
         """The slabs and the (device view, host view) pair of every per-step tensor."""
-        tokens, seqs = self.max_tokens, self.max_seqs
-        # query_start_loc [seqs + 1] and seq_lens [seqs], int32, fill seqs + 1 int64 words
-        regions = [("logits_indices", seqs), ("int32", seqs + 1), ("input_ids", tokens), ("positions", tokens),
+        tokens, seqs, width = self.max_tokens, self.max_seqs, self.max_blocks_per_seq
+        self._all_tables = torch.full((num_groups * seqs * width,), SCRATCH_BLOCK, dtype=torch.int32,
+                                      device=self._device)
+        self.tables, *self.group_tables = [
+            PersistentBlockTables(seqs, width, self._device, self._pin, shared=self._all_tables, base=g * seqs * width)
+            for g in range(num_groups)]
+        self.block_tables = self.tables.table
+        # A decode step adds at most one entry per row and group; twice that leaves room for rows
+        # that changed hands (a padding row's scratch entry, a new decode's table).
+        self._table_capacity = 2 * seqs * num_groups
+        # query_start_loc [seqs + 1] and seq_lens [seqs], int32, fill seqs + 1 int64 words; the table
+        # entries' int32 values fill capacity / 2 words
+        regions = [("logits_indices", seqs), ("int32", seqs + 1), ("step_indices", 3 * seqs),
+                   ("table_index", self._table_capacity),
+                   ("table_value", self._table_capacity // 2), ("input_ids", tokens), ("positions", tokens),
                    ("slot_mapping", tokens)] + [(f"group_slots_{g}", tokens) for g in range(1, num_groups)]
         total = sum(n for _, n in regions)
         self._slab = torch.zeros(total, dtype=torch.int64, device=self._device)
@@ -73,6 +90,11 @@ class StaticBuffers:
         self.input_ids, self._input_ids = views.pop("input_ids")
         self.positions, self._positions = views.pop("positions")
         self.slot_mapping, self._slot_mapping = views.pop("slot_mapping")
+        self._table_index, self._table_index_host = views.pop("table_index")
+        # up to three per-sequence index lists of the caller's (engine.overlap: the rows and token slots
+        # of the input ids it gathers on the device, and the slots its sampled tokens go to)
+        self.step_indices, self._step_indices = views.pop("step_indices")
+        self._table_value, self._table_value_host = (v.view(torch.int32) for v in views.pop("table_value"))
         # KV groups after the first (engine.kv_groups): each its own slot mapping (and block tables)
         self.group_slot_mappings = [views.pop(f"group_slots_{g}") for g in range(1, num_groups)]
 
@@ -83,45 +105,63 @@ class StaticBuffers:
             raise RuntimeError("StaticBuffers.set_num_groups after a step was loaded: the buffers' "
                                "addresses are fixed once a step has read them")
         self._lay_out(num_groups)
-        self.group_tables = [PersistentBlockTables(self.max_seqs, self.max_blocks_per_seq, self._device, self._pin)
-                             for _ in range(num_groups - 1)]
 
     def reset_tables(self) -> None:
-        self.tables.reset()
-        for tables in self.group_tables:
+        for tables in (self.tables, *self.group_tables):
             tables.reset()
 
     def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
              seq_lens: list[int], tables: list[list[int]], logits_indices: list[int],
-             group_slots: list[list[int]] = (), group_tables: list[list[list[int]]] = ()) -> None:
+             group_slots: list[list[int]] = (), group_tables: list[list[list[int]]] = (),
+             step_indices: list[int] = ()) -> None:
         """Copy one step's values in (host lists -> pinned staging -> device, asynchronously).
 
         `tables[i]` is the block table of sequence i: the pool's own list (only new entries are copied,
         see PersistentBlockTables), or an empty one for a padding row. `group_slots[g]` and
         `group_tables[g]`: the same for KV group g + 1 (one entry per extra group, engine.kv_groups).
+        `step_indices`: up to 3 * max_seqs ints the caller reads from `self.step_indices` (same copy).
         """
+        if len(step_indices) > self.step_indices.numel():
+            raise ValueError(f"StaticBuffers.load got {len(step_indices)} step indices; the buffers hold "
+                             f"{self.step_indices.numel()} (3 * max_num_seqs)")
         if len(group_slots) != len(self.group_tables) or len(group_tables) != len(self.group_tables):
             raise ValueError(f"StaticBuffers.load got slots / tables for {len(group_slots)} / {len(group_tables)} "
                              f"extra KV groups, the engine has {len(self.group_tables)}")
         if self._copied is not None:
             self._copied.synchronize()
-        self.tables.update(tables)
-        for persistent, group in zip(self.group_tables, group_tables):
-            persistent.update(group)
+        planned = [persistent.plan(group) for persistent, group in zip((self.tables, *self.group_tables),
+                                                                          (tables, *group_tables))]
+        num_entries = sum(len(index) for index, _ in planned)
+        in_slab = num_entries <= self._table_capacity
+        if in_slab:
+            self.table_entries_in_slab += num_entries
+        else:
+            self.table_entries_apart += num_entries
+            for persistent, (index, values) in zip((self.tables, *self.group_tables), planned):
+                persistent.ship(index, values)
         self._loaded = True
         staged = [(self._input_ids, ids), (self._positions, positions), (self._slot_mapping, slots),
                   (self._query_start_loc, query_start_loc), (self._seq_lens, seq_lens),
-                  (self._logits_indices, logits_indices)]
+                  (self._logits_indices, logits_indices), (self._step_indices, step_indices)]
         staged += [(host_buf, values) for (_, host_buf), values in zip(self.group_slot_mappings, group_slots)]
         for host_buf, values in staged:
             if values:
                 host_buf[:len(values)] = torch.frombuffer(array.array(_TYPECODES[host_buf.dtype], values),
                                                           dtype=host_buf.dtype)
+        if in_slab and num_entries:
+            at = 0
+            for index, values in planned:
+                if index:
+                    self._table_index_host[at:at + len(index)] = torch.frombuffer(index, dtype=torch.int64)
+                    self._table_value_host[at:at + len(index)] = torch.frombuffer(values, dtype=torch.int32)
+                    at += len(index)
         # one copy: everything up to the last used token of the last per-token region
         end = self._last_region + len(slots)
         self._slab[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if in_slab and num_entries:  # after the rows that moved (plan): a new entry lands on its row
+            self._all_tables.index_copy_(0, self._table_index[:num_entries], self._table_value[:num_entries])
 
     def metadata(self, num_tokens: int, num_seqs: int, num_actual_tokens: int, max_query_len: int,
                  max_seq_len: int, uniform_decode: bool) -> AttentionMetadata:
@@ -170,16 +210,19 @@ class ModelRunner:
         self.on_staged: Callable[..., None] | None = None
 
     def execute(self, out: SchedulerOutput, pool: BlockPool,
-                write_inputs: Callable[[torch.Tensor], None] | None = None) -> StepResult:
-        """`write_inputs(input_ids)`: called once the static buffers hold the step and before the
-        forward or graph replay, to write input ids that live on the device (engine.overlap)."""
+                write_inputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                step_indices: list[int] = ()) -> StepResult:
+        """`write_inputs(input_ids, indices)`: called once the static buffers hold the step and before
+        the forward or graph replay, to write input ids that live on the device (engine.overlap);
+        `indices` is `step_indices` on the device, sent in the step's one copy (valid until the next
+        step is loaded)."""
         batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode)
         dispatch = self.dispatcher.dispatch(batch)
         full = dispatch.mode is RuntimeMode.FULL
         num_padded = dispatch.descriptor.num_tokens
-        meta, num_sampling = self._prepare(out, pool, num_padded, full)
+        meta, num_sampling = self._prepare(out, pool, num_padded, full, step_indices)
         if write_inputs is not None:
-            write_inputs(self.buffers.input_ids)
+            write_inputs(self.buffers.input_ids, self.buffers.step_indices[:len(step_indices)])
         if self.on_staged is not None:  # after write_inputs: the other ranks receive the real ids
             self.on_staged(batch, dispatch, meta, num_sampling, len(out.chunks))
         return self.run_staged(dispatch, meta, num_sampling, len(out.chunks))
@@ -225,7 +268,7 @@ class ModelRunner:
         return forward_context(meta, mode, num_tokens, self.kv_caches, self.group_metadata(meta))
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
-                 full: bool) -> tuple[AttentionMetadata | None, int]:
+                 full: bool, step_indices: list[int] = ()) -> tuple[AttentionMetadata | None, int]:
         """Load the step into the static buffers; (its metadata, or None under FULL, where the decode
         graph reads the buffer slices it was captured with; the number of sampling chunks)."""
         ids: list[int] = []
@@ -282,7 +325,7 @@ class ModelRunner:
             seq_lens += [1] * pad
             tables += [[]] * pad
         self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices,
-                          group_slots, group_tables)
+                          group_slots, group_tables, step_indices)
         if full:
             return None, len(logits_indices)
         meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max(c.num_tokens for c in out.chunks),

@@ -27,9 +27,11 @@ Invariants:
   scheduler gives back when it plans step N+1 (engine.kv_groups): step N may still read them.
 - A preempted request keeps its in-flight token (that step ran on its blocks before they were
   freed); if it is readmitted before the token is read, the gather fills its prefill input.
-- Index tensors and the read-back buffer of a step live in its `_InFlight` record until it is
-  resolved; host lists reach the device through pinned memory with non_blocking copies, and the
-  sampler does the same, so launching a step never blocks the host on the device.
+- A step's index lists (the input ids it gathers, the slots its tokens go to) reach the device in
+  the runner's one staging copy of the step; its read-back buffer and sampled tokens live in its
+  `_InFlight` record until it is resolved. Host lists reach the device through pinned memory with
+  non_blocking copies, and the sampler does the same, so launching a step never blocks the host on
+  the device.
 """
 from __future__ import annotations
 
@@ -40,7 +42,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.request import FinishReason, Request
-from engine.staging import host_to_device
 from engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -253,23 +254,28 @@ class OverlapLoop:
         sample_slots = [self.slots.slot(r) for r in sampling]
         slot_tokens = self.slots.tokens  # after any growth above
         n = len(gather_rows)
-        indices = host_to_device(gather_rows + gather_slots + sample_slots, torch.int64, self.device)
-        rows_t, slots_t, sample_t = indices[:n], indices[n:2 * n], indices[2 * n:]
-
         # Rows only increase (one per chunk at most, chunks in row order), so a last row of n - 1 means
         # rows 0..n-1: every decode step. Their gather is then one kernel writing the buffer itself,
         # not a gather and a scatter (each kernel between two replays costs the step ~3-4 us).
         leading_rows = n > 0 and gather_rows[-1] == n - 1
+        staged: list[torch.Tensor] = []
 
-        def write_inputs(input_ids: torch.Tensor) -> None:
+        def write_inputs(input_ids: torch.Tensor, indices: torch.Tensor) -> None:
+            staged.append(indices)
+            rows_t, slots_t = indices[:n], indices[n:2 * n]
             if leading_rows:
                 torch.index_select(slot_tokens, 0, slots_t, out=input_ids[:n])
             elif n:
                 input_ids.index_copy_(0, rows_t, slot_tokens.index_select(0, slots_t))
 
-        result = runtime.runner.execute(out, runtime.block_pool, write_inputs)
+        # The indices ride in the step's one staging copy (a copy of their own was one more transfer
+        # on the stream between two decode graphs); the runner's buffer holds them until the next
+        # step is loaded, after this step's scatter below has read them (one stream).
+        result = runtime.runner.execute(out, runtime.block_pool, write_inputs,
+                                        gather_rows + gather_slots + sample_slots)
+        sample_t = staged[0][2 * n:]
         host_tokens, ready, logprob_rows, host_logprobs = None, None, [], None
-        keep = [indices]
+        keep: list[torch.Tensor] = []
         if sampling:
             tokens = runtime.sampler.sample(result.logits, sampling)
             slot_tokens.index_copy_(0, sample_t, tokens)

@@ -102,9 +102,9 @@ def test_static_buffers_send_a_steps_values_in_one_copy_and_keep_their_addresses
                                         buffers.group_slot_mappings[0][0])]
     table = [3]
     buffers.load([5, 6], [0, 1], [12, 13], [0, 2], [2], [table], [1], [[20, 21]], [[table]])
-    with CountCopies():
-        buffers.load([9], [2], [14], [0, 1], [3], [table], [0], [[22]], [[table]])  # tables unchanged
-    assert CountCopies.copies == 1
+    with CountCopies():  # tables unchanged; the overlapped loop's gather / scatter indices ride along
+        buffers.load([9], [2], [14], [0, 1], [3], [table], [0], [[22]], [[table]], step_indices=[0, 4, 5])
+    assert CountCopies.copies == 1 and buffers.step_indices[:3].tolist() == [0, 4, 5]
     assert buffers.input_ids[:1].tolist() == [9] and buffers.positions[:1].tolist() == [2]
     assert buffers.slot_mapping[:1].tolist() == [14] and buffers.group_slot_mappings[0][0][:1].tolist() == [22]
     assert buffers.query_start_loc[:2].tolist() == [0, 1] and buffers.seq_lens[:1].tolist() == [3]
@@ -114,6 +114,44 @@ def test_static_buffers_send_a_steps_values_in_one_copy_and_keep_their_addresses
                                                 buffers.group_slot_mappings[0][0])]
     with pytest.raises(RuntimeError, match="set_num_groups after a step was loaded"):
         buffers.set_num_groups(3)
+    with pytest.raises(ValueError, match=r"10 step indices; the buffers hold 9 \(3 \* max_num_seqs\)"):
+        buffers.load([9], [2], [14], [0, 1], [3], [table], [0], [[22]], [[table]], step_indices=list(range(10)))
+
+
+def test_a_decode_steps_new_block_table_entries_ride_the_one_copy_and_land_in_one_kernel():
+    """Both KV groups' tables grow a block (a decode crossing a block boundary): the step is still one
+    copy into the device buffers and one index_copy_ for both groups' new entries; a step with more
+    new entries than the slab holds (a long prefill) sends them apart, and every row ends up right."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        slab_copies = table_writes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            storage = args[0].untyped_storage().data_ptr() if args and isinstance(args[0], torch.Tensor) else None
+            if func is torch.ops.aten.copy_.default and storage == device_slab:
+                Count.slab_copies += 1
+            if func is torch.ops.aten.index_copy_.default:
+                Count.table_writes += 1
+            return func(*args, **(kwargs or {}))
+
+    buffers = StaticBuffers(max_tokens=64, max_seqs=2, max_blocks_per_seq=24, device=torch.device("cpu"))
+    buffers.set_num_groups(2)
+    device_slab = buffers.input_ids.untyped_storage().data_ptr()
+    full, window = [3, 4], [5, 6]
+    buffers.load([1, 2], [30, 30], [0, 0], [0, 1, 2], [31, 31], [full, []], [0, 1], [[0, 0]], [[window, []]])
+    full.append(7)
+    window.append(8)
+    with Count():
+        buffers.load([1, 2], [31, 0], [0, 0], [0, 1, 2], [32, 1], [full, []], [0, 1], [[0, 0]], [[window, []]])
+    assert (Count.slab_copies, Count.table_writes) == (1, 1)
+    assert buffers.block_tables[0, :3].tolist() == [3, 4, 7]
+    assert buffers.group_tables[0].table[0, :3].tolist() == [5, 6, 8]
+    assert buffers.table_entries_apart == 0 and buffers.table_entries_in_slab == (2 + 2) + (1 + 1)
+    long_prompt = list(range(10, 30))  # 20 new entries in one step: more than 2 * 2 seqs * 2 groups
+    buffers.load([1], [0], [0], [0, 1], [1], [long_prompt, []], [0], [[0]], [[[9], []]])
+    assert buffers.block_tables[0, :20].tolist() == long_prompt and int(buffers.group_tables[0].table[0, 0]) == 9
+    assert buffers.table_entries_apart == 21 and int(buffers.block_tables[1, 0]) == SCRATCH_BLOCK
 
 
 # -- scheduler ------------------------------------------------------------------------------------
