@@ -31,9 +31,9 @@ _EMPTY: tuple[int, ...] = ()  # what a row holds after reset, or for an empty ta
 
 
 class PersistentBlockTables:
-    """`table`: where the rows live, a [max_seqs, width] int32 block of `shared` (flat), starting at
-    flat index `base` (StaticBuffers keeps every KV group's tables in one tensor, so one step's new
-    entries for all groups are one index_copy_); by default a tensor of its own."""
+    """The rows live in `table`, a [max_seqs, width] view of the flat int32 tensor `shared` from index
+    `base`: StaticBuffers keeps every KV group's tables in one tensor, so one step's new entries for
+    all groups are one index_copy_. Without `shared`, the tables get a tensor of their own."""
 
     def __init__(self, max_seqs: int, width: int, device: torch.device, pin: bool,
                  shared: torch.Tensor | None = None, base: int = 0) -> None:
