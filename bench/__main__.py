@@ -9,7 +9,7 @@ import os
 import sys
 
 SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity", "kernels",
-          "gemm", "knockout")
+          "gemm", "knockout", "gemv_graph")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
                         "e2e: default 1,16,64; kernels, gemm: 1,8")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768; "
-                        "kernels: one context (default 512); knockout: one context (default 576)")
+                        "kernels: one context (default 512); knockout, gemv_graph: one context (default 576)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-size", type=int, help="gemm: time the matmul shapes of one rank of N-way tensor "
                         "parallelism (default 1)")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
-                        help="decode, e2e: seconds after which peers are skipped (noted in the report)")
+                        help="decode, e2e: seconds after which peers are skipped; gemv_graph: after which "
+                             "candidates are skipped (noted in the report)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suite = importlib.import_module(f"bench.{args.suite}")

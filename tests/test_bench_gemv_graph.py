@@ -1,0 +1,50 @@
+"""The gemv_graph suite (bench/gemv_graph.py): which configs it tries, which shapes of a model it sweeps,
+and which candidate it picks against the run's noise. Its timing runs on a GPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from bench import gemv_graph
+from custom_ops import GEMV_CONFIGS, GemvConfig
+
+
+def test_candidates_leave_out_the_entry_and_splits_thinner_than_a_quarter_tile():
+    entry = GEMV_CONFIGS[(3072, 8192)]
+    tried = gemv_graph.candidates((3072, 8192), entry)
+    assert entry not in tried and len(tried) == len(gemv_graph.CANDIDATES) - (entry in gemv_graph.CANDIDATES)
+    narrow = gemv_graph.candidates((1152, 256), GemvConfig())
+    assert narrow and all(c.block_k * c.split_k <= 1024 for c in narrow)
+    assert GemvConfig(block_n=16, block_k=256, split_k=8) not in narrow  # 2048 columns of splits for K = 256
+
+
+def test_model_shapes_are_the_tables_shapes_among_its_weights_in_order():
+    model = nn.Sequential(nn.Linear(3072, 5120, bias=False, device="meta"),   # llama-3.2-3b qkv
+                          nn.Linear(3072, 3072, bias=False, device="meta"),   # o
+                          nn.Linear(100, 7, device="meta"),                   # not in the table
+                          nn.Linear(3072, 3072, bias=False, device="meta"))   # o again: listed once
+    assert gemv_graph.model_shapes(model) == [(5120, 3072), (3072, 3072)]
+
+
+def _row(shape, config, delta_us):
+    return dict(shape=shape, config=config, delta_us=delta_us)
+
+
+def test_a_pick_must_beat_the_entry_by_more_than_twice_the_base_spread():
+    rows = [_row((16384, 3072), "n16k512s1w4", -85.2), _row((16384, 3072), "n8k256s1w4", -76.9),
+            _row((5120, 3072), "n4k512s1w4", -2.7), _row((3072, 3072), "n8k512s1w8", 1.4),
+            _row((3072, 8192), "n8k1024s1w4", -7.1)]
+    base_ms = [2.7387, 2.7375, 2.7371, 2.7400]  # spread 2.9 us: noise 5.8 us
+    chosen = gemv_graph.picks(rows, base_ms)
+    assert {shape: row["config"] for shape, row in chosen.items()} == {
+        (16384, 3072): "n16k512s1w4", (3072, 8192): "n8k1024s1w4"}
+    quiet = gemv_graph.picks(rows, [1.2080, 1.2080])  # no spread: still at least 1 us
+    assert set(quiet) == {(16384, 3072), (3072, 8192), (5120, 3072)}
+
+
+def test_the_suite_refuses_to_run_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the suite would run")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        gemv_graph.run("llama-3.2-3b")
