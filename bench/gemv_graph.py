@@ -60,9 +60,7 @@ def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]
     noise_us = max(1.0, 2.0 * (max(base_ms) - min(base_ms)) * 1e3)
     best: dict[tuple[int, int], dict] = {}
     for row in rows:
-        if row["delta_us"] is None:
-            continue
-        shape = tuple(row["shape"])
+        shape = row["shape"]
         if row["delta_us"] < -noise_us and (shape not in best or row["delta_us"] < best[shape]["delta_us"]):
             best[shape] = row
     return best
@@ -72,7 +70,6 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, **_: obje
     if not torch.cuda.is_available():
         raise RuntimeError("the gemv_graph suite needs a CUDA device: it times decode graph replays")
     from bench.decode import graph_replay_ms
-    from bench.measure import measure_ceilings
     from engine import LLM
 
     context = parse_ints(contexts, (CONTEXT,))[0]
@@ -88,7 +85,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, **_: obje
             runner.decode_graphs.capture((1,), False)
             return graph_replay_ms(runner, net.config.vocab_size, 1, context, ITERS)
 
-    report = Report("gemv_graph", model, measure_ceilings().device_name, COLUMNS)
+    report = Report("gemv_graph", model, torch.cuda.get_device_name(), COLUMNS)
     report.meta.update(torch=torch.__version__, context=context, iters=ITERS)
     rows: list[dict] = []
     start = time.perf_counter()
@@ -106,8 +103,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, **_: obje
                     ms = replay_ms()
                 finally:
                     table[shape] = entry
-                rows.append(dict(shape=shape, config=config.label(), replay_ms=ms, table_entry=entry.label(),
-                                 delta_us=None, pick=""))
+                rows.append(dict(shape=shape, config=config.label(), replay_ms=ms, table_entry=entry.label()))
             base_ms.append(replay_ms())  # the entry restored: the run's drift and noise
     finally:
         llm.close()

@@ -210,11 +210,11 @@ class ModelRunner:
         self.on_staged: Callable[..., None] | None = None
 
     def execute(self, out: SchedulerOutput, pool: BlockPool,
-                write_inputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                write_inputs: Callable[[torch.Tensor], None] | None = None,
                 step_indices: list[int] = ()) -> StepResult:
-        """`write_inputs(input_ids, indices)`: called once the static buffers hold the step and before
-        the forward or graph replay, to write input ids that live on the device (engine.overlap);
-        `indices` is `step_indices` on the device, sent in the step's one copy (valid until the next
+        """`write_inputs(input_ids)`: called once the static buffers hold the step and before the
+        forward or graph replay, to write input ids that live on the device (engine.overlap).
+        `step_indices` reach `self.buffers.step_indices` in the step's one copy (valid until the next
         step is loaded)."""
         batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode)
         dispatch = self.dispatcher.dispatch(batch)
@@ -222,7 +222,7 @@ class ModelRunner:
         num_padded = dispatch.descriptor.num_tokens
         meta, num_sampling = self._prepare(out, pool, num_padded, full, step_indices)
         if write_inputs is not None:
-            write_inputs(self.buffers.input_ids, self.buffers.step_indices[:len(step_indices)])
+            write_inputs(self.buffers.input_ids)
         if self.on_staged is not None:  # after write_inputs: the other ranks receive the real ids
             self.on_staged(batch, dispatch, meta, num_sampling, len(out.chunks))
         return self.run_staged(dispatch, meta, num_sampling, len(out.chunks))

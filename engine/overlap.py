@@ -258,22 +258,21 @@ class OverlapLoop:
         # rows 0..n-1: every decode step. Their gather is then one kernel writing the buffer itself,
         # not a gather and a scatter (each kernel between two replays costs the step ~3-4 us).
         leading_rows = n > 0 and gather_rows[-1] == n - 1
-        staged: list[torch.Tensor] = []
+        # The indices ride in the step's one staging copy (a copy of their own was one more transfer
+        # on the stream between two decode graphs), into the runner's fixed `step_indices` buffer,
+        # which holds them until the next step is loaded, after this step's scatter below has read
+        # them (one stream).
+        indices = runtime.runner.buffers.step_indices
+        rows_t, slots_t, sample_t = indices[:n], indices[n:2 * n], indices[2 * n:2 * n + len(sample_slots)]
 
-        def write_inputs(input_ids: torch.Tensor, indices: torch.Tensor) -> None:
-            staged.append(indices)
-            rows_t, slots_t = indices[:n], indices[n:2 * n]
+        def write_inputs(input_ids: torch.Tensor) -> None:
             if leading_rows:
                 torch.index_select(slot_tokens, 0, slots_t, out=input_ids[:n])
             elif n:
                 input_ids.index_copy_(0, rows_t, slot_tokens.index_select(0, slots_t))
 
-        # The indices ride in the step's one staging copy (a copy of their own was one more transfer
-        # on the stream between two decode graphs); the runner's buffer holds them until the next
-        # step is loaded, after this step's scatter below has read them (one stream).
         result = runtime.runner.execute(out, runtime.block_pool, write_inputs,
                                         gather_rows + gather_slots + sample_slots)
-        sample_t = staged[0][2 * n:]
         host_tokens, ready, logprob_rows, host_logprobs = None, None, [], None
         keep: list[torch.Tensor] = []
         if sampling:
