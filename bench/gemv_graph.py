@@ -32,7 +32,8 @@ COLUMNS = ["shape", "config", "replay_ms", "delta_us", "table_entry", "pick"]
 CANDIDATES = tuple(GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w) for n, k, s, w in (
     (4, 512, 1, 4), (8, 256, 1, 4), (8, 512, 1, 4), (8, 1024, 1, 4), (16, 256, 1, 4), (16, 512, 1, 4),
     (32, 256, 1, 4), (8, 512, 2, 4), (16, 256, 2, 4), (16, 512, 2, 4), (16, 256, 4, 4), (8, 512, 4, 4),
-    (32, 256, 4, 4), (16, 256, 8, 4), (8, 512, 1, 8), (16, 512, 1, 8)))
+    (32, 256, 4, 4), (16, 256, 8, 4), (8, 512, 1, 8), (16, 512, 1, 8), (4, 1024, 1, 4), (16, 1024, 1, 4),
+    (32, 512, 1, 4)))
 
 
 def candidates(shape: tuple[int, int], entry: GemvConfig) -> list[GemvConfig]:

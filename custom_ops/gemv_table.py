@@ -28,25 +28,28 @@ class GemvConfig:
         return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}"
 
 
-# (N, K) -> the GEMV config that beat cuBLAS at one row: the "pick" rows at batch 1 of
-# bench/results/h100-2026-11-23/gemm-{llama-3.2-3b,qwen3-4b,gemma-3-1b}.md (`python -m bench gemm`,
-# bf16, NVIDIA H100; us per call there, GEMV vs cuBLAS's default). Any model whose matmul has one of these shapes uses the entry.
-# A shape without an entry uses cuBLAS, and so does every shape at more than one row (at batch 8
-# cuBLAS won every shape, the GEMV 2-3x slower). fp16 streams the same bytes through the same tiles
-# as bf16 and shares the entries.
+# (N, K) -> the GEMV config for one row. First picked by timing each call alone against cuBLAS (the
+# "pick" rows at batch 1 of bench/results/h100-2026-11-23/gemm-*.md, `python -m bench gemm`; us per
+# call there, GEMV vs cuBLAS's default). Entries marked "in graph" were then re-picked by what they cost
+# the whole batch-1 decode graph (`python -m bench gemv_graph`, bench/results/h100x2-2026-11-26/
+# gemv-in-graph/): under PDL a tile that is fastest alone can hold up its neighbours, and llama's
+# gate_up cost the step ~85 us more with the tile that won alone. Any model whose matmul has one of
+# these shapes uses the entry. A shape without an entry uses cuBLAS, and so does every shape at more
+# than one row (at batch 8 cuBLAS won every shape, the GEMV 2-3x slower). fp16 streams the same bytes
+# through the same tiles as bf16 and shares the entries.
 GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    (5120, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # llama-3.2-3b qkv: 13.5 vs 13.8
-    (3072, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # o: 9.4 vs 11.6
-    (16384, 3072): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4),  # gate_up: 36.7 vs 38.0
-    (3072, 8192): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.1 vs 22.3
+    (5120, 3072): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # llama-3.2-3b qkv: in graph -2.7 us
+    (3072, 3072): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # o: in graph -3.4 us
+    (16384, 3072): GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=4),  # gate_up: in graph -85 us
+    (3072, 8192): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=4),   # down: in graph -7.1 us
     (128256, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 253.9 vs 278.6
     (6144, 2560): GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=4),   # qwen3-4b qkv: 13.3 vs 14.4
     (2560, 4096): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # o: 10.3 vs 12.3
     (19456, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),   # gate_up: 36.1 vs 39.5
     (2560, 9728): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.3 vs 22.7
     (151936, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 249.9 vs 271.6
-    (1536, 1152): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # gemma-3-1b qkv: 4.24 vs 4.51
-    (1152, 1024): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # o: 3.35 vs 4.45
+    (1536, 1152): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # gemma-3-1b qkv: in graph -2.6 us
+    (1152, 1024): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=4),   # o: in graph -15.5 us
     (13824, 1152): GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4),  # gate_up: 13.4 vs 14.1
     (1152, 6912): GemvConfig(block_n=16, block_k=256, split_k=8, num_warps=4),   # down: 9.43 vs 10.9
     (262144, 1152): GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4), # lm_head (tied): 196.6 vs 213.2
