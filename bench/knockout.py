@@ -33,8 +33,9 @@ KINDS = {
     "rope": ("custom_ops.triton_rope", "_qk_norm_rope_kernel"),
     "attention": ("custom_ops.triton_decode", "_decode_kernel"),
     "gemv": ("custom_ops.triton_gemv", "_gemv_kernel"),
+    "gemv_rope": ("custom_ops.triton_gemv_rope", "_gemv_rope_kernel"),  # Llama's q/k/v GEMV, rotary inside
 }
-VARIANTS = ("none", "norm", "rope", "attention", "norm+rope+attention", "gemv")
+VARIANTS = ("none", "norm", "rope", "attention", "norm+rope+attention", "gemv+gemv_rope")
 CONTEXT = 576  # the e2e suite's mid-generation context (512-token prompts, 128 tokens out)
 ITERS = 100
 CHILD_TIMEOUT_S = 300  # one engine start-up (a cold compile included) and the replays

@@ -25,7 +25,8 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from compile_backend.split import SplitGraph, op_name
-from custom_ops.linear import gated_linear_plain  # downward import: a graph-only op's plain form
+from custom_ops.linear import gated_linear_plain  # downward imports: the graph-only ops' plain forms
+from custom_ops.qkv_rope import linear_rope_plain
 
 
 def _direct_impls() -> dict[str, Callable[..., Any]]:
@@ -98,6 +99,7 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
 _GRAPH_ONLY_OPS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
     "infer::linear": (torch.ops.aten.linear.default, ("x", "weight", "bias")),
     "infer::gated_linear": (gated_linear_plain, ("gate_up", "weight", "activation")),
+    "infer::linear_rope": (linear_rope_plain, ("x", "weight", "bias", "cos", "sin", "num_heads", "num_kv_heads")),
 }
 
 

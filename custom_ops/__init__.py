@@ -1,5 +1,6 @@
-"""Torch custom ops (attention, in place; linear, the decode GEMV where measured; the residual add
-with its RMSNorm; q/k norm and rotary; each with a fake implementation) and their kernels."""
+"""Torch custom ops (attention, in place; linear, the decode GEMV where measured; the q/k/v projection
+with its rotary; the residual add with its RMSNorm; q/k norm and rotary; each with a fake
+implementation) and their kernels."""
 from custom_ops.attention import attention, attention_layer_renamed, run_attention
 from custom_ops.forward_context import ForwardContext, RuntimeMode, forward_context, get_forward_context
 from custom_ops.gemv_table import GEMV_CONFIGS, GemvConfig, gemv_config
@@ -9,6 +10,7 @@ from custom_ops.layers import (
 from custom_ops.linear import (
     act_and_mul, decode_linear, gated_gemv_linear, gated_linear_plain, gemv_linear, run_gated_linear, run_linear,
 )
+from custom_ops.qkv_rope import linear_rope, linear_rope_plain, run_linear_rope
 from custom_ops.norm import add_rms_norm, rms_norm, run_add_rms_norm
 from custom_ops.rope import apply_rotary, qk_norm_rope, run_qk_norm_rope
 from custom_ops.metadata import SCRATCH_BLOCK, AttentionMetadata, allocate_kv_cache
@@ -19,5 +21,6 @@ __all__ = [
     "register_attention_layer", "unique_prefix", "SCRATCH_BLOCK", "AttentionMetadata",
     "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "decode_linear", "gemv_linear", "run_linear",
     "act_and_mul", "gated_gemv_linear", "gated_linear_plain", "run_gated_linear",
+    "linear_rope", "linear_rope_plain", "run_linear_rope",
     "add_rms_norm", "rms_norm", "run_add_rms_norm", "apply_rotary", "qk_norm_rope", "run_qk_norm_rope",
 ]

@@ -25,23 +25,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
-           k_weight: torch.Tensor | None, num_heads: int, num_kv_heads: int) -> int:
-    """The head dim, once the shapes agree."""
+def check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
+                      k_weight: torch.Tensor | None, op: str = "infer.qk_norm_rope") -> int:
+    """The head dim, once cos / sin and the optional norm weights agree (`op` names the caller)."""
     head_dim = 2 * cos.shape[-1]
-    if qkv.dim() != 2 or qkv.shape[1] < (num_heads + num_kv_heads) * head_dim:
-        raise ValueError(f"infer.qk_norm_rope: qkv {tuple(qkv.shape)} must be [tokens, >= (num_heads "
-                         f"{num_heads} + num_kv_heads {num_kv_heads}) * head_dim {head_dim}]")
     # Only static sizes are compared here: under Dynamo the token count is a symbol (unbacked for a
     # decode of one token), and the fake implementation runs this too.
     if cos.shape != sin.shape or cos.dim() not in (2, 3) or (cos.dim() == 3 and cos.shape[1] != 1):
-        raise ValueError(f"infer.qk_norm_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be "
+        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be "
                          "[tokens, head_dim / 2] or [tokens, 1, head_dim / 2]")
     if (q_weight is None) != (k_weight is None):
-        raise ValueError("infer.qk_norm_rope: q_weight and k_weight are given together or not at all")
+        raise ValueError(f"{op}: q_weight and k_weight are given together or not at all")
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if weight is not None and weight.shape != (head_dim,):
-            raise ValueError(f"infer.qk_norm_rope: {name} {tuple(weight.shape)} must be [head_dim {head_dim}]")
+            raise ValueError(f"{op}: {name} {tuple(weight.shape)} must be [head_dim {head_dim}]")
+    return head_dim
+
+
+def _check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
+           k_weight: torch.Tensor | None, num_heads: int, num_kv_heads: int) -> int:
+    """The head dim, once the shapes agree."""
+    head_dim = check_rope_tables(cos, sin, q_weight, k_weight)
+    if qkv.dim() != 2 or qkv.shape[1] < (num_heads + num_kv_heads) * head_dim:
+        raise ValueError(f"infer.qk_norm_rope: qkv {tuple(qkv.shape)} must be [tokens, >= (num_heads "
+                         f"{num_heads} + num_kv_heads {num_kv_heads}) * head_dim {head_dim}]")
     return head_dim
 
 

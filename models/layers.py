@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops import (
-    AttentionLayer, act_and_mul, add_rms_norm, gated_gemv_linear, gemv_linear, qk_norm_rope, register_attention_layer,
-    rms_norm,
+    AttentionLayer, act_and_mul, add_rms_norm, gated_gemv_linear, gemv_linear, linear_rope, qk_norm_rope,
+    register_attention_layer, rms_norm,
 )
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
@@ -69,6 +69,17 @@ class Linear(nn.Module):
         if self.input_shard is not None:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                  num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this q/k/v projection of x, its q heads rotated, its k heads rotated) for a layer without
+        q/k norms: with decode_gemv on, one op whose GEMV rotates q and k as it writes them at one
+        row (custom_ops.qkv_rope); off, the projection and the rotary op."""
+        if self.decode_gemv and self.input_shard is None:
+            return linear_rope(x, self.weight, self.bias, cos, sin, num_heads, num_kv_heads)
+        qkv = self(x)
+        q, k = qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
+        return qkv, q, k
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A Python bool read at trace time: switched off, the traced graph holds F.linear exactly as
@@ -201,18 +212,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the projection: their per-head norms (Qwen3, Gemma 3) and the rotary
+        # run in one kernel over both (custom_ops.rope), which writes q and k as new tensors. Without
+        # norms (Llama) the rotary can ride in the projection's own GEMV at one row (Linear.with_rope).
+        norm = self.q_norm is not None
+        if norm:
+            qkv = self.qkv_proj(x)
+            q, k = qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.q_norm.unit_offset, self.num_heads, self.num_kv_heads)
+        else:
+            qkv, q, k = self.qkv_proj.with_rope(x, cos, sin, self.num_heads, self.num_kv_heads)
         qk_size = self.q_size + self.kv_size
         # v stays a strided view of the fused projection (row stride q_size + 2 * kv_size): every
         # attention path (the Triton store, decode and prefill kernels, the reference) honours token
         # and head strides, and a .contiguous() here was one copy kernel per layer per step.
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        # q and k are adjacent in the projection: their per-head norms (Qwen3, Gemma 3) and the rotary
-        # run in one kernel over both (custom_ops.rope), which writes q and k as new tensors.
-        norm = self.q_norm is not None
-        q, k = qk_norm_rope(qkv, cos, sin, self.q_norm.weight if norm else None,
-                            self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
-                            self.q_norm.unit_offset if norm else False, self.num_heads, self.num_kv_heads)
         # Allocated right before the op so a graph split at the op hands this buffer, at a fixed
         # address, from the piece before (which allocates it) to the piece after (which reads it).
         out = torch.empty_like(q)

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 import custom_ops.linear
 import models
 from bench.configs import TINY_LLAMA
-from custom_ops import GEMV_CONFIGS, GemvConfig, gated_linear_plain, gemv_config, run_gated_linear, run_linear
+from custom_ops import (
+    GEMV_CONFIGS, GemvConfig, gated_linear_plain, gemv_config, linear_rope_plain, run_gated_linear, run_linear,
+)
 from custom_ops.linear import act_and_mul
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
 from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
@@ -109,7 +111,7 @@ def test_run_linear_refuses_out_with_a_bias():
 
 
 def _traced_matmuls(net: torch.nn.Module) -> dict[str, int]:
-    counts = {"infer.linear": 0, "infer.gated_linear": 0, "F.linear": 0}
+    counts = {"infer.linear": 0, "infer.gated_linear": 0, "infer.linear_rope": 0, "F.linear": 0}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         for node in gm.graph.nodes:
@@ -121,6 +123,9 @@ def _traced_matmuls(net: torch.nn.Module) -> dict[str, int]:
             elif node.op == "call_function" and node.target in (torch.ops.infer.gated_linear,
                                                                   torch.ops.infer.gated_linear.default):
                 counts["infer.gated_linear"] += 1
+            elif node.op == "call_function" and node.target in (torch.ops.infer.linear_rope,
+                                                                  torch.ops.infer.linear_rope.default):
+                counts["infer.linear_rope"] += 1
         return gm.forward
     torch._dynamo.reset()
     step = torch.compile(lambda ids, pos: net.compute_logits(net(ids, pos)), backend=backend, fullgraph=True)
@@ -136,11 +141,14 @@ def test_set_decode_gemv_traces_the_op_for_every_matmul_and_plain_f_linear_when_
     linears = [m for m in net.modules() if isinstance(m, Linear)]
     assert models.set_decode_gemv(net, True) == len(linears) + 1  # and the model's own logits matmul
     assert all(m.decode_gemv for m in linears) and net.decode_gemv
-    # qkv, o, gate_up per layer, and the tied-embedding logits; down with the activation in it
-    assert _traced_matmuls(net) == {"infer.linear": 3 * layers + 1, "infer.gated_linear": layers, "F.linear": 0}
+    # o, gate_up per layer, and the tied-embedding logits; down with the activation in it; qkv with
+    # its rotary (Llama has no q/k norms)
+    assert _traced_matmuls(net) == {"infer.linear": 2 * layers + 1, "infer.gated_linear": layers,
+                                    "infer.linear_rope": layers, "F.linear": 0}
     models.set_decode_gemv(net, False)
     assert not any(m.decode_gemv for m in linears) and not net.decode_gemv
-    assert _traced_matmuls(net) == {"infer.linear": 0, "infer.gated_linear": 0, "F.linear": 4 * layers + 1}
+    assert _traced_matmuls(net) == {"infer.linear": 0, "infer.gated_linear": 0, "infer.linear_rope": 0,
+                                    "F.linear": 4 * layers + 1}
 
 
 class RecordingTP(TensorParallel):
@@ -192,7 +200,8 @@ def _linear_targets(gm: torch.fx.GraphModule) -> list[str]:
     names = {torch.ops.infer.linear: "infer.linear", torch.ops.infer.linear.default: "infer.linear",
              torch.ops.aten.linear.default: "aten.linear", F.linear: "F.linear",
              torch.ops.infer.gated_linear: "infer.gated_linear", torch.ops.infer.gated_linear.default: "infer.gated_linear",
-             gated_linear_plain: "gated_linear_plain"}
+             gated_linear_plain: "gated_linear_plain", torch.ops.infer.linear_rope: "infer.linear_rope",
+             torch.ops.infer.linear_rope.default: "infer.linear_rope", linear_rope_plain: "linear_rope_plain"}
     return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names]
 
 
@@ -218,14 +227,14 @@ def test_an_unsplit_compile_keeps_the_op_for_full_steps_and_gives_the_pieces_pla
             out = compiled(ids, pos)
         graph = backend.graphs[0]
         unsplit = graph.full_forward.__self__
-        assert _linear_targets(unsplit) == ["infer.linear", "infer.linear", "infer.linear",
+        assert _linear_targets(unsplit) == ["infer.linear_rope", "infer.linear", "infer.linear",
                                             "infer.gated_linear"] * layers
         runners = [graph.split.piece(info) for info in graph.split.summary.pieces]  # the eager compiler's
         fns = [getattr(r, "fn", None) for r in runners]
         pieces = [f.__self__ for f in fns if isinstance(getattr(f, "__self__", None), torch.fx.GraphModule)]
         assert len(pieces) > layers  # compute pieces between the attention calls
         assert sorted(sum((_linear_targets(p) for p in pieces), [])) == sorted(
-            ["aten.linear"] * (3 * layers) + ["gated_linear_plain"] * layers)
+            ["aten.linear"] * (2 * layers) + ["gated_linear_plain", "linear_rope_plain"] * layers)
         assert backend.stats.graph_only_ops_lowered == 4 * layers
         torch.testing.assert_close(out, expected)   # the pieces' plain linears compute the same
         with torch.no_grad(), forward_context(None, RuntimeMode.FULL, 3):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import custom_ops.triton_gemv
+import custom_ops.triton_gemv_rope
 import models
 from bench.configs import LLAMA_3_2_3B
 from custom_ops import GEMV_CONFIGS
@@ -44,11 +45,17 @@ def gemv_calls(monkeypatch):
     """(N, K, capturing) of every GEMV launch (the op imports the kernel at each call: this spy)."""
     calls = []
     real = custom_ops.triton_gemv.gemv
+    real_rope = custom_ops.triton_gemv_rope.gemv_rope
 
     def spy(x, weight, config=None, out=None, gate=None):
         calls.append((weight.shape[0], weight.shape[1], torch.cuda.is_current_stream_capturing()))
         return real(x, weight, config, out, gate)
+
+    def spy_rope(x, weight, *args):  # the q/k/v projection of a layer without q/k norms (Llama)
+        calls.append((weight.shape[0], weight.shape[1], torch.cuda.is_current_stream_capturing()))
+        return real_rope(x, weight, *args)
     monkeypatch.setattr(custom_ops.triton_gemv, "gemv", spy)
+    monkeypatch.setattr(custom_ops.triton_gemv_rope, "gemv_rope", spy_rope)
     return calls
 
 
@@ -94,6 +101,46 @@ def test_gpu_linear_op_captured_at_one_row_replays_the_split_k_gemv_on_fresh_inp
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(y, x.float() @ weight.float().t()) < TOL[torch.bfloat16]
+
+
+def test_gpu_linear_rope_is_one_launch_for_llamas_projection_eager_and_replayed(gemv_calls):
+    """llama-3.2-3b's q/k/v projection at one row: the GEMV with the rotary in its epilogue, against
+    float32; its q and k within one bf16 rounding of the rotary kernel applied to its own qkv; captured,
+    it replays on fresh inputs and a new position."""
+    from custom_ops import apply_rotary, run_qk_norm_rope
+    n, k, hq, hkv, d = 5120, 3072, 24, 8, 128
+    weight = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    cos, sin = torch.empty(1, d // 2, device="cuda", dtype=torch.bfloat16), torch.empty_like(inv_freq[None]).bfloat16()
+
+    def set_position(p: int) -> None:
+        cos.copy_((p * inv_freq).cos()[None])
+        sin.copy_((p * inv_freq).sin()[None])
+
+    def check(qkv, q, kk) -> None:
+        want = x.float() @ weight.float().t()
+        assert rel_err(qkv, want) < TOL[torch.bfloat16]
+        heads = want[:, :(hq + hkv) * d].view(1, hq + hkv, d)
+        rotated = apply_rotary(heads, cos.float()[:, None], sin.float()[:, None])
+        assert rel_err(q, rotated[:, :hq]) < TOL[torch.bfloat16] and rel_err(kk, rotated[:, hq:]) < TOL[torch.bfloat16]
+        q2, k2 = run_qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, hq, hkv)
+        torch.testing.assert_close(q, q2, rtol=8e-3, atol=1e-3)
+        torch.testing.assert_close(kk, k2, rtol=8e-3, atol=1e-3)
+
+    set_position(1234)
+    check(*torch.ops.infer.linear_rope(x, weight, None, cos, sin, hq, hkv))
+    assert gemv_calls == [(n, k, False)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = torch.ops.infer.linear_rope(x, weight, None, cos, sin, hq, hkv)
+    assert gemv_calls[-1] == (n, k, True)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        set_position(17 + 1000 * seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*outs)
 
 
 DOWN_SHAPES = [(3072, 8192), (2560, 9728), (1152, 6912)]  # llama-3.2-3b, qwen3-4b, gemma-3-1b

@@ -1,0 +1,100 @@
+"""`torch.ops.infer.linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads) -> (qkv, q, k)`:
+a fused q/k/v projection and the rotary embedding of its q and k heads, for layers without q/k
+norms (Llama). `qkv` is the whole projection (attention reads its v columns as a view), `q` and `k`
+the rotated heads as new contiguous tensors: exactly `linear` followed by `qk_norm_rope`.
+
+At one row on CUDA, where the GEMV table has the projection's shape, this is one Triton launch
+(custom_ops.triton_gemv_rope: the rotary in the GEMV's epilogue, one kernel and one launch-to-launch
+gap fewer per layer of a batch-1 decode step). Everywhere else it runs the two ops' implementations,
+as the model ran them before. Like `infer.linear` the op is opaque to Dynamo, and the compile backend
+rewrites it into its plain form (`linear_rope_plain`) in the pieces when FULL steps have their own
+code (compile_backend.compile_pieces.lower_graph_only_ops).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from custom_ops.gemv_table import GemvConfig, gemv_config
+from custom_ops.linear import run_linear
+from custom_ops.rope import check_rope_tables, run_qk_norm_rope
+
+
+def _fused_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  head_dim: int) -> GemvConfig | None:
+    """The GEMV tile the one-launch path runs with, or None for the two ops."""
+    if bias is not None or x.shape[0] != 1 or x.dtype != weight.dtype or weight.stride(-1) != 1:
+        return None
+    n, k = weight.shape
+    config = gemv_config(1, n, k, x.dtype, x.device.type)
+    if config is None:
+        return None
+    from custom_ops.triton_gemv_rope import fits  # lazy: Triton only where a GEMV runs
+    return config if fits(config, head_dim) else None
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+           num_kv_heads: int) -> int:
+    """The head dim, once the shapes agree."""
+    head_dim = check_rope_tables(cos, sin, None, None, op="infer.linear_rope")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"infer.linear_rope: x {tuple(x.shape)} must be [tokens, K] for weight "
+                         f"{tuple(weight.shape)} [N, K]")
+    if weight.shape[0] < (num_heads + num_kv_heads) * head_dim:
+        raise ValueError(f"infer.linear_rope: weight {tuple(weight.shape)} has fewer than (num_heads {num_heads} + "
+                         f"num_kv_heads {num_kv_heads}) * head_dim {head_dim} rows")
+    return head_dim
+
+
+def run_linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                    sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's implementation, callable directly by eager code."""
+    head_dim = _check(x, weight, cos, sin, num_heads, num_kv_heads)
+    config = _fused_config(x, weight, bias, head_dim)
+    if config is None:
+        qkv = run_linear(x, weight, bias)
+        q, k = run_qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
+        return qkv, q, k
+    from custom_ops.triton_gemv_rope import gemv_rope
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    half = head_dim // 2
+    return gemv_rope(x, weight, cos.reshape(half), sin.reshape(half), config, num_heads, num_kv_heads)
+
+
+def linear_rope_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op as the two steps it stands for, F.linear (Inductor lowers it) and the rotary op: what
+    the pieces run where no graph records the op."""
+    qkv = F.linear(x, weight, bias)
+    q, k = torch.ops.infer.qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
+    return qkv, q, k
+
+
+@torch.library.custom_op("infer::linear_rope", mutates_args=())
+def linear_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor,
+                   sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return run_linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads)
+
+
+@linear_rope_op.register_fake
+def _linear_rope_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor,
+                      sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    head_dim = _check(x, weight, cos, sin, num_heads, num_kv_heads)
+    tokens = x.shape[0]
+    return (x.new_empty((tokens, weight.shape[0])), x.new_empty((tokens, num_heads, head_dim)),
+            x.new_empty((tokens, num_kv_heads, head_dim)))
+
+
+def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a model calls: the op while Dynamo traces, the implementation itself when eager."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infer.linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads)
+    return run_linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads)
