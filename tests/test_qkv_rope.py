@@ -98,9 +98,9 @@ def launches(monkeypatch):
 def _inputs(tokens: int, bias: bool = False):
     hq, hkv, d, k_dim = 4, 2, 16, 48
     n = (hq + 2 * hkv) * d
-    x, weight = torch.randn(tokens, k_dim), torch.randn(n, k_dim)
+    x, weight = torch.randn(tokens, k_dim, device=DEVICE), torch.randn(n, k_dim, device=DEVICE)
     cos, sin = rope_tables(d, 11, torch.float32)
-    b = torch.randn(n) if bias else None
+    b = torch.randn(n, device=DEVICE) if bias else None
     return x, weight, b, cos.expand(tokens, -1), sin.expand(tokens, -1), hq, hkv
 
 
