@@ -12,10 +12,12 @@ candidate config, the table entry is swapped, the graph re-captured, and its med
 before the first shape and after each one: its spread is the run's noise. A candidate is the
 shape's pick when it beats the entry by more than twice that spread (and at least 1 us), and the
 picks are what to write into the table (after the GEMV and engine GPU tests pass with them: a
-config changes the matmul's summation order).
+config changes the matmul's summation order). `--candidates neighbours` is the second pass: each
+entry's own tile with other pipeline stages and warp counts.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -43,6 +45,14 @@ def candidates(shape: tuple[int, int], entry: GemvConfig) -> list[GemvConfig]:
     return [c for c in CANDIDATES if c != entry and c.block_k * c.split_k <= 4 * k]
 
 
+def neighbours(entry: GemvConfig) -> list[GemvConfig]:
+    """The entry's own tile with other pipeline depths (1, 2, 4 stages) and warp counts (2, 8): the
+    second pass once the tile is chosen (bench/results/h100-2026-11-26/gemv-stages-warps/)."""
+    variants = [dataclasses.replace(entry, num_stages=s) for s in (1, 2, 4)]
+    variants += [dataclasses.replace(entry, num_warps=w) for w in (2, 8)]
+    return [c for c in variants if c != entry]
+
+
 def model_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """The table's shapes among the model's 2-D weights, in the order the model holds them."""
     shapes: list[tuple[int, int]] = []
@@ -67,12 +77,20 @@ def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]
     return best
 
 
-def run(model: str, contexts=None, time_budget_s: float | None = None, **_: object) -> Report:
+CANDIDATE_SETS = ("tiles", "neighbours")
+
+
+def run(model: str, contexts=None, time_budget_s: float | None = None, candidate_set: str = "tiles",
+        **_: object) -> Report:
+    """candidate_set: "tiles" (CANDIDATES, the tile shapes) or "neighbours" (each entry's tile with
+    other stages and warps)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the gemv_graph suite needs a CUDA device: it times decode graph replays")
     from bench.decode import graph_replay_ms
     from engine import LLM
 
+    if candidate_set not in CANDIDATE_SETS:
+        raise ValueError(f"gemv_graph: candidate_set {candidate_set!r} is not one of {CANDIDATE_SETS}")
     context = parse_ints(contexts, (CONTEXT,))[0]
     budget = TIME_BUDGET_S if time_budget_s is None else time_budget_s
     net = build_model(model)
@@ -87,7 +105,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, **_: obje
             return graph_replay_ms(runner, net.config.vocab_size, 1, context, ITERS)
 
     report = Report("gemv_graph", model, torch.cuda.get_device_name(), COLUMNS)
-    report.meta.update(torch=torch.__version__, context=context, iters=ITERS)
+    report.meta.update(torch=torch.__version__, context=context, iters=ITERS, candidate_set=candidate_set)
     rows: list[dict] = []
     start = time.perf_counter()
     skipped = 0
@@ -95,7 +113,8 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, **_: obje
         base_ms = [replay_ms()]
         for shape in model_shapes(net):
             entry = table[shape]
-            for config in candidates(shape, entry):
+            tried = candidates(shape, entry) if candidate_set == "tiles" else neighbours(entry)
+            for config in tried:
                 if time.perf_counter() - start > budget:
                     skipped += 1
                     continue

@@ -25,7 +25,9 @@ class GemvConfig:
             raise ValueError(f"GemvConfig split_k={self.split_k}, num_stages={self.num_stages} must be >= 1")
 
     def label(self) -> str:
-        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}"
+        """nBLOCK_N kBLOCK_K sSPLIT_K wWARPS, and stSTAGES where the stages are not the default 3."""
+        stages = "" if self.num_stages == 3 else f"st{self.num_stages}"
+        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}{stages}"
 
 
 # (N, K) -> the GEMV config for one row. First picked by timing each call alone against cuBLAS (the

@@ -19,6 +19,17 @@ def test_candidates_leave_out_the_entry_and_splits_thinner_than_a_quarter_tile()
     assert GemvConfig(block_n=16, block_k=256, split_k=8) not in narrow  # 2048 columns of splits for K = 256
 
 
+def test_neighbours_are_the_entrys_tile_with_other_stages_and_warps_and_labelled_apart():
+    entry = GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3)
+    tried = gemv_graph.neighbours(entry)
+    assert entry not in tried and len(tried) == 5
+    assert all((c.block_n, c.block_k, c.split_k) == (8, 1024, 1) for c in tried)
+    assert sorted(c.num_stages for c in tried if c.num_warps == 4) == [1, 2, 4]
+    assert sorted(c.num_warps for c in tried if c.num_stages == 3) == [2, 8]
+    labels = [c.label() for c in (entry, *tried)]
+    assert len(set(labels)) == len(labels) and entry.label() == "n8k1024s1w4"
+
+
 def test_model_shapes_are_the_tables_shapes_among_its_weights_in_order():
     model = nn.Sequential(nn.Linear(3072, 5120, bias=False, device="meta"),   # llama-3.2-3b qkv
                           nn.Linear(3072, 3072, bias=False, device="meta"),   # o
