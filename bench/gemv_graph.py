@@ -30,6 +30,7 @@ from custom_ops.gemv_table import GemvConfig
 CONTEXT = 576  # the e2e suite's mid-generation context, as the knockout suite
 ITERS = 200
 TIME_BUDGET_S = 400.0  # candidates past it are skipped (noted in the report)
+CANDIDATE_SETS = ("tiles", "neighbours")  # --candidates: tile shapes, or each entry's stages and warps
 COLUMNS = ["shape", "config", "replay_ms", "delta_us", "table_entry", "pick"]
 CANDIDATES = tuple(GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w) for n, k, s, w in (
     (4, 512, 1, 4), (8, 256, 1, 4), (8, 512, 1, 4), (8, 1024, 1, 4), (16, 256, 1, 4), (16, 512, 1, 4),
@@ -75,9 +76,6 @@ def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]
         if row["delta_us"] < -noise_us and (shape not in best or row["delta_us"] < best[shape]["delta_us"]):
             best[shape] = row
     return best
-
-
-CANDIDATE_SETS = ("tiles", "neighbours")
 
 
 def run(model: str, contexts=None, time_budget_s: float | None = None, candidate_set: str = "tiles",

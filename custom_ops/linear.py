@@ -23,7 +23,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from custom_ops.gemv_table import gemv_config
+from custom_ops.gemv_table import GemvConfig, gemv_config
+
+
+def table_config(x: torch.Tensor, weight: torch.Tensor, rows: int) -> GemvConfig | None:
+    """The GEMV table's config for `rows` rows of x against weight [N, K], or None for cuBLAS: only
+    where the kernel can read them (one dtype, a row-major weight)."""
+    if x.dtype != weight.dtype or weight.stride(-1) != 1:
+        return None
+    n, k = weight.shape
+    return gemv_config(rows, n, k, x.dtype, x.device.type)
 
 
 def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -35,9 +44,7 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if out is not None and (bias is not None or x.dim() != 2):
         raise ValueError(f"custom_ops.linear: `out` needs a 2-D x and no bias (x {tuple(x.shape)}, "
                          f"bias {'given' if bias is not None else 'None'})")
-    config = None
-    if x.dtype == weight.dtype and weight.stride(-1) == 1 and x.shape[-1] == k:  # what the GEMV takes
-        config = gemv_config(x.numel() // max(k, 1), n, k, x.dtype, x.device.type)
+    config = table_config(x, weight, x.numel() // max(k, 1)) if x.shape[-1] == k else None
     if config is None:
         if out is None:
             return F.linear(x, weight, bias)
@@ -89,9 +96,7 @@ def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: st
         raise ValueError(f"custom_ops.gated_linear: gate_up {tuple(gate_up.shape)} must end in 2 * K = {2 * k} "
                          f"for weight {tuple(weight.shape)}")
     rows = gate_up.numel() // max(2 * k, 1)
-    config = None
-    if gate_up.dtype == weight.dtype and weight.stride(-1) == 1:
-        config = gemv_config(rows, n, k, gate_up.dtype, gate_up.device.type)
+    config = table_config(gate_up, weight, rows)
     if config is None and not gate_up.is_cuda:
         return gated_linear_plain(gate_up, weight, activation)
     from custom_ops.triton_gemv import act_mul, gemv  # lazy: Triton is imported only where it runs

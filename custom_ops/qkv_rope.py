@@ -17,18 +17,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from custom_ops.gemv_table import GemvConfig, gemv_config
-from custom_ops.linear import run_linear
+from custom_ops.gemv_table import GemvConfig
+from custom_ops.linear import run_linear, table_config
 from custom_ops.rope import check_rope_tables, run_qk_norm_rope
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   head_dim: int) -> GemvConfig | None:
     """The GEMV tile the one-launch path runs with, or None for the two ops."""
-    if bias is not None or x.shape[0] != 1 or x.dtype != weight.dtype or weight.stride(-1) != 1:
-        return None
-    n, k = weight.shape
-    config = gemv_config(1, n, k, x.dtype, x.device.type)
+    config = table_config(x, weight, 1) if bias is None and x.shape[0] == 1 else None
     if config is None:
         return None
     from custom_ops.triton_gemv_rope import fits  # lazy: Triton only where a GEMV runs

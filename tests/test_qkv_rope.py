@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import custom_ops.qkv_rope
+import custom_ops.linear
 import custom_ops.triton_gemv_rope
 from custom_ops import GemvConfig, run_linear_rope, run_qk_norm_rope
 from custom_ops.triton_gemv_rope import fits, gemv_rope
@@ -89,7 +89,7 @@ def launches(monkeypatch):
     def spy(*args):
         calls.append(args[4])
         return real(*args)
-    monkeypatch.setattr(custom_ops.qkv_rope, "gemv_config",
+    monkeypatch.setattr(custom_ops.linear, "gemv_config",
                         lambda rows, n, k, dtype, device_type: chosen if rows == 1 else None)
     monkeypatch.setattr(custom_ops.triton_gemv_rope, "gemv_rope", spy)
     return calls
@@ -124,7 +124,7 @@ def test_everything_else_runs_the_projection_then_the_rotary(launches, monkeypat
     if case in ("split-K entry", "tile wider than a head's half"):
         config = (GemvConfig(block_n=4, block_k=32, split_k=2, num_warps=1) if case == "split-K entry"
                   else GemvConfig(block_n=32, block_k=32, num_warps=1))  # 16 rows a half > 8
-        monkeypatch.setattr(custom_ops.qkv_rope, "gemv_config", lambda *a: config)
+        monkeypatch.setattr(custom_ops.linear, "gemv_config", lambda *a: config)
     got = run_linear_rope(*args)
     assert launches == []
     for a, b in zip(got, _two_ops(*args)):
