@@ -6,8 +6,9 @@ batch sizes (default 1 and 8), `out = x @ W^T` in bf16 by:
   cublas_fp32_reduce  F.linear with allow_bf16_reduced_precision_reduction off (cuBLAS may not
                       reduce split-K partials in bf16: changes which split-K kernels it picks);
   cublaslt            F.linear with torch.backends.cuda.preferred_blas_library("cublaslt");
-  triton_gemv         custom_ops.triton_gemv at every config of CONFIGS (the best one is reported,
-                      the whole sweep is in the JSON's meta).
+  triton_gemv         below 16 rows: custom_ops.triton_gemv at every config of CONFIGS (the best one
+                      is reported, the whole sweep is in the JSON's meta);
+  triton_skinny       from 16 rows: custom_ops.triton_skinny at every config of skinny_configs.
 Each kernel is timed inside one CUDA graph that runs it over enough copies of W that the L2 never
 holds the weight it reads (as in a model step, where a layer's weights were last read a step ago);
 time per call = graph replay time / calls. GB/s counts W + x + out bytes; `x_copy` and `x_read` are
@@ -41,6 +42,20 @@ def _triton_configs():
 
 
 CONFIGS = _triton_configs()
+
+
+def skinny_configs(n: int, k: int) -> tuple:
+    """The skinny GEMM's candidates at 16-64 rows (custom_ops.triton_skinny): narrow weight tiles
+    (x on the MMA's left side) unsplit and split in two, and 64/128-row tiles with the two smallest
+    splits that give >= 100 programs. 128-key tiles: 64-key ones lost every llama-3.2-3b shape."""
+    from custom_ops.gemv_table import GemvConfig
+    out = [GemvConfig(block_n=bn, block_k=128, split_k=s, num_warps=4, num_stages=4) for bn in (16, 32) for s in (1, 2)]
+    for bn in (64, 128):
+        tiles = math.ceil(n / bn)
+        splits = [s for s in (1, 2, 3, 4, 6, 8) if tiles * s >= 100 and math.ceil(k / 128) % s == 0][:2] or [8]
+        out += [GemvConfig(block_n=bn, block_k=128, split_k=s, num_warps=4, num_stages=st)
+                for s in splits for st in (3, 4)]
+    return tuple(out)
 
 
 def model_gemm_shapes(model: str, tp_size: int = 1) -> list[tuple[str, int, int]]:
@@ -110,9 +125,15 @@ def weight_copies(n: int, k: int, l2_bytes: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5 for _ in range(count)]
 
 
-def measure_shape(n: int, k: int, batch: int, l2_bytes: int, configs=CONFIGS) -> list[dict]:
-    """Every variant at one shape: dicts with variant, config, us, rel_err (vs cuBLAS default)."""
+def measure_shape(n: int, k: int, batch: int, l2_bytes: int, configs=None) -> list[dict]:
+    """Every variant at one shape: dicts with variant, config, us, rel_err (vs cuBLAS default). The
+    Triton variant is the GEMV below 16 rows and the skinny GEMM from 16 rows (custom_ops.triton_skinny)."""
     from custom_ops.triton_gemv import gemv
+    from custom_ops.triton_skinny import fits, skinny_gemm
+    skinny = fits(batch)
+    if configs is None:
+        configs = skinny_configs(n, k) if skinny else CONFIGS
+    triton_variant, kernel = ("triton_skinny", skinny_gemm) if skinny else ("triton_gemv", gemv)
     weights = weight_copies(n, k, l2_bytes)
     x = torch.randn(batch, k, dtype=torch.bfloat16, device="cuda")
     reference = F.linear(x, weights[0]).float()
@@ -127,13 +148,13 @@ def measure_shape(n: int, k: int, batch: int, l2_bytes: int, configs=CONFIGS) ->
         if cfg.split_k > 1 and math.ceil(k / cfg.block_k) < cfg.split_k:
             continue  # more splits than K tiles: some splits would get no work
         try:
-            err = rel_err(gemv(x, weights[0], cfg, out=out), reference)
-            us = graph_us_per_call(lambda w: gemv(x, w, cfg, out=out), weights)
+            err = rel_err(kernel(x, weights[0], cfg, out=out), reference)
+            us = graph_us_per_call(lambda w: kernel(x, w, cfg, out=out), weights)
         except Exception as exc:  # a config the compiler or the device refuses must not lose the run
-            results.append(dict(variant="triton_gemv", config=cfg.label(), us=None, rel_err=None,
+            results.append(dict(variant=triton_variant, config=cfg.label(), us=None, rel_err=None,
                                 error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
             continue
-        results.append(dict(variant="triton_gemv", config=cfg.label(), us=us, rel_err=err))
+        results.append(dict(variant=triton_variant, config=cfg.label(), us=us, rel_err=err))
     del weights
     torch.cuda.empty_cache()
     return results
@@ -167,9 +188,9 @@ def run(model: str, batches=None, tp_size: int = 1, **_: object) -> Report:
             results = measure_shape(n, k, batch, l2_bytes)
             for r in results:
                 report.meta["sweep"].append(dict(shape=name, batch=batch, **r))
-            best_triton = min((r for r in results if r["variant"] == "triton_gemv" and r["us"] is not None
+            best_triton = min((r for r in results if r["variant"].startswith("triton_") and r["us"] is not None
                                and r["rel_err"] <= MAX_REL_ERR), key=lambda r: r["us"], default=None)
-            shown = [r for r in results if r["variant"] != "triton_gemv"] + ([best_triton] if best_triton else [])
+            shown = [r for r in results if not r["variant"].startswith("triton_")] + ([best_triton] if best_triton else [])
             for r in shown:
                 gbps = nbytes / (r["us"] * 1e-6) / 1e9
                 report.add(shape=name, batch=batch, n=n, k=k, weight_mib=n * k * 2 / 2**20, variant=r["variant"],

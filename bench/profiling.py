@@ -68,7 +68,7 @@ _KIND_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("_decode_kernel", "_prefill_kernel", "flash", "fmha", "attention")),
     ("kv_store", ("store_kv",)),
     ("rope", ("_qk_norm_rope",)),
-    ("gemm", ("triton_tem_", "_gemv_kernel", "_gemv_rope_kernel", "_splitk_gemv")),
+    ("gemm", ("triton_tem_", "_gemv_kernel", "_gemv_rope_kernel", "_skinny_kernel", "_splitk_gemv")),
     ("norm", ("_add_rms_norm",)),  # ours, and below: an Inductor kernel with rsqrt or a norm in its name
     ("fused_elementwise", ()),  # decided below: any other Inductor kernel
     ("gemm_splitk_reduce", ("splitkreduce",)),

@@ -36,8 +36,8 @@ class GemvConfig:
 # the whole batch-1 decode graph (`python -m bench gemv_graph`, bench/results/h100x2-2026-11-26/
 # gemv-in-graph/): under PDL a tile that is fastest alone can hold up its neighbours, and llama's
 # gate_up cost the step ~85 us more with the tile that won alone. Any model whose matmul has one of
-# these shapes uses the entry. A shape without an entry uses cuBLAS, and so does every shape at more
-# than one row (at batch 8 cuBLAS won every shape, the GEMV 2-3x slower). fp16 streams the same bytes
+# these shapes uses the entry. A shape without an entry uses cuBLAS, and so does every shape at 2-15
+# rows (at batch 8 cuBLAS won every shape, the GEMV 2-3x slower; 16-64 rows: SKINNY_CONFIGS below). fp16 streams the same bytes
 # through the same tiles as bf16 and shares the entries.
 GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (5120, 3072): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # llama-3.2-3b qkv: in graph -2.7 us
@@ -58,9 +58,30 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
+# Decode batches of 16-64 rows (custom_ops.triton_skinny): (N, K) -> {rows bucket: choice}, where a
+# bucket covers the row counts above the previous one (17..32 is bucket 32), and a choice is either
+# the Triton skinny GEMM's config or CUBLASLT, cuBLAS through its Lt interface, which picked faster
+# kernels than cuBLAS's default for some shapes. Absent: cuBLAS's default, as torch runs it. Picked
+# per shape by `python -m bench gemm --batches 16,32,64`: each call timed inside one CUDA graph over
+# weight copies >= 3x the L2 (us per call, choice vs cuBLAS's default; bench/results/h100-2026-11-26/
+# skinny-gemm/).
+CUBLASLT = "cublaslt"
+ROW_BUCKETS = (16, 32, 64)
+SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | str]] = {
+    (16384, 3072): {64: GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3)},  # llama gate_up: 38.5 vs 40.2
+    (3072, 8192): {64: CUBLASLT},   # llama down: 22.2 vs 25.6
+    (128256, 3072): {64: GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4)},  # lm_head: 274 vs 294
+}
 
-def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str) -> GemvConfig | None:
-    """The GEMV config for x [rows, K] @ weight[N, K]^T, or None for cuBLAS: the one place that decides."""
-    if rows != 1 or device_type != "cuda" or dtype not in GEMV_DTYPES:
+
+def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str) -> GemvConfig | str | None:
+    """How x [rows, K] @ weight[N, K]^T runs, the one place that decides: at one row the GEMV's config;
+    at 16-64 rows the skinny GEMM's config or CUBLASLT; None for cuBLAS's default."""
+    if device_type != "cuda" or dtype not in GEMV_DTYPES:
         return None
-    return GEMV_CONFIGS.get((n, k))
+    if rows == 1:
+        return GEMV_CONFIGS.get((n, k))
+    if rows < ROW_BUCKETS[0] or rows > ROW_BUCKETS[-1]:
+        return None
+    bucket = next(b for b in ROW_BUCKETS if rows <= b)
+    return SKINNY_CONFIGS.get((n, k), {}).get(bucket)

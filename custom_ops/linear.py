@@ -4,10 +4,11 @@ Triton GEMV (custom_ops.triton_gemv) where a measurement says it beats cuBLAS, F
 projection, with act(gate) * up computed inside the GEMV (one launch fewer per layer at batch 1).
 
 The op is opaque to Dynamo and Inductor (a fake implementation gives the shape), so the choice is
-made at run time, per call, from the shapes (custom_ops.gemv_table): at one row on CUDA in bf16 or
-fp16 with a measured (N, K), the GEMV; otherwise F.linear. A CUDA graph records the kernel the call
-chose at capture, and each decode batch size is captured as its own graph, so the batch-1 decode
-graph replays the GEMV and every larger one cuBLAS.
+made at run time, per call, from the shapes (custom_ops.gemv_table): on CUDA in bf16 or fp16 with a
+measured (N, K), the GEMV at one row and at 16-64 rows the skinny GEMM (custom_ops.triton_skinny) or
+cuBLASLt where the table says so; otherwise F.linear. A CUDA graph records the kernel the call chose
+at capture, and each decode batch size is captured as its own graph, so the batch-1 decode graph
+replays the GEMV and the batch-64 one the choices for 64 rows.
 
 Models trace it only when switched on (models.set_decode_gemv; eager code calls `run_linear`
 itself); switched off, their linears are plain F.linear and Inductor keeps its own matmul lowering.
@@ -18,21 +19,45 @@ graphs (compile_backend.compile_pieces.lower_graph_only_ops), and graph replays 
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
-from custom_ops.gemv_table import GemvConfig, gemv_config
+from custom_ops.gemv_table import CUBLASLT, GemvConfig, gemv_config
 
 
-def table_config(x: torch.Tensor, weight: torch.Tensor, rows: int) -> GemvConfig | None:
-    """The GEMV table's config for `rows` rows of x against weight [N, K], or None for cuBLAS: only
-    where the kernel can read them (one dtype, a row-major weight)."""
+def table_config(x: torch.Tensor, weight: torch.Tensor, rows: int) -> GemvConfig | str | None:
+    """The table's choice for `rows` rows of x against weight [N, K] (custom_ops.gemv_table.gemv_config),
+    or None for cuBLAS: only where the kernels can read them (one dtype, a row-major weight)."""
     if x.dtype != weight.dtype or weight.stride(-1) != 1:
         return None
     n, k = weight.shape
     return gemv_config(rows, n, k, x.dtype, x.device.type)
+
+
+@contextlib.contextmanager
+def _blas(library: str) -> Iterator[None]:
+    """torch's matmuls through cuBLAS `library` inside the block (a process-wide torch setting, so it
+    is restored at once; a graph records the kernel chosen at capture)."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def matmul_rows(x: torch.Tensor, weight: torch.Tensor, choice: GemvConfig | str,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] @ weight^T for 16-64 rows, as the table's `choice` says: the Triton skinny GEMM's
+    config, or CUBLASLT."""
+    if choice == CUBLASLT:
+        with _blas(CUBLASLT):
+            return F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=out)
+    from custom_ops.triton_skinny import skinny_gemm  # lazy: Triton is imported only where it runs
+    return skinny_gemm(x, weight, choice, out)
 
 
 def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -49,8 +74,12 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         if out is None:
             return F.linear(x, weight, bias)
         return torch.mm(x, weight.t(), out=out)  # what F.linear runs, into out
-    from custom_ops.triton_gemv import gemv  # lazy: Triton is imported only where a GEMV runs
-    y = gemv(x.reshape(1, k), weight, config, out)
+    rows = x.numel() // k
+    if rows == 1:
+        from custom_ops.triton_gemv import gemv  # lazy: Triton is imported only where a GEMV runs
+        y = gemv(x.reshape(1, k), weight, config, out)
+    else:
+        y = matmul_rows(x.reshape(rows, k), weight, config, out)
     if bias is not None:
         y += bias
     return y if out is not None else y.view(*x.shape[:-1], n)
@@ -103,6 +132,8 @@ def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: st
     flat = gate_up.reshape(rows, 2 * k)
     if config is None:
         return F.linear(act_mul(flat, activation), weight).view(*gate_up.shape[:-1], n)
+    if rows > 1:  # the skinny GEMM reads a plain x: recomputing act per program cost more than a launch
+        return matmul_rows(act_mul(flat, activation), weight, config).view(*gate_up.shape[:-1], n)
     return gemv(flat, weight, config, gate=activation).view(*gate_up.shape[:-1], n)
 
 

@@ -190,6 +190,21 @@ _PARTIAL_BOUND_FLOATS = 1 << 20
 _ARRIVAL_BOUND = 1 << 14
 
 
+def split_workspaces(device: torch.device, split_k: int, m: int, n: int, tiles_n: int,
+                     unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 partials [split_k * m * n], zeroed int32 arrival counters [tiles_n]) for a split-K
+    launch, views of the device's workspaces; `unused` twice when split_k == 1 (the kernel never
+    reads them)."""
+    if split_k == 1:
+        return unused, unused
+    cuda = device.type == "cuda"
+    parts = _partials.setdefault(device, Workspace()).take(split_k * m * n, _PARTIAL_BOUND_FLOATS if cuda else 0,
+                                                           device)
+    arrivals = _arrivals.setdefault(device, Workspace(torch.int32, zeroed=True)).take(
+        tiles_n, _ARRIVAL_BOUND if cuda else 0, device)
+    return parts, arrivals
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
          out: torch.Tensor | None = None, gate: str | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation).
@@ -220,14 +235,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     if block_m >= 16 and min(cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"gemv at M={m} uses tl.dot, which needs block_n and block_k >= 16 ({cfg})")
     tiles_n = cdiv(n, cfg.block_n)
-    if cfg.split_k > 1:
-        cuda = x.device.type == "cuda"
-        parts = _partials.setdefault(x.device, Workspace()).take(
-            cfg.split_k * m * n, _PARTIAL_BOUND_FLOATS if cuda else 0, x.device)
-        arrivals = _arrivals.setdefault(x.device, Workspace(torch.int32, zeroed=True)).take(
-            tiles_n, _ARRIVAL_BOUND if cuda else 0, x.device)
-    else:
-        parts = arrivals = out  # unused under SPLIT_K == 1
+    parts, arrivals = split_workspaces(x.device, cfg.split_k, m, n, tiles_n, out)
     pdl = launch_with_pdl(x.device)
     _gemv_kernel[(tiles_n, cfg.split_k)](
         x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),

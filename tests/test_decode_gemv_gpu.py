@@ -238,3 +238,42 @@ def test_gpu_engine_with_decode_gemv_generates_float32_greedy_tokens_from_gemv_g
             assert len(out) == MAX_TOKENS
             failures += [f"decode_gemv {name}, prompt {prompt}: {line}" for line in _far_from_argmax(reference, prompt, out)]
     assert not failures, "\n".join(failures)
+
+
+BATCH_ENGINE = dict(max_model_len=64, max_num_seqs=64, max_num_batched_tokens=512, block_size=16,
+                    num_gpu_blocks=96, decode_graph_sizes=(64,), show_progress=False)
+
+
+def test_gpu_engine_at_batch_64_replays_the_tables_many_row_choices_and_generates_float32_greedy_tokens(monkeypatch):
+    """64 prompts at once: the decode graph of 64 rows records the skinny GEMM / cuBLASLt for exactly
+    the table's shapes at 64 rows (custom_ops.gemv_table.SKINNY_CONFIGS), and its tokens are the
+    float32 model's argmax as in the batch-1 test above."""
+    import custom_ops.linear
+    from custom_ops.gemv_table import SKINNY_CONFIGS
+    calls = []
+    real = custom_ops.linear.matmul_rows
+
+    def spy(x, weight, choice, out=None):
+        calls.append((weight.shape[0], weight.shape[1], x.shape[0], torch.cuda.is_current_stream_capturing()))
+        return real(x, weight, choice, out)
+    monkeypatch.setattr(custom_ops.linear, "matmul_rows", spy)
+
+    net = models.from_config(CONFIG, dtype="bfloat16", device="cuda", seed=0)
+    reference = models.from_config(CONFIG, dtype="float32", device="cuda")
+    reference.load_state_dict(net.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    prompts = [[128000] + torch.randint(100, 120000, (3 + i % 6,), generator=generator).tolist() for i in range(64)]
+    torch._dynamo.reset()
+    with LLM(net, decode_gemv=True, **BATCH_ENGINE) as llm:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        stats = llm.stats()
+    torch._dynamo.reset()
+    assert stats["fallbacks"] == 0 and stats["decode_graph_replays_by_size"].get(64, 0) >= 3
+    expected = {shape for shape, by_rows in SKINNY_CONFIGS.items() if 64 in by_rows and shape in _matmul_shapes(net)}
+    assert expected, "the table has no 64-row choice for llama-3.2-3b's shapes"
+    assert {(n, k) for n, k, rows, capturing in calls if capturing and rows == 64} == expected
+    failures = []
+    for prompt, out in list(zip(prompts, outputs))[:8]:
+        assert len(out.token_ids) == 4
+        failures += [f"prompt {prompt}: {line}" for line in _far_from_argmax(reference, prompt, out.token_ids)]
+    assert not failures, "\n".join(failures)

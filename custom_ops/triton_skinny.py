@@ -1,0 +1,146 @@
+"""Triton skinny GEMM for decode batches of 16-64 rows: ``out[M, N] = x[M, K] @ weight[N, K]^T``.
+
+At 16-64 rows a decode matmul still only streams its weight (64 FLOPs per weight byte at 64 rows,
+a fifth of what an H100 can feed), yet cuBLAS measured ~80% of copy bandwidth on llama-3.2-3b's
+shapes at batch 64 (bench/results/h100-2026-11-26/kernels-batch-16-64/). The GEMV kernel
+(custom_ops.triton_gemv) loops over 16-row tiles of x outside its K loop, so above 16 rows it reads
+the weight once per tile. Here every weight byte is read once whatever M is:
+
+- The weight tile is the MMA's left operand ``[BLOCK_N, BLOCK_K]`` and x the right one, transposed
+  (``[BLOCK_K, BLOCK_M]``, BLOCK_M = M rounded up to a power of two >= 16): a Hopper MMA wants 64
+  rows on its left side, which a batch of 16 does not have and a weight tile always does.
+- Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``, and a split's partial reduced by the last split to arrive
+  (the arrival counter of custom_ops.triton_gemv): a narrow matrix still fills every SM, and the
+  reduce costs no launch.
+- ``gate``: x is ``[M, 2K]`` and the kernel reads act(gate) * up (a gated MLP's down projection).
+
+The grid and every constexpr depend only on shapes, so a launch is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.gemv_table import GemvConfig
+from custom_ops.pdl import launch_with_pdl, pdl_launch_options
+from custom_ops.triton_common import cdiv, next_power_of_2
+from custom_ops.triton_gemv import GATES, load_x, split_workspaces
+from custom_ops.triton_prefill import dot_precision
+
+MIN_ROWS = 16  # below this the GEMV's CUDA-core path reads the weight once per step already
+MAX_ROWS = 128
+# A weight tile of at least this many rows is the MMA's left operand (a Hopper MMA's 64-row side);
+# narrower tiles put x there and transpose the product.
+W_LEFT_ROWS = 64
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, W_LEFT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if W_LEFT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:  # a narrow weight tile: x (>= 16 rows) on the left, the product transposed once at the end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        k = k_start + offs_k
+        if EVEN_K:  # K tiles never straddle a split's end: only the rows need masks
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
+            x = load_x(x_rows + k[None, :], m_mask[:, None], K, GATE)
+        else:
+            k_mask = k < k_end
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = load_x(x_rows + k[None, :], m_mask[:, None] & k_mask[None, :], K, GATE)
+        if W_LEFT:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if not W_LEFT:
+        acc = tl.trans(acc)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    nm_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=nm_mask)
+    else:
+        # partials are [SPLIT_K, M, N] float32; the last split to arrive sums them in split order
+        tl.store(part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=nm_mask)
+        tl.debug_barrier()
+        counter = arrivals_ptr + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(part_ptr + (s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None],
+                                 mask=nm_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], total.to(out_ptr.dtype.element_ty),
+                     mask=nm_mask)
+            tl.atomic_xchg(counter, 0)  # every split has arrived: ready for the next launch
+
+
+def fits(rows: int) -> bool:
+    """Whether the skinny kernel serves an x of `rows` rows."""
+    return MIN_ROWS <= rows <= MAX_ROWS
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, out: torch.Tensor | None = None,
+                gate: str | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation), for
+    16 <= M <= 128. `gate` ("silu", "gelu_tanh"): x is [M, 2K] = [gate | up] and the matmul reads
+    act(gate) * up. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages."""
+    if gate not in GATES:
+        raise ValueError(f"skinny_gemm: gate {gate!r} is not one of {sorted(g for g in GATES if g)} or None")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gate else 1):
+        raise ValueError(f"skinny_gemm needs x [M, {'2K' if gate else 'K'}] and weight [N, K], got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"skinny_gemm: x is {x.dtype} and weight {weight.dtype}; they must match")
+    if weight.stride(1) != 1:
+        raise ValueError("skinny_gemm: weight needs a contiguous last dimension (a [N, K] row-major matrix)")
+    m = x.shape[0]
+    if not fits(m):
+        raise ValueError(f"skinny_gemm serves {MIN_ROWS}..{MAX_ROWS} rows of x, got {m}")
+    if min(config.block_n, config.block_k) < 16:
+        raise ValueError(f"skinny_gemm: block_n and block_k must be >= 16 (MMA tiles), got {config}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    n, k = weight.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"skinny_gemm out {tuple(out.shape)} {out.dtype} must be [{m}, {n}] {x.dtype}, "
+                         "last dim contiguous")
+    if n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    tiles_n = cdiv(n, config.block_n)
+    k_tiles = cdiv(k, config.block_k)
+    even_k = k % config.block_k == 0 and k_tiles % config.split_k == 0
+    parts, arrivals = split_workspaces(x.device, config.split_k, m, n, tiles_n, out)
+    pdl = launch_with_pdl(x.device)
+    _skinny_kernel[(tiles_n, config.split_k)](
+        x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=max(MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
+        GATE=GATES[gate], num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
+    )
+    return out
