@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                              "compile, beside the full_graph rows of --full-graph-compile (default: the engine's)")
     parser.add_argument("--tp-size", type=int, help="gemm: time the matmul shapes of one rank of N-way tensor "
                         "parallelism (default 1)")
-    parser.add_argument("--candidates", choices=("tiles", "neighbours"), dest="candidate_set",
-                        help="gemv_graph: try tile shapes (default) or each entry's tile with other stages and warps")
+    parser.add_argument("--candidates", choices=("tiles", "neighbours", "whole_k"), dest="candidate_set",
+                        help="gemv_graph: try tile shapes (default), each entry's tile with other stages and "
+                             "warps, or tiles spanning all of K")
     parser.add_argument("--time-budget", type=float, dest="time_budget_s",
                         help="decode, e2e: seconds after which peers are skipped; gemv_graph: after which "
                              "candidates are skipped (noted in the report)")

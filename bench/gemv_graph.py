@@ -13,7 +13,8 @@ before the first shape and after each one: its spread is the run's noise. A cand
 shape's pick when it beats the entry by more than twice that spread (and at least 1 us), and the
 picks are what to write into the table (after the GEMV and engine GPU tests pass with them: a
 config changes the matmul's summation order). `--candidates neighbours` is the second pass: each
-entry's own tile with other pipeline stages and warp counts.
+entry's own tile with other pipeline stages and warp counts; `--candidates whole_k` tries tiles whose
+one K tile spans the weight's rows (all of a program's weight loaded before the PDL wait).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from custom_ops.gemv_table import GemvConfig
 CONTEXT = 576  # the e2e suite's mid-generation context, as the knockout suite
 ITERS = 200
 TIME_BUDGET_S = 400.0  # candidates past it are skipped (noted in the report)
-CANDIDATE_SETS = ("tiles", "neighbours")  # --candidates: tile shapes, or each entry's stages and warps
+# --candidates: tile shapes, each entry's stages and warps, or tiles spanning the whole of K
+CANDIDATE_SETS = ("tiles", "neighbours", "whole_k")
 COLUMNS = ["shape", "config", "replay_ms", "delta_us", "table_entry", "pick"]
 CANDIDATES = tuple(GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w) for n, k, s, w in (
     (4, 512, 1, 4), (8, 256, 1, 4), (8, 512, 1, 4), (8, 1024, 1, 4), (16, 256, 1, 4), (16, 512, 1, 4),
@@ -52,6 +54,16 @@ def neighbours(entry: GemvConfig) -> list[GemvConfig]:
     variants = [dataclasses.replace(entry, num_stages=s) for s in (1, 2, 4)]
     variants += [dataclasses.replace(entry, num_warps=w) for w in (2, 8)]
     return [c for c in variants if c != entry]
+
+
+def whole_k(shape: tuple[int, int], entry: GemvConfig) -> list[GemvConfig]:
+    """Tiles of 2 or 4 weight rows whose one K tile spans all of K: a program then loads its whole
+    share of the weight before the PDL wait, while the kernel before it finishes (the other tiles
+    load only their first K tile there)."""
+    from custom_ops.triton_common import next_power_of_2
+    block_k = next_power_of_2(shape[1])
+    return [GemvConfig(block_n=n, block_k=block_k, split_k=1, num_warps=w) for n in (2, 4) for w in (4, 8)
+            if n * block_k // (32 * w) <= 128]  # at most 128 weight elements (64 registers) a thread
 
 
 def model_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
@@ -80,8 +92,8 @@ def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]
 
 def run(model: str, contexts=None, time_budget_s: float | None = None, candidate_set: str = "tiles",
         **_: object) -> Report:
-    """candidate_set: "tiles" (CANDIDATES, the tile shapes) or "neighbours" (each entry's tile with
-    other stages and warps)."""
+    """candidate_set: "tiles" (CANDIDATES, the tile shapes), "neighbours" (each entry's tile with
+    other stages and warps) or "whole_k" (whole_k)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the gemv_graph suite needs a CUDA device: it times decode graph replays")
     from bench.decode import graph_replay_ms
@@ -111,7 +123,8 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
         base_ms = [replay_ms()]
         for shape in model_shapes(net):
             entry = table[shape]
-            tried = candidates(shape, entry) if candidate_set == "tiles" else neighbours(entry)
+            tried = {"tiles": lambda: candidates(shape, entry), "neighbours": lambda: neighbours(entry),
+                     "whole_k": lambda: whole_k(shape, entry)}[candidate_set]()
             for config in tried:
                 if time.perf_counter() - start > budget:
                     skipped += 1

@@ -42,18 +42,18 @@ class GemvConfig:
 GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (5120, 3072): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # llama-3.2-3b qkv: in graph -2.7 us
     (3072, 3072): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # o: in graph -3.4 us
-    (16384, 3072): GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=4),  # gate_up: in graph -85 us
-    (3072, 8192): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=4),   # down: in graph -7.1 us
-    (128256, 3072): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 253.9 vs 278.6
+    (16384, 3072): GemvConfig(block_n=2, block_k=4096, split_k=1, num_warps=4),  # gate_up: in graph -85 us, whole K -35
+    (3072, 8192): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=8),   # down: in graph -7.1 us, 8 warps -6.5
+    (128256, 3072): GemvConfig(block_n=2, block_k=4096, split_k=1, num_warps=4), # lm_head: 253.9 vs 278.6; whole K -6.0
     (6144, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # qwen3-4b qkv: in graph -12.0 us
     (2560, 4096): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # o: in graph -6.3 us
     (19456, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),   # gate_up: 36.1 vs 39.5
     (2560, 9728): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.3 vs 22.7
     (151936, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 249.9 vs 271.6
-    (1536, 1152): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # gemma-3-1b qkv: in graph -2.6 us
-    (1152, 1024): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=4),   # o: in graph -15.5 us
+    (1536, 1152): GemvConfig(block_n=4, block_k=2048, split_k=1, num_warps=8),   # gemma-3-1b qkv: in graph -2.6, whole K -25.6
+    (1152, 1024): GemvConfig(block_n=4, block_k=1024, split_k=1, num_warps=4),   # o: in graph -15.5 us, n4 -3.0
     (13824, 1152): GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4),  # gate_up: 13.4 vs 14.1
-    (1152, 6912): GemvConfig(block_n=16, block_k=256, split_k=8, num_warps=4),   # down: 9.43 vs 10.9
+    (1152, 6912): GemvConfig(block_n=16, block_k=256, split_k=8, num_warps=8),   # down: 9.43 vs 10.9; 8 warps in graph -3.2 us
     (262144, 1152): GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4), # lm_head (tied): 196.6 vs 213.2
 }
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -67,10 +67,24 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # skinny-gemm/).
 CUBLASLT = "cublaslt"
 ROW_BUCKETS = (16, 32, 64)
+_N64_S1 = GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3)
+_N128_S1 = GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4)
+_N64_S4 = GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3)
+_N32_S2 = GemvConfig(block_n=32, block_k=128, split_k=2, num_warps=4, num_stages=4)
 SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | str]] = {
-    (16384, 3072): {64: GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3)},  # llama gate_up: 38.5 vs 40.2
-    (3072, 8192): {64: CUBLASLT},   # llama down: 22.2 vs 25.6
-    (128256, 3072): {64: GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4)},  # lm_head: 274 vs 294
+    # llama-3.2-3b (us at 16 / 32 / 64 rows, cuBLAS's default in brackets)
+    (3072, 3072): {16: GemvConfig(block_n=64, block_k=128, split_k=3, num_warps=4)},   # o: 10.3 [12.2]
+    (16384, 3072): {16: _N64_S1, 32: _N64_S1, 64: _N64_S1},   # gate_up: 37.3 / 37.7 / 38.7 [39.0 / 39.5 / 40.3]
+    (3072, 8192): {16: _N64_S4, 32: _N32_S2, 64: CUBLASLT},   # down: 22.0 / 22.9 / 21.9 [24.4 / 25.0 / 24.4]
+    (128256, 3072): {16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 263 / 267 / 275 [284 / 287 / 295]
+    # qwen3-4b
+    (6144, 2560): {16: GemvConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=4),   # qkv: 13.8 [14.5]
+                   32: GemvConfig(block_n=16, block_k=128, split_k=1, num_warps=4, num_stages=4)},  # 14.3 [15.1]
+    (2560, 4096): {16: _N64_S4, 32: _N32_S2},                 # o: 11.0 / 12.0 [12.5 / 12.6]
+    (19456, 2560): {16: _N64_S1, 32: _N64_S1},                # gate_up: 37.7 / 38.4 [40.5 / 43.5]
+    (2560, 9728): {16: GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4),  # down: 22.2 [23.3]
+                   64: CUBLASLT},                                                                  # 23.4 [24.5]
+    (151936, 2560): {16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 260 / 265 / 272 [277 / 281 / 287]
 }
 
 

@@ -30,6 +30,14 @@ def test_neighbours_are_the_entrys_tile_with_other_stages_and_warps_and_labelled
     assert len(set(labels)) == len(labels) and entry.label() == "n8k1024s1w4"
 
 
+def test_whole_k_tiles_span_the_weights_rows_within_the_register_budget():
+    tried = gemv_graph.whole_k((3072, 3072), GEMV_CONFIGS[(3072, 3072)])
+    assert tried and all(c.block_k == 4096 and c.split_k == 1 and c.block_n in (2, 4) for c in tried)
+    down = gemv_graph.whole_k((3072, 8192), GEMV_CONFIGS[(3072, 8192)])
+    assert {(c.block_n, c.num_warps) for c in down} == {(2, 4), (2, 8), (4, 8)}  # 4 rows x 8192 at 4 warps: 256 a thread
+    assert all(c.block_n * c.block_k // (32 * c.num_warps) <= 128 for c in down)
+
+
 def test_model_shapes_are_the_tables_shapes_among_its_weights_in_order():
     model = nn.Sequential(nn.Linear(3072, 5120, bias=False, device="meta"),   # llama-3.2-3b qkv
                           nn.Linear(3072, 3072, bias=False, device="meta"),   # o

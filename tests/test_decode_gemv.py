@@ -90,6 +90,36 @@ def test_gated_linear_with_a_gemv_choice_matches_the_unfused_code(monkeypatch, a
                                F.linear(act_and_mul(rows, activation), weight))
 
 
+def test_many_row_choices_go_by_bucket_of_rows():
+    """16 rows read bucket 16, 17..32 bucket 32, 33..64 bucket 64; 2-15 and more than 64 rows cuBLAS."""
+    from custom_ops.gemv_table import CUBLASLT, SKINNY_CONFIGS
+    down = SKINNY_CONFIGS[(3072, 8192)]  # llama-3.2-3b's down projection has a choice in every bucket
+    assert [gemv_config(r, 3072, 8192, torch.bfloat16, "cuda") for r in (16, 17, 24, 32, 33, 64)] == \
+        [down[16], down[32], down[32], down[32], down[64], down[64]]
+    assert down[64] == CUBLASLT
+    for rows in (2, 8, 15, 65, 128):
+        assert gemv_config(rows, 3072, 8192, torch.bfloat16, "cuda") is None
+    assert gemv_config(32, 3072, 3072, torch.bfloat16, "cuda") is None  # llama's o at 32 rows: cuBLAS won
+    assert gemv_config(16, 3072, 8192, torch.float32, "cuda") is None
+    assert gemv_config(16, 3072, 8192, torch.bfloat16, "cpu") is None
+
+
+def test_run_linear_and_gated_linear_with_a_skinny_choice_match_torch(monkeypatch):
+    """The wrappers at 16-64 rows with the skinny GEMM run by Triton's interpreter: the plain matmul
+    (bias, out=) and the gated one (act_mul first, then the skinny GEMM)."""
+    skinny = GemvConfig(block_n=16, block_k=16, split_k=2, num_warps=1)
+    monkeypatch.setattr(custom_ops.linear, "gemv_config",
+                        lambda rows, n, k, dtype, device_type: skinny if rows >= 16 else None)
+    x, weight, bias = torch.randn(20, 80), torch.randn(48, 80), torch.randn(48)
+    torch.testing.assert_close(run_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    out = torch.full((20, 48), float("nan"))
+    assert run_linear(x, weight, out=out) is out
+    torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    gate_up = 2 * torch.randn(17, 160)
+    torch.testing.assert_close(run_gated_linear(gate_up, weight, "silu"),
+                               F.linear(act_and_mul(gate_up, "silu"), weight), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_act_mul_kernel_matches_torch(activation):
     from custom_ops.triton_gemv import act_mul

@@ -176,6 +176,27 @@ def test_gpu_gated_linear_runs_the_activation_inside_the_gemv_at_one_row_and_in_
 
 # ------------------------------------------------------------------------------------- engine
 
+def test_gpu_linear_op_runs_every_many_row_choice_of_the_table(monkeypatch):
+    """At 16-64 rows the op runs the table's choice (the skinny GEMM or cuBLASLt) for each of its
+    shapes, at the bucket's own row count and at a ragged count inside it, and equals float32."""
+    import custom_ops.linear
+    from custom_ops.gemv_table import SKINNY_CONFIGS
+    ran = []
+    real = custom_ops.linear.matmul_rows
+    monkeypatch.setattr(custom_ops.linear, "matmul_rows",
+                        lambda x, weight, choice, out=None: ran.append(choice) or real(x, weight, choice, out))
+    for (n, k), by_rows in SKINNY_CONFIGS.items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        for bucket, choice in by_rows.items():
+            for rows in sorted({bucket, max(16, bucket - 7)}):
+                ran.clear()
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                y = torch.ops.infer.linear(x, weight, None)
+                assert ran == [choice], (n, k, rows)
+                assert rel_err(y, x.float() @ weight.float().t()) < TOL[torch.bfloat16], (n, k, rows, choice)
+        del weight
+
+
 # Untied: the LM head has the tied embedding's shape (128256, 3072), but a random model with tied
 # embeddings only ever repeats its last token (the largest logit is that token's own embedding), which
 # would pass with most of the step broken.
