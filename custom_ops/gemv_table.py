@@ -46,7 +46,7 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (3072, 8192): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=8),   # down: in graph -7.1 us, 8 warps -6.5
     (128256, 3072): GemvConfig(block_n=2, block_k=4096, split_k=1, num_warps=4), # lm_head: 253.9 vs 278.6; whole K -6.0
     (6144, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # qwen3-4b qkv: in graph -12.0 us
-    (2560, 4096): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # o: in graph -6.3 us
+    (2560, 4096): GemvConfig(block_n=2, block_k=4096, split_k=1, num_warps=8),   # o: in graph -6.3 us, whole K -16.9
     (19456, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),   # gate_up: 36.1 vs 39.5
     (2560, 9728): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.3 vs 22.7
     (151936, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 249.9 vs 271.6
