@@ -71,6 +71,8 @@ _N64_S1 = GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages
 _N128_S1 = GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4)
 _N64_S4 = GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3)
 _N32_S2 = GemvConfig(block_n=32, block_k=128, split_k=2, num_warps=4, num_stages=4)
+_N16_S1 = GemvConfig(block_n=16, block_k=128, split_k=1, num_warps=4, num_stages=4)
+_N64_S6 = GemvConfig(block_n=64, block_k=128, split_k=6, num_warps=4, num_stages=4)
 SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | str]] = {
     # llama-3.2-3b (us at 16 / 32 / 64 rows, cuBLAS's default in brackets)
     (3072, 3072): {16: GemvConfig(block_n=64, block_k=128, split_k=3, num_warps=4)},   # o: 10.3 [12.2]
@@ -85,6 +87,12 @@ SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | str]] = {
     (2560, 9728): {16: GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4),  # down: 22.2 [23.3]
                    64: CUBLASLT},                                                                  # 23.4 [24.5]
     (151936, 2560): {16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 260 / 265 / 272 [277 / 281 / 287]
+    # gemma-3-1b
+    (1536, 1152): {16: _N16_S1, 32: _N16_S1, 64: _N16_S1},    # qkv: 4.30 / 4.55 / 4.25 [4.51 / 4.89 / 4.87]
+    (1152, 1024): {16: _N16_S1, 32: _N16_S1, 64: _N16_S1},    # o: 3.82 / 4.06 / 3.78 [4.51 / 4.53 / 4.60]
+    (13824, 1152): {16: _N64_S1, 32: _N64_S1, 64: _N64_S1},   # gate_up: 13.1 / 13.2 / 13.9 [14.2 / 14.5 / 14.8]
+    (1152, 6912): {16: _N64_S6, 32: _N64_S6},                 # down: 9.3 / 10.6 [11.2 / 11.3]
+    (262144, 1152): {16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 206 / 211 / 218 [221 / 225 / 236]
 }
 
 
