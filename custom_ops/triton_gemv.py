@@ -190,6 +190,30 @@ _PARTIAL_BOUND_FLOATS = 1 << 20
 _ARRIVAL_BOUND = 1 << 14
 
 
+def check_operands(op: str, x: torch.Tensor, weight: torch.Tensor, gate: str | None) -> None:
+    """A named error for operands the matmul kernels cannot read: x [M, K] (or [M, 2K] = [gate | up]
+    with `gate`) and a row-major weight [N, K] of x's dtype."""
+    if gate not in GATES:
+        raise ValueError(f"{op}: gate {gate!r} is not one of {sorted(g for g in GATES if g)} or None")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gate else 1):
+        raise ValueError(f"{op} needs x [M, {'2K' if gate else 'K'}] and weight [N, K], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"{op}: x is {x.dtype} and weight {weight.dtype}; they must match")
+    if weight.stride(1) != 1:
+        raise ValueError(f"{op}: weight needs a contiguous last dimension (a [N, K] row-major matrix)")
+
+
+def output_for(op: str, x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` once it is the [M, N] buffer of x's dtype the kernels write (a new one for None)."""
+    m = x.shape[0]
+    if out is None:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"{op} out {tuple(out.shape)} {out.dtype} must be [{m}, {n}] {x.dtype}, last dim contiguous")
+    return out
+
+
 def split_workspaces(device: torch.device, split_k: int, m: int, n: int, tiles_n: int,
                      unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 partials [split_k * m * n], zeroed int32 arrival counters [tiles_n]) for a split-K
@@ -210,23 +234,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation).
     `gate` ("silu", "gelu_tanh"): x is [M, 2K], a gate and an up half, and the matmul reads
     act(gate) * up (a gated MLP's down projection, its activation in the same kernel)."""
-    if gate not in GATES:
-        raise ValueError(f"gemv: gate {gate!r} is not one of {sorted(g for g in GATES if g)} or None")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gate else 1):
-        raise ValueError(f"gemv needs x [M, {'2K' if gate else 'K'}] and weight [N, K], got x {tuple(x.shape)}, "
-                         f"weight {tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"gemv: x is {x.dtype} and weight {weight.dtype}; they must match")
-    if weight.stride(1) != 1:
-        raise ValueError("gemv: weight needs a contiguous last dimension (a [N, K] row-major matrix)")
+    check_operands("gemv", x, weight, gate)
     cfg = config or GemvConfig()
     x = x if x.stride(1) == 1 else x.contiguous()
     m = x.shape[0]
     n, k = weight.shape
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"gemv out {tuple(out.shape)} {out.dtype} must be [{m}, {n}] {x.dtype}, last dim contiguous")
+    out = output_for("gemv", x, n, out)
     if m == 0 or n == 0:
         return out
     if k == 0:

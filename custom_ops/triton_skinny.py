@@ -25,7 +25,7 @@ import triton.language as tl
 from custom_ops.gemv_table import GemvConfig
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv, next_power_of_2
-from custom_ops.triton_gemv import GATES, load_x, split_workspaces
+from custom_ops.triton_gemv import GATES, check_operands, load_x, output_for, split_workspaces
 from custom_ops.triton_prefill import dot_precision
 
 MIN_ROWS = 16  # below this the GEMV's CUDA-core path reads the weight once per step already
@@ -107,15 +107,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, out: 
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation), for
     16 <= M <= 128. `gate` ("silu", "gelu_tanh"): x is [M, 2K] = [gate | up] and the matmul reads
     act(gate) * up. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages."""
-    if gate not in GATES:
-        raise ValueError(f"skinny_gemm: gate {gate!r} is not one of {sorted(g for g in GATES if g)} or None")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gate else 1):
-        raise ValueError(f"skinny_gemm needs x [M, {'2K' if gate else 'K'}] and weight [N, K], got x "
-                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"skinny_gemm: x is {x.dtype} and weight {weight.dtype}; they must match")
-    if weight.stride(1) != 1:
-        raise ValueError("skinny_gemm: weight needs a contiguous last dimension (a [N, K] row-major matrix)")
+    check_operands("skinny_gemm", x, weight, gate)
     m = x.shape[0]
     if not fits(m):
         raise ValueError(f"skinny_gemm serves {MIN_ROWS}..{MAX_ROWS} rows of x, got {m}")
@@ -123,11 +115,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, out: 
         raise ValueError(f"skinny_gemm: block_n and block_k must be >= 16 (MMA tiles), got {config}")
     x = x if x.stride(1) == 1 else x.contiguous()
     n, k = weight.shape
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"skinny_gemm out {tuple(out.shape)} {out.dtype} must be [{m}, {n}] {x.dtype}, "
-                         "last dim contiguous")
+    out = output_for("skinny_gemm", x, n, out)
     if n == 0:
         return out
     if k == 0:
