@@ -130,11 +130,13 @@ def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: st
         return gated_linear_plain(gate_up, weight, activation)
     from custom_ops.triton_gemv import act_mul, gemv  # lazy: Triton is imported only where it runs
     flat = gate_up.reshape(rows, 2 * k)
-    if config is None:
-        return F.linear(act_mul(flat, activation), weight).view(*gate_up.shape[:-1], n)
-    if rows > 1:  # the skinny GEMM reads a plain x: recomputing act per program cost more than a launch
-        return matmul_rows(act_mul(flat, activation), weight, config).view(*gate_up.shape[:-1], n)
-    return gemv(flat, weight, config, gate=activation).view(*gate_up.shape[:-1], n)
+    if config is not None and rows == 1:
+        return gemv(flat, weight, config, gate=activation).view(*gate_up.shape[:-1], n)
+    # Above one row the matmul reads act_mul's output: the skinny GEMM recomputing the activation in
+    # every program cost more than the extra launch.
+    x = act_mul(flat, activation)
+    y = F.linear(x, weight) if config is None else matmul_rows(x, weight, config)
+    return y.view(*gate_up.shape[:-1], n)
 
 
 def gated_gemv_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:

@@ -12,7 +12,9 @@ the weight once per tile. Here every weight byte is read once whatever M is:
 - Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``, and a split's partial reduced by the last split to arrive
   (the arrival counter of custom_ops.triton_gemv): a narrow matrix still fills every SM, and the
   reduce costs no launch.
-- ``gate``: x is ``[M, 2K]`` and the kernel reads act(gate) * up (a gated MLP's down projection).
+- No activation inside: with act(gate) * up recomputed by every program for all its rows, a gated
+  down projection lost 35-100 us to act-and-mul plus this kernel (bench/results/h100-2026-11-26/
+  skinny-gemm/), so a gated MLP runs the act-and-mul kernel first above one row (custom_ops.linear).
 
 The grid and every constexpr depend only on shapes, so a launch is CUDA-graph capturable.
 """
@@ -25,7 +27,7 @@ import triton.language as tl
 from custom_ops.gemv_table import GemvConfig
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv, next_power_of_2
-from custom_ops.triton_gemv import GATES, check_operands, load_x, output_for, split_workspaces
+from custom_ops.triton_gemv import check_operands, output_for, split_workspaces
 from custom_ops.triton_prefill import dot_precision
 
 MIN_ROWS = 16  # below this the GEMV's CUDA-core path reads the weight once per step already
@@ -40,7 +42,7 @@ def _skinny_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, W_LEFT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr,
+    EVEN_K: tl.constexpr, W_LEFT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -64,11 +66,11 @@ def _skinny_kernel(
         k = k_start + offs_k
         if EVEN_K:  # K tiles never straddle a split's end: only the rows need masks
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
-            x = load_x(x_rows + k[None, :], m_mask[:, None], K, GATE)
+            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
         else:
             k_mask = k < k_end
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = load_x(x_rows + k[None, :], m_mask[:, None] & k_mask[None, :], K, GATE)
+            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if W_LEFT:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
@@ -102,12 +104,11 @@ def fits(rows: int) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, out: torch.Tensor | None = None,
-                gate: str | None = None) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation), for
-    16 <= M <= 128. `gate` ("silu", "gelu_tanh"): x is [M, 2K] = [gate | up] and the matmul reads
-    act(gate) * up. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages."""
-    check_operands("skinny_gemm", x, weight, gate)
+    16 <= M <= 128. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages."""
+    check_operands("skinny_gemm", x, weight, None)
     m = x.shape[0]
     if not fits(m):
         raise ValueError(f"skinny_gemm serves {MIN_ROWS}..{MAX_ROWS} rows of x, got {m}")
@@ -129,6 +130,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, out: 
         x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
-        GATE=GATES[gate], num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
     )
     return out
