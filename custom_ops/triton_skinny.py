@@ -37,7 +37,10 @@ MAX_ROWS = 128
 W_LEFT_ROWS = 64
 
 
-@triton.jit
+# M (16..64 rows) is not specialized: Triton would otherwise compile a second variant for the row
+# counts that are not multiples of 16 (the decode buckets 24, 40, 56 and most piecewise sizes) at
+# start-up, per table entry, for no change in the generated loads (rows are masked either way).
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
