@@ -24,6 +24,9 @@ class AttentionLayer:
     scale: float
     sliding_window: int | None = None  # key kp is visible to query qp iff qp - kp < window
     logit_softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+    # The per-head q/k RMSNorm's constants, for the op's calls that pass raw q / k and the norm weights
+    qk_norm_eps: float = 1e-6
+    qk_norm_unit_offset: bool = False  # Gemma's (1 + w) scaling
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

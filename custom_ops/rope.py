@@ -12,11 +12,47 @@ different shapes), each a few microseconds of a latency-bound decode step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from custom_ops.forward_context import RuntimeMode, get_forward_context
 from custom_ops.norm import rms_norm
+
+
+@dataclass(frozen=True)
+class QKRotary:
+    """The per-head q/k RMSNorm (optional) and rotary that the attention op applies to raw q and k.
+
+    Passed to `torch.ops.infer.attention` (cos, sin and the weights as tensors, eps and the norm
+    variant from the layer's registry entry), so a decode step's attention kernel can normalize and
+    rotate the one query row and key row it reads instead of a separate kernel writing them first."""
+    cos: torch.Tensor  # [T, D / 2] or [T, 1, D / 2]: the step's rows
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    unit_offset: bool
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin as [T, D / 2] (views where the layout allows)."""
+        return self.cos.reshape(self.cos.shape[0], -1), self.sin.reshape(self.sin.shape[0], -1)
+
+
+def rotary_deferred() -> bool:
+    """Whether this step leaves the q/k norm + rotary of ops called with ``defer_to_attention`` to the
+    attention op: a uniform decode step that is not a piecewise replay (an eager step, or a FULL decode
+    graph), where the decode attention kernel normalizes and rotates the rows it reads anyway.
+
+    Piecewise replays keep the separate kernel: there it is recorded in the compute piece, while the
+    attention op runs eagerly between pieces and another launch would be host time on every layer
+    (~4.6 ms a 128-token gemma-3-1b step, measured). The rotary op and the attention op ask this of the
+    same forward context, so they always agree on who does the work."""
+    context = get_forward_context()
+    if context is None or context.attn_metadata is None:
+        return False
+    return context.attn_metadata.is_uniform_decode and context.runtime_mode is not RuntimeMode.PIECEWISE
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -54,36 +90,59 @@ def _check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: to
 
 def run_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
                      k_weight: torch.Tensor | None, eps: float, unit_offset: bool, num_heads: int,
-                     num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's implementation, callable directly by eager code (no dispatcher on the host path)."""
+                     num_kv_heads: int, defer_to_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's implementation, callable directly by eager code (no dispatcher on the host path).
+
+    ``defer_to_attention``: the caller also hands the raw q / k and these tables to the attention op
+    (`torch.ops.infer.attention`'s raw_q ...); where `rotary_deferred()` the outputs are left unwritten
+    (no kernel runs) and the attention op does the work."""
     head_dim = _check(qkv, cos, sin, q_weight, k_weight, num_heads, num_kv_heads)
     tokens = qkv.shape[0]
-    if qkv.is_cuda and qkv.stride(-1) == 1:
+    if defer_to_attention and rotary_deferred():
+        return (qkv.new_empty((tokens, num_heads, head_dim)), qkv.new_empty((tokens, num_kv_heads, head_dim)))
+    q_size = num_heads * head_dim
+    q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + num_kv_heads * head_dim].view(tokens, num_kv_heads, head_dim)
+    return rotate_qk(q, k, QKRotary(cos, sin, q_weight, k_weight, eps, unit_offset))
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, rotary: QKRotary) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw q [T, Hq, D] and k [T, Hkv, D] (any layout) -> normed and rotated, as new contiguous tensors."""
+    tokens = q.shape[0]
+    cos, sin = rotary.rows()
+    if q.is_cuda:
         from custom_ops.triton_rope import qk_norm_rope_triton  # lazy: Triton only where it runs
-        return qk_norm_rope_triton(qkv, cos.reshape(tokens, -1), sin.reshape(tokens, -1), q_weight, k_weight,
-                                   eps, unit_offset, num_heads, num_kv_heads)
-    qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].reshape(tokens, num_heads + num_kv_heads, head_dim)
-    if q_weight is not None:  # q's weight on q's rows, k's on k's
-        weight = torch.cat([q_weight.expand(num_heads, -1), k_weight.expand(num_kv_heads, -1)])
-        qk = rms_norm(qk, weight, eps, unit_offset)
+        return qk_norm_rope_triton(_rows_of_heads(q), _rows_of_heads(k), cos, sin, rotary.q_weight,
+                                   rotary.k_weight, rotary.eps, rotary.unit_offset)
+    num_heads = q.shape[1]
+    qk = torch.cat([q, k], dim=1)
+    if rotary.q_weight is not None:  # q's weight on q's rows, k's on k's
+        weight = torch.cat([rotary.q_weight.expand(num_heads, -1), rotary.k_weight.expand(k.shape[1], -1)])
+        qk = rms_norm(qk, weight, rotary.eps, rotary.unit_offset)
     rotated = apply_rotary(qk, cos.reshape(tokens, 1, -1), sin.reshape(tokens, 1, -1))
-    q, k = rotated.split([num_heads, num_kv_heads], dim=1)
+    q, k = rotated.split([num_heads, k.shape[1]], dim=1)
     # Copies: views of one tensor would alias each other (not allowed of a custom op's outputs), and
     # contiguous is the layout the fake promises Inductor.
     return q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
 
 
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with each token's heads back to back (views of the fused projection are)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 @torch.library.custom_op("infer::qk_norm_rope", mutates_args=())
 def qk_norm_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: Optional[torch.Tensor],
                     k_weight: Optional[torch.Tensor], eps: float, unit_offset: bool, num_heads: int,
-                    num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, unit_offset, num_heads, num_kv_heads)
+                    num_kv_heads: int, defer_to_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, unit_offset, num_heads, num_kv_heads,
+                            defer_to_attention)
 
 
 @qk_norm_rope_op.register_fake
 def _qk_norm_rope_fake(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: Optional[torch.Tensor],
                        k_weight: Optional[torch.Tensor], eps: float, unit_offset: bool, num_heads: int,
-                       num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       num_kv_heads: int, defer_to_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     head_dim = _check(qkv, cos, sin, q_weight, k_weight, num_heads, num_kv_heads)
     tokens = qkv.shape[0]
     return (qkv.new_empty((tokens, num_heads, head_dim)), qkv.new_empty((tokens, num_kv_heads, head_dim)))
@@ -91,9 +150,10 @@ def _qk_norm_rope_fake(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float, unit_offset: bool, num_heads: int,
-                 num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_kv_heads: int, defer_to_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """What a model calls: the op while Dynamo traces, the implementation itself when eager."""
     if torch.compiler.is_compiling():
         return torch.ops.infer.qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, unit_offset, num_heads,
-                                            num_kv_heads)
-    return run_qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, unit_offset, num_heads, num_kv_heads)
+                                            num_kv_heads, defer_to_attention)
+    return run_qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, unit_offset, num_heads, num_kv_heads,
+                            defer_to_attention)

@@ -16,6 +16,7 @@ import torch
 
 from custom_ops.layers import AttentionLayer
 from custom_ops.metadata import AttentionMetadata
+from custom_ops.rope import QKRotary, rotate_qk
 from custom_ops.triton_decode import launch_decode
 from custom_ops.triton_kv_store import store_kv
 from custom_ops.triton_prefill import launch_prefill
@@ -53,6 +54,7 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer,
     kv_cache: torch.Tensor, meta: AttentionMetadata,
     *, num_splits: int | None = None, config: dict | None = None, fuse_store: bool = True,
+    rotary: QKRotary | None = None,
 ) -> None:
     """Store the step's K/V and attend every sequence over its cached prefix plus its new tokens.
 
@@ -60,7 +62,13 @@ def paged_attention(
     host-side launch fewer per layer: the launch between two piecewise graphs is host time the GPU
     waits for). ``fuse_store=False`` runs the separate store kernel first. ``num_splits`` /
     ``config`` override the decode split count and tile shapes (tests, benchmarks).
+
+    With ``rotary`` q and k are raw (custom_ops.rope.QKRotary): a decode step's kernel normalizes and
+    rotates them as it reads them; any other step runs the q/k norm + rotary kernel first.
     """
+    if rotary is not None and not (meta.is_uniform_decode and fuse_store):
+        q, k = rotate_qk(q, k, rotary)
+        rotary = None
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     _check_qkv(q, k, v, out, layer)
     n = meta.num_actual_tokens
@@ -73,7 +81,8 @@ def paged_attention(
         config=config)
     if meta.is_uniform_decode:
         launch_decode(q, kv_cache, out, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                      max_seq_len=meta.max_seq_len, num_splits=num_splits, new_kv=new_kv, **common)
+                      max_seq_len=meta.max_seq_len, num_splits=num_splits, new_kv=new_kv, rotary=rotary,
+                      **common)
     else:
         launch_prefill(q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs,
                        max_query_len=meta.max_query_len, block_tables=meta.block_tables,

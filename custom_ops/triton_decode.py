@@ -12,6 +12,12 @@ split that arrives last merges the partials into ``out`` and zeroes the counter 
 So decode attention is ONE launch whatever the split count (a separate merge kernel cost a launch
 per layer and the drain between the two).
 
+With ``rotary`` (custom_ops.rope.QKRotary) q and the new key arrive raw, as the q/k projection wrote
+them: every program normalizes (Qwen3, Gemma 3) and rotates its query heads' one row and the newest
+key row itself, in the rounding order of the q/k norm + rotary kernel, and the split that stores the
+key stores it rotated. That kernel's launch and its gap to this one were ~1.7 us of a layer
+(knockout), against a few hundred extra flops per program here.
+
 The grid depends only on python ints the caller fixes (batch size, heads, and ``num_splits`` from
 ``max_seq_len``), and lengths and page tables are read from device tensors, so the launch is CUDA-graph
 capturable and a replay with new metadata values stays correct.
@@ -23,8 +29,10 @@ import triton
 import triton.language as tl
 
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
+from custom_ops.rope import QKRotary
 from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2, sm_count
 from custom_ops.triton_prefill import dot_precision
+from custom_ops.triton_rms_norm import scale_normed
 from custom_ops.workspace import Workspace
 
 
@@ -44,6 +52,19 @@ def _load_partial(part_max_ptr, part_sum_ptr, part_acc_ptr, rows, s, active, g_m
 # value class of an int argument (== 1, divisible by 16, other), so every decode batch size and
 # split count would cost a compile on a cold start-up (about 1 s each on an H100 host); at run time
 # they only bound loops and masks. SPLIT (one split or several) is the only shape of the code.
+@triton.jit
+def _norm_rope_rows(x, x_partner, w, w_partner, cos, sin, sign, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+                    UNIT_OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """Rows x [R, BLOCK_D] (float32, zeros past HEAD_DIM) normalized over HEAD_DIM (with NORM) and
+    rotated: out[d] = x[d] cos[d] + sign[d] x[partner(d)] sin[d], with partner(d) = d +- HEAD_DIM / 2.
+    Rounded as custom_ops.triton_rope rounds: the norm's output to dtype, the rotation once."""
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        x = scale_normed(x * inv_rms, w, UNIT_OFFSET, dtype).to(tl.float32)
+        x_partner = scale_normed(x_partner * inv_rms, w_partner, UNIT_OFFSET, dtype).to(tl.float32)
+    return (x * cos + sign * (x_partner * sin)).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_stores", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
@@ -52,10 +73,12 @@ def _decode_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     stride_knt, stride_knh, stride_vnt, stride_vnh, num_stores, num_splits,
     scale, softcap, window,
+    cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, stride_cos, stride_sin, norm_eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSE_STORE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,12 +103,41 @@ def _decode_kernel(
     heads = kv_head * GROUP + offs_g
     qo_mask = (offs_g < GROUP)[:, None] & d_mask[None, :]
     seq64 = seq.to(tl.int64)
+    if ROPE:
+        half: tl.constexpr = HEAD_DIM // 2
+        first_half = offs_d < half
+        partner = tl.where(first_half, offs_d + half, offs_d - half)
+        sign = tl.where(first_half, -1.0, 1.0)[None, :]
+        if QK_NORM:  # the layer's own weights: loaded before the PDL wait
+            q_w = tl.load(q_norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            q_w_partner = tl.load(q_norm_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            k_w = tl.load(k_norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            k_w_partner = tl.load(k_norm_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            q_w = sign  # unread without QK_NORM
+            q_w_partner = sign
+            k_w = sign
+            k_w_partner = sign
     if PDL:
         # The step's lengths and page tables were copied in before the step's first kernel; q and
         # the new K/V are the previous kernel's output, and nothing is written before this wait.
         tl.extra.cuda.gdc_wait()
-    q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=qo_mask, other=0.0)
+    q_rows = q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=qo_mask, other=0.0)
+    if ROPE:
+        dtype = q.dtype
+        rot = tl.where(first_half, offs_d, offs_d - half)
+        cos = tl.load(cos_ptr + seq64 * stride_cos + rot, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + seq64 * stride_sin + rot, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        q_partner = tl.load(q_rows + partner[None, :], mask=qo_mask, other=0.0).to(tl.float32)
+        q = _norm_rope_rows(q.to(tl.float32), q_partner, q_w, q_w_partner, cos, sin, sign, norm_eps,
+                            HEAD_DIM, QK_NORM, UNIT_OFFSET, dtype)
+        if FUSE_STORE:  # the newest key, as a [1, BLOCK_D] row: attended by one split, stored by one
+            k_new_base = k_new_ptr + seq64 * stride_knt + kv_head * stride_knh
+            k_raw = tl.load(k_new_base + offs_d[None, :], mask=d_mask[None, :], other=0.0).to(tl.float32)
+            k_partner = tl.load(k_new_base + partner[None, :], mask=d_mask[None, :], other=0.0).to(tl.float32)
+            k_rotated = _norm_rope_rows(k_raw, k_partner, k_w, k_w_partner, cos, sin, sign, norm_eps,
+                                        HEAD_DIM, QK_NORM, UNIT_OFFSET, dtype)
     block_table_ptr = block_tables_ptr + seq64 * stride_bt
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -122,7 +174,10 @@ def _decode_kernel(
         v_new_row = v_new_ptr + seq64 * stride_vnt + kv_head * stride_vnh + offs_d
         newest = seq_len - 1
         if (newest >= begin) & (newest < end):
-            k_new = tl.load(k_new_row, mask=d_mask, other=0.0).to(tl.float32)
+            if ROPE:
+                k_new = tl.sum(k_rotated.to(tl.float32), axis=0)  # the one row, as a vector
+            else:
+                k_new = tl.load(k_new_row, mask=d_mask, other=0.0).to(tl.float32)
             v_new = tl.load(v_new_row, mask=d_mask, other=0.0).to(tl.float32)
             s_new = log2_scores(tl.sum(q.to(tl.float32) * k_new[None, :], 1), scale, softcap, SOFTCAP=SOFTCAP)
             m_new = tl.maximum(m_i, s_new)
@@ -138,8 +193,12 @@ def _decode_kernel(
             if slot >= 0:
                 dst = (slot // PAGE_SIZE) * stride_kb + (slot % PAGE_SIZE) * stride_ko + kv_head * stride_kh
                 dst_v = (slot // PAGE_SIZE) * stride_vb + (slot % PAGE_SIZE) * stride_vo + kv_head * stride_vh
-                tl.store(k_ptr + dst + offs_d, tl.load(k_new_row, mask=d_mask).to(k_ptr.dtype.element_ty),
-                         mask=d_mask)
+                if ROPE:
+                    tl.store(k_ptr + dst + offs_d[None, :], k_rotated.to(k_ptr.dtype.element_ty),
+                             mask=d_mask[None, :])
+                else:
+                    tl.store(k_ptr + dst + offs_d, tl.load(k_new_row, mask=d_mask).to(k_ptr.dtype.element_ty),
+                             mask=d_mask)
                 tl.store(v_ptr + dst_v + offs_d, tl.load(v_new_row, mask=d_mask).to(v_ptr.dtype.element_ty),
                          mask=d_mask)
 
@@ -260,12 +319,16 @@ def launch_decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
     num_splits: int | None = None, config: dict | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+    rotary: QKRotary | None = None,
 ) -> None:
     """Decode attention for ``num_seqs = seq_lens.shape[0]`` sequences; query row i is sequence i.
 
     ``new_kv = (k, v, slot_mapping, num_tokens)`` fuses the store: row i's key/value (sequence i's
     newest token, not yet in the cache) is attended from ``k, v`` and written to its slot by the
     same launch. Without it the cache must already hold every key.
+
+    ``rotary``: q and new_kv's k are raw (before the q/k norm and the rotary); this launch applies
+    them (the stored key is the rotated one). Needs ``new_kv``; cos / sin row i is sequence i's.
     """
     num_seqs = int(seq_lens.shape[0])
     if num_seqs == 0:
@@ -290,6 +353,17 @@ def launch_decode(
     else:
         k_new = v_new = slots = q  # unused under FUSE_STORE=False
         num_stores = 0
+    if rotary is not None:
+        if new_kv is None:
+            raise ValueError("launch_decode: rotary needs new_kv (the raw new key is rotated where it is stored)")
+        cos, sin = rotary.rows()
+        norm = rotary.q_weight is not None
+        q_norm, k_norm = (rotary.q_weight, rotary.k_weight) if norm else (cos, cos)
+        rope_args = (cos, sin, q_norm, k_norm, cos.stride(0), sin.stride(0), float(rotary.eps))
+        rope_flags = dict(ROPE=True, QK_NORM=norm, UNIT_OFFSET=rotary.unit_offset)
+    else:
+        rope_args = (q, q, q, q, 0, 0, 0.0)  # unread under ROPE=False
+        rope_flags = dict(ROPE=False, QK_NORM=False, UNIT_OFFSET=False)
     pdl = launch_with_pdl(q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, arrivals, k_new, v_new,
@@ -298,10 +372,10 @@ def launch_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), min(num_stores, num_seqs), num_splits,
-        float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+        float(scale), float(logit_softcap or 1.0), int(sliding_window or 0), *rope_args,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
         SPLIT=num_splits > 1, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
-        DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, PDL=pdl,
+        DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, PDL=pdl, **rope_flags,
         **cfg, **pdl_launch_options(pdl),
     )

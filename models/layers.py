@@ -208,21 +208,28 @@ class Attention(nn.Module):
         register_attention_layer(layer_name, AttentionLayer(
             num_heads=split.num_heads, num_kv_heads=split.num_kv_heads, head_dim=config.head_dim,
             scale=config.attention_scale, sliding_window=sliding_window,
-            logit_softcap=config.attn_logit_softcap), owner=self)  # the entry goes with this module
+            logit_softcap=config.attn_logit_softcap, qk_norm_eps=config.rms_norm_eps,
+            qk_norm_unit_offset=unit_offset_norm), owner=self)  # the entry goes with this module
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        # q and k are adjacent in the projection: their per-head norms (Qwen3, Gemma 3) and the rotary
-        # run in one kernel over both (custom_ops.rope), which writes q and k as new tensors. Without
-        # norms (Llama) the rotary can ride in the projection's own GEMV at one row (Linear.with_rope).
-        norm = self.q_norm is not None
-        if norm:
+        qk_size = self.q_size + self.kv_size
+        # With per-head q/k norms (Qwen3, Gemma 3) one kernel normalizes and rotates q and k together
+        # (custom_ops.rope), and the attention op also gets the raw q / k with the tables and weights:
+        # in decode steps outside piecewise replays the rotary op defers (writes nothing) and the
+        # decode attention kernel does the work on the rows it reads, one kernel per layer fewer.
+        # Without norms (Llama) the rotary rides in the projection's own GEMV at one row
+        # (Linear.with_rope), else in that same kernel.
+        if self.q_norm is not None:
             qkv = self.qkv_proj(x)
             q, k = qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.q_norm.unit_offset, self.num_heads, self.num_kv_heads)
+                                self.q_norm.unit_offset, self.num_heads, self.num_kv_heads, defer_to_attention=True)
+            raw_q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            raw_k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            rotary = (raw_q, raw_k, cos, sin, self.q_norm.weight, self.k_norm.weight)
         else:
             qkv, q, k = self.qkv_proj.with_rope(x, cos, sin, self.num_heads, self.num_kv_heads)
-        qk_size = self.q_size + self.kv_size
+            rotary = ()
         # v stays a strided view of the fused projection (row stride q_size + 2 * kv_size): every
         # attention path (the Triton store, decode and prefill kernels, the reference) honours token
         # and head strides, and a .contiguous() here was one copy kernel per layer per step.
@@ -230,7 +237,7 @@ class Attention(nn.Module):
         # Allocated right before the op so a graph split at the op hands this buffer, at a fixed
         # address, from the piece before (which allocates it) to the piece after (which reads it).
         out = torch.empty_like(q)
-        torch.ops.infer.attention(q, k, v, out, self.layer_name)
+        torch.ops.infer.attention(q, k, v, out, self.layer_name, *rotary)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

@@ -63,10 +63,15 @@ def test_each_model_splits_into_layers_plus_one_compute_pieces(arch):
     assert all(p.ops == ("infer.attention",) for p in summary.pieces if p.is_splitting)
     assert backend.stats.pieces == 2 * layers + 1 and backend.stats.compute_pieces == layers + 1
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    # the per-head q/k norms (Qwen3, Gemma 3) and the rotary run over q and k together, in one op
+    # The per-head q/k norms (Qwen3, Gemma 3) and the rotary run over q and k together, in one op
     # per layer (custom_ops.rope), and nothing else of the rotary is left to Inductor (its cat)
     assert sum(p.ops.count("infer.qk_norm_rope") for p in summary.pieces) == layers
     assert sum(p.ops.count("cat") for p in summary.pieces) == 0
+    # With q/k norms the attention op also gets raw q / k, cos / sin and the norm weights (for decode
+    # steps where the rotary op defers to it), still as one direct call of its implementation
+    split = backend.graphs[0].split
+    calls = [split.module.__dict__[p.name].calls for p in summary.pieces if p.is_splitting]
+    assert [[len(template) for _, template, _, _ in c] for c in calls] == [[5 if arch == "llama" else 11]] * layers
 
 
 def test_summary_is_readable():

@@ -59,8 +59,10 @@ def test_kernel_matches_float64_reference(tokens, hq, hkv, d, dtype, norm):
         q_weight = torch.randn(d, device=DEVICE, dtype=dtype)
         k_weight = torch.randn(d, device=DEVICE, dtype=dtype)
     unit_offset = norm == "unit_offset"
-    q, k = qk_norm_rope_triton(qkv, cos.reshape(tokens, -1), sin.reshape(tokens, -1), q_weight, k_weight,
-                               EPS, unit_offset, hq, hkv)
+    q_in = qkv[:, :hq * d].view(tokens, hq, d)  # views of the fused projection, as models pass them
+    k_in = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    q, k = qk_norm_rope_triton(q_in, k_in, cos.reshape(tokens, -1), sin.reshape(tokens, -1), q_weight, k_weight,
+                               EPS, unit_offset)
     want_q, want_k = reference(qkv, cos, sin, q_weight, k_weight, unit_offset, hq, hkv)
     assert q.shape == (tokens, hq, d) and k.shape == (tokens, hkv, d) and q.dtype == dtype
     assert rel_err(q, want_q) < TOL[dtype] and rel_err(k, want_k) < TOL[dtype]

@@ -73,7 +73,8 @@ def test_in_fp16_it_rounds_as_the_projection_then_the_rotary_kernel_do():
     weight = (torch.randn(n, k_dim, device=DEVICE) * k_dim ** -0.5).half()
     cos, sin = rope_tables(d, 1000, torch.float16)
     qkv, q, k = gemv_rope(x, weight, cos, sin, GemvConfig(block_n=4, block_k=32, num_warps=1), hq, hkv)
-    q2, k2 = qk_norm_rope_triton(qkv, cos[None], sin[None], None, None, 0.0, False, hq, hkv)
+    q2, k2 = qk_norm_rope_triton(qkv[:, :hq * d].view(1, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(1, hkv, d),
+                                 cos[None], sin[None], None, None, 0.0, False)
     assert torch.equal(q, q2) and torch.equal(k, k2)
     assert rel_err(qkv.cpu(), (x.double() @ weight.double().t()).cpu()) < 2e-3
 

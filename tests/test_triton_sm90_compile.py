@@ -43,10 +43,11 @@ GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp
 DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_tables_ptr="*i32", seq_lens_ptr="*i32",
               out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32",
               arrivals_ptr="*i32", k_new_ptr="*bf16", v_new_ptr="*bf16", slot_ptr="*i64", scale="fp32",
-              softcap="fp32", **{name: "i32" for name in (
+              softcap="fp32", cos_ptr="*bf16", sin_ptr="*bf16", q_norm_ptr="*bf16", k_norm_ptr="*bf16",
+              norm_eps="fp32", **{name: "i32" for name in (
                   "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
                   "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh", "stride_vnt",
-                  "stride_vnh", "num_stores", "num_splits", "window")})
+                  "stride_vnh", "num_stores", "num_splits", "window", "stride_cos", "stride_sin")})
 out = {}
 try:
     for block_m, split_k, pdl, gate in ((1, 4, False, 0), (8, 1, False, 0), (16, 4, False, 0), (1, 1, True, 0),
@@ -55,11 +56,13 @@ try:
             triton_gemv._gemv_kernel, GEMV, dict(
                 BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=block_m >= 16,
                 DOT_PRECISION="tf32", PDL=pdl, GATE=gate), num_warps=4, num_stages=3, launch_pdl=pdl)
-    for splits, pdl in ((1, False), (8, False), (8, True)):
-        out[f"decode-s{splits}" + ("-pdl" if pdl else "")] = ptx(triton_decode._decode_kernel, DECODE, dict(
-            NUM_HEADS=24, NUM_KV_HEADS=8, GROUP=3, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-            PAGE_SIZE=16, SPLIT=splits > 1, SOFTCAP=True, WINDOW=True, DOT_PRECISION="tf32",
-            FUSE_STORE=True, PDL=pdl), num_warps=4, num_stages=2, launch_pdl=pdl)
+    for splits, pdl, rope in ((1, False, False), (8, False, False), (8, True, False), (8, True, True)):
+        out[f"decode-s{splits}" + ("-pdl" if pdl else "") + ("-rope" if rope else "")] = ptx(
+            triton_decode._decode_kernel, DECODE, dict(
+                NUM_HEADS=24, NUM_KV_HEADS=8, GROUP=3, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
+                PAGE_SIZE=16, SPLIT=splits > 1, SOFTCAP=True, WINDOW=True, DOT_PRECISION="tf32",
+                FUSE_STORE=True, ROPE=rope, QK_NORM=rope, UNIT_OFFSET=rope, PDL=pdl),
+            num_warps=4, num_stages=2, launch_pdl=pdl)
     from custom_ops import triton_prefill
     PREFILL = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
                    query_start_loc_ptr="*i32", seq_lens_ptr="*i32", k_new_ptr="*bf16", v_new_ptr="*bf16",
@@ -76,9 +79,9 @@ try:
                     "stride_h", "stride_delta", "stride_sum", "stride_out", "hidden")})
     out["add-rms-norm-branch-pdl"] = ptx(triton_rms_norm._add_rms_norm_kernel, NORM, dict(
         UNIT_OFFSET=True, DELTA_NORM=True, BLOCK=2048, PDL=True), num_warps=4, launch_pdl=True)
-    ROPE = dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_weight_ptr="*bf16", k_weight_ptr="*bf16",
-                q_ptr="*bf16", k_ptr="*bf16", eps="fp32", **{name: "i32" for name in (
-                    "stride_qkv", "stride_cos", "stride_sin", "stride_q", "stride_k")})
+    ROPE = dict(q_in_ptr="*bf16", k_in_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_weight_ptr="*bf16",
+                k_weight_ptr="*bf16", q_ptr="*bf16", k_ptr="*bf16", eps="fp32", **{name: "i32" for name in (
+                    "stride_q_in", "stride_k_in", "stride_cos", "stride_sin", "stride_q", "stride_k")})
     out["qk-norm-rope-pdl"] = ptx(triton_rope._qk_norm_rope_kernel, ROPE, dict(
         NUM_Q_HEADS=32, NUM_HEADS=40, HEAD_DIM=128, HALF=64, BLOCK_H=4, BLOCK_HALF=64, NORM=True,
         UNIT_OFFSET=False, PDL=True), num_warps=4, launch_pdl=True)
@@ -113,7 +116,7 @@ def assert_one_launch_merge(ptx: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8", "gemv-m1-s4-pdl", "decode-s8-pdl",
-                                  "gemv-m1-s4-pdl-gate1"])
+                                  "gemv-m1-s4-pdl-gate1", "decode-s8-pdl-rope"])
 def test_split_kernels_build_for_sm90_with_a_one_launch_merge(sm90_ptx, name):
     assert_one_launch_merge(sm90_ptx[name])
 
@@ -134,7 +137,8 @@ def _first(ptx: str, needle: str) -> int:
     return at
 
 
-@pytest.mark.parametrize("name", ["gemv-m1-s1-pdl", "gemv-m1-s4-pdl", "decode-s8-pdl", "gemv-m1-s4-pdl-gate1",
+@pytest.mark.parametrize("name", ["gemv-m1-s1-pdl", "gemv-m1-s4-pdl", "decode-s8-pdl", "decode-s8-pdl-rope",
+                                  "gemv-m1-s4-pdl-gate1",
                                   "gemv-m1-s1-pdl-gate2", "add-rms-norm-branch-pdl", "qk-norm-rope-pdl",
                                   "act-mul-pdl"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_store(sm90_ptx, name):
@@ -159,3 +163,11 @@ def test_the_batch1_gemv_loads_its_first_weight_tile_before_the_wait(sm90_ptx):
 @pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8"])
 def test_kernels_built_without_pdl_have_no_grid_dependency_control(sm90_ptx, name):
     assert "griddepcontrol" not in sm90_ptx[name]
+
+
+def test_decode_with_qk_norms_loads_the_norm_weights_before_the_wait(sm90_ptx):
+    """The q/k norm weights are the layer's own: loaded while the projection before still runs."""
+    def loads_before_wait(ptx: str) -> int:
+        return ptx[:_first(ptx, "griddepcontrol.wait")].count("ld.global")
+    # the sequence length is read before the wait in both (the step's metadata is copied in first)
+    assert loads_before_wait(sm90_ptx["decode-s8-pdl-rope"]) > loads_before_wait(sm90_ptx["decode-s8-pdl"])
