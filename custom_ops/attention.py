@@ -47,8 +47,7 @@ def attention_layer_renamed(renamed: dict[str, str]) -> Iterator[None]:
 def _rotary(layer: AttentionLayer, layer_name: str, raw_q: torch.Tensor | None, raw_k: torch.Tensor | None,
             cos: torch.Tensor | None, sin: torch.Tensor | None, q_weight: torch.Tensor | None,
             k_weight: torch.Tensor | None) -> QKRotary:
-    given = [t is not None for t in (raw_q, raw_k, cos, sin, q_weight, k_weight)]
-    if not all(given[:4]):
+    if raw_q is None or raw_k is None or cos is None or sin is None:
         raise ValueError(f"infer.attention (layer {layer_name!r}): raw_q, raw_k, cos and sin are given together, "
                          "and q_weight / k_weight only with them")
     head_dim = check_rope_tables(cos, sin, q_weight, k_weight, op=f"infer.attention (layer {layer_name!r})")

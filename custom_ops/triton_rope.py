@@ -4,8 +4,9 @@ read from the fused qkv projection and written as q and k, in one launch.
 Inductor lowers these as separate kernels (the norm's reduction and normalize, then one rotary
 kernel for q and one for k, as two outputs of different shapes): two to four launches per layer in a
 decode step where each is a few microseconds of latency. Here a program owns BLOCK_H heads of one
-token (q's heads, then k's: two inputs, usually views of the fused projection): each row is read once, normalized (rounded to the activation dtype, as the unfused code
-rounds the norm's output), rotated in float32 and rounded once (custom_ops.rope).
+token (q's heads, then k's: two inputs, usually views of the fused projection): each row is read
+once, normalized (rounded to the activation dtype, as the unfused code rounds the norm's output),
+rotated in float32 and rounded once (custom_ops.rope).
 """
 from __future__ import annotations
 

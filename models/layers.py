@@ -223,7 +223,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self.qkv_proj(x)
             q, k = qk_norm_rope(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.q_norm.unit_offset, self.num_heads, self.num_kv_heads, defer_to_attention=True)
+                                self.q_norm.unit_offset, self.num_heads, self.num_kv_heads,
+                                defer_to_attention=True)
             raw_q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             raw_k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
             rotary = (raw_q, raw_k, cos, sin, self.q_norm.weight, self.k_norm.weight)

@@ -1,7 +1,8 @@
 """The q/k norm + rotary deferred to the attention op (Qwen3, Gemma 3): in decode steps outside
 piecewise replays the rotary op writes nothing and the decode kernel normalizes and rotates the raw
-q / k rows it reads; everywhere else the rotary op does the work, as before. Checked against plain torch in float64 (norm, then transformers' rotate_half rotary,
-then the attention reference), and against the two-kernel path the models ran before.
+q / k rows it reads; everywhere else the rotary op does the work, as before. Checked against plain
+torch in float64 (norm, then transformers' rotate_half rotary, then the attention reference), and
+against the two-kernel path the models ran before.
 
 CPU: the kernels in Triton's interpreter on tiny shapes, and the op's CPU implementation. GPU
 (`gpu` mark): the benchmark models' head layouts in bf16, eager and in a CUDA-graph replay."""
