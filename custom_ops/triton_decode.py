@@ -31,6 +31,7 @@ import triton.language as tl
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.rope import QKRotary
 from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2, sm_count
+from custom_ops.triton_launch import launch
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.triton_rms_norm import scale_normed
 from custom_ops.workspace import Workspace
@@ -365,17 +366,20 @@ def launch_decode(
         rope_args = (q, q, q, q, 0, 0, 0.0)  # unread under ROPE=False
         rope_flags = dict(ROPE=False, QK_NORM=False, UNIT_OFFSET=False)
     pdl = launch_with_pdl(q.device)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    q_strides, out_strides, k_strides, v_strides = q.stride(), out.stride(), k_cache.stride(), v_cache.stride()
+    k_new_strides, v_new_strides = k_new.stride(), v_new.stride()
+    launch(_decode_kernel, (num_seqs, num_kv_heads, num_splits), (
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, arrivals, k_new, v_new,
         slots,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), min(num_stores, num_seqs), num_splits,
+        q_strides[0], q_strides[1], out_strides[0], out_strides[1],
+        k_strides[0], k_strides[1], k_strides[2],
+        v_strides[0], v_strides[1], v_strides[2], block_tables.stride(0),
+        k_new_strides[0], k_new_strides[1], v_new_strides[0], v_new_strides[1], min(num_stores, num_seqs), num_splits,
         float(scale), float(logit_softcap or 1.0), int(sliding_window or 0), *rope_args,
+    ), dict(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[2],
         SPLIT=num_splits > 1, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window),
         DOT_PRECISION=dot_precision(q.dtype), FUSE_STORE=new_kv is not None, PDL=pdl, **rope_flags,
         **cfg, **pdl_launch_options(pdl),
-    )
+    ))

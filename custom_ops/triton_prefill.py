@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.triton_common import cdiv, interpreting, load_kv_tile, log2_scores, next_power_of_2
+from custom_ops.triton_launch import launch
 
 
 @triton.jit
@@ -301,8 +302,8 @@ def launch_prefill(
     if max_query_len <= 0 or num_seqs <= 0:
         return
     if paged:
-        stride_kb, stride_ko, stride_kh = k_src.stride(0), k_src.stride(1), k_src.stride(2)
-        stride_vb, stride_vo, stride_vh = v_src.stride(0), v_src.stride(1), v_src.stride(2)
+        stride_kb, stride_ko, stride_kh = k_src.stride()[:3]
+        stride_vb, stride_vo, stride_vh = v_src.stride()[:3]
         stride_bt = block_tables.stride(0)
     else:
         stride_kb, stride_ko, stride_kh = 0, k_src.stride(0), k_src.stride(1)
@@ -315,14 +316,17 @@ def launch_prefill(
         k_new = v_new = slots = q  # unused under FUSE_STORE=False
         num_stores = 0
     grid = (num_heads, cdiv(max_query_len, block_m), num_seqs)
-    _prefill_kernel[grid](
+    q_strides, out_strides = q.stride(), out.stride()
+    k_new_strides, v_new_strides = k_new.stride(), v_new.stride()
+    launch(_prefill_kernel, grid, (
         q, k_src, v_src, out, block_tables, query_start_loc, seq_lens, k_new, v_new, slots,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q_strides[0], q_strides[1], out_strides[0], out_strides[1],
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), num_stores,
+        k_new_strides[0], k_new_strides[1], v_new_strides[0], v_new_strides[1], num_stores,
         dense_len, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+    ), dict(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,
         SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window), DOT_PRECISION=dot_precision(q.dtype),
         FUSE_STORE=new_kv is not None, **cfg,
-    )
+    ))
