@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.triton_common import cdiv, interpreting, next_power_of_2, sm_count
+from custom_ops.triton_launch import launch
 from custom_ops.workspace import Workspace
 
 ROW_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -147,10 +148,10 @@ def row_argmax(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         keys, arrivals = _workspace(x.device, num_rows, num_chunks)
     else:
         keys = arrivals = out  # unused without SPLIT
-    _row_argmax_kernel[(num_rows, num_chunks)](
-        x, out, keys, arrivals, x.stride(0), vocab, num_chunks,
+    # launched once per engine step outside any graph: the compiled launcher directly (triton_launch)
+    launch(_row_argmax_kernel, (num_rows, num_chunks), (x, out, keys, arrivals, x.stride(0), vocab, num_chunks), dict(
         CHUNK=chunk, BLOCK_CHUNKS=min(next_power_of_2(num_chunks), MAX_MERGE_BLOCK), SPLIT=num_chunks > 1,
         # 8 or 16 elements a thread at 4 warps (one or two 16-byte loads of bf16), 16 or 32 at 8
         num_warps=4 if chunk <= 2048 else 8,
-    )
+    ))
     return out

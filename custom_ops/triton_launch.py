@@ -80,7 +80,7 @@ def _hooked(hook: Any) -> bool:
 def launch(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, Any]) -> None:
     """`kernel[grid](*args, **options)`, taking the compiled launcher directly where a call of the same
     specialization was made before (module doc)."""
-    if (interpreting() or kernel.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook)
+    if (interpreting() or getattr(kernel, "pre_run_hooks", None) or _hooked(knobs.runtime.launch_enter_hook)
             or _hooked(knobs.runtime.launch_exit_hook)):
         stats["slow"] += 1
         kernel[grid](*args, **options)
