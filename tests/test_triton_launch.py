@@ -51,6 +51,20 @@ def test_key_separates_what_triton_specializes_on():
     assert _key((base, 1, 1.0), {}, 0) != _key((base, 1, 1), {}, 0)      # 1.0 == 1 likewise
 
 
+def test_tail_lists_the_later_parameters_in_signature_order():
+    """What the direct launch appends after the positional arguments: every later parameter, from the
+    keywords or its default, in the kernel's order; None (the plain launch) where that is not known."""
+    from triton.runtime.jit import JITFunction
+    from custom_ops.triton_launch import _tail
+    kernel = _axpy_kernel if isinstance(_axpy_kernel, JITFunction) else JITFunction(_axpy_kernel.fn)
+    x = torch.empty(4)
+    assert _tail(kernel, (x, x, x, 4, 1.0), {"BLOCK": 8}) == (8, False)               # SQUARE's default
+    assert _tail(kernel, (x, x, x, 4, 1.0), {"SQUARE": True, "BLOCK": 8, "num_warps": 4}) == (8, True)
+    assert _tail(kernel, (x, x, x, 4), {"BLOCK": 8, "alpha": 2.0}) == (2.0, 8, False)  # a scalar by keyword
+    assert _tail(kernel, (x, x, x, 4, 1.0), {}) is None                                # BLOCK missing
+    assert _tail(kernel, (x, x, x, 4, 1.0), {"n": 3, "BLOCK": 8}) is None              # n given twice
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter path")
 def test_interpreter_takes_the_plain_launch():
     x, y, out = torch.randn(300), torch.randn(300), torch.empty(300)
