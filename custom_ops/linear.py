@@ -97,20 +97,72 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up for gate_up [..., 2K] = [gate | up]: the models' gated-MLP code, in torch."""
+def _check_activation(op: str, activation: str) -> None:
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"custom_ops.{op}: activation {activation!r} is not one of {GATED_ACTIVATIONS}")
+
+
+def _check_gate_up(op: str, gate_up: torch.Tensor) -> None:
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"custom_ops.{op}: gate_up {tuple(gate_up.shape)} must end in an even size "
+                         f"(2 * K = [gate | up])")
+
+
+def act_and_mul_plain(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for gate_up [..., 2K] = [gate | up], in torch: the rounding contract (act(gate)
+    rounded to the input dtype, then the product rounded), the CPU path and the tests' reference."""
+    _check_activation("act_and_mul", activation)
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    raise ValueError(f"custom_ops.gated_linear: activation {activation!r} is not one of {GATED_ACTIVATIONS}")
+    return F.gelu(gate, approximate="tanh") * up
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # computed in float32 by the kernel
+
+
+def run_act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The act-and-mul op's implementation: on CUDA one Triton launch (custom_ops.triton_gemv.act_mul,
+    rounded as act_and_mul_plain rounds), elsewhere act_and_mul_plain. Returns [..., K], contiguous."""
+    _check_activation("act_and_mul", activation)
+    _check_gate_up("act_and_mul", gate_up)
+    if not gate_up.is_cuda or gate_up.dtype not in _KERNEL_DTYPES or gate_up.numel() == 0:
+        return act_and_mul_plain(gate_up, activation).contiguous()  # the layout the fake promises
+    from custom_ops.triton_gemv import act_mul  # lazy: Triton is imported only where it runs
+    width = gate_up.shape[-1]
+    return act_mul(gate_up.reshape(-1, width), activation).view(*gate_up.shape[:-1], width // 2)
+
+
+# Opaque to Inductor on purpose: the pieces it compiles for the symbolic token count lowered
+# act(gate) * up to a pointwise kernel that ran at 1.1-1.3 TB/s on an H100 (11.2 us at 256 x 16384
+# bf16 where the Triton kernel takes 5.0, 80 vs 36 us at 2048: bench/results/h100-2026-11-27/
+# act-and-mul-op/), and a prefill step runs it once per layer.
+@torch.library.custom_op("infer::act_and_mul", mutates_args=())
+def act_and_mul_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return run_act_and_mul(gate_up, activation)
+
+
+@act_and_mul_op.register_fake
+def _act_and_mul_fake(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    _check_activation("act_and_mul", activation)
+    _check_gate_up("act_and_mul", gate_up)
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """What a model calls for a gated MLP's act(gate) * up: the op while Dynamo traces, the
+    implementation itself when eager (no dispatcher on the host path)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infer.act_and_mul(gate_up, activation)
+    return run_act_and_mul(gate_up, activation)
 
 
 def gated_linear_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    """What the gated op computes, in plain torch ops: what Inductor compiles in its place where no
-    graph records it (compile_backend.compile_pieces.lower_graph_only_ops)."""
-    return F.linear(act_and_mul(gate_up, activation), weight)
+    """What the gated op computes, as the act-and-mul op and a plain matmul: what Inductor compiles in
+    its place where no graph records it (compile_backend.compile_pieces.lower_graph_only_ops). The op
+    is called as such: Inductor traces this function outside Dynamo, where `act_and_mul` would run the
+    kernel on fake tensors."""
+    return F.linear(torch.ops.infer.act_and_mul(gate_up, activation), weight)
 
 
 def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
@@ -119,15 +171,14 @@ def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: st
     a measured shape); elsewhere one act-and-multiply launch on CUDA (torch's two on the CPU) and the
     matmul, as before."""
     n, k = weight.shape
-    if activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"custom_ops.gated_linear: activation {activation!r} is not one of {GATED_ACTIVATIONS}")
+    _check_activation("gated_linear", activation)
     if gate_up.shape[-1] != 2 * k:
         raise ValueError(f"custom_ops.gated_linear: gate_up {tuple(gate_up.shape)} must end in 2 * K = {2 * k} "
                          f"for weight {tuple(weight.shape)}")
     rows = gate_up.numel() // max(2 * k, 1)
     config = table_config(gate_up, weight, rows)
     if config is None and not gate_up.is_cuda:
-        return gated_linear_plain(gate_up, weight, activation)
+        return F.linear(act_and_mul_plain(gate_up, activation), weight)
     from custom_ops.triton_gemv import act_mul, gemv  # lazy: Triton is imported only where it runs
     flat = gate_up.reshape(rows, 2 * k)
     if config is not None and rows == 1:

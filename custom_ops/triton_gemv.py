@@ -27,6 +27,7 @@ import triton.language as tl
 from custom_ops.gemv_table import GemvConfig
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv, next_power_of_2
+from custom_ops.triton_launch import launch
 from custom_ops.triton_prefill import dot_precision
 from custom_ops.workspace import Workspace
 
@@ -177,8 +178,10 @@ def act_mul(x: torch.Tensor, gate: str) -> torch.Tensor:
         return out
     block = min(1024, next_power_of_2(k))
     pdl = launch_with_pdl(x.device)
-    _act_mul_kernel[(m, cdiv(k, block))](x, out, k, x.stride(0), out.stride(0), BLOCK=block, GATE=GATES[gate],
-                                         PDL=pdl, num_warps=4, **pdl_launch_options(pdl))
+    # Through the launch cache: in a prefill step without a graph it runs once per layer (the op
+    # custom_ops.linear.act_and_mul), and only K and the strides enter its key.
+    launch(_act_mul_kernel, (m, cdiv(k, block)), (x, out, k, x.stride(0), out.stride(0)),
+           dict(BLOCK=block, GATE=GATES[gate], PDL=pdl, num_warps=4, **pdl_launch_options(pdl)))
     return out
 
 

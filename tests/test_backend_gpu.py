@@ -192,7 +192,10 @@ def test_thousand_consecutive_replays_with_changing_inputs_and_token_counts_agre
 def test_graph_pool_for_all_default_sizes_is_at_most_1_3x_the_largest_size_alone():
     cfg = hf_config("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
                     num_attention_heads=16, num_key_value_heads=4, head_dim=64)
-    model = models.from_config(cfg, dtype=torch.float32, device=CUDA)
+    # bf16, as served. In float32 the pool for all sizes is 64 MiB whatever the code (segment rounding
+    # of the 16 MiB gate_up buffers), so the ratio moved with the largest size's own temporaries: 58 MiB
+    # alone with torch's act-and-mul, 38 MiB with the act-and-mul op (H100, 2026-11-27).
+    model = models.from_config(cfg, dtype=torch.bfloat16, device=CUDA)
     config = BackendConfig(piece_compiler="eager")
     measured = {}
     for label, sizes in (("largest", [config.max_capture_size]), ("all", None)):

@@ -17,7 +17,7 @@ from bench.configs import TINY_LLAMA
 from custom_ops import (
     GEMV_CONFIGS, GemvConfig, gated_linear_plain, gemv_config, linear_rope_plain, run_gated_linear, run_linear,
 )
-from custom_ops.linear import act_and_mul
+from custom_ops.linear import act_and_mul_plain
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
 from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
 from models.layers import Linear
@@ -84,10 +84,10 @@ def test_gated_linear_with_a_gemv_choice_matches_the_unfused_code(monkeypatch, a
                                                                           num_warps=1) if rows == 1 else None)
     gate_up, weight = 2 * torch.randn(1, 160), torch.randn(48, 80)
     y = run_gated_linear(gate_up, weight, activation)
-    torch.testing.assert_close(y, F.linear(act_and_mul(gate_up, activation), weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, F.linear(act_and_mul_plain(gate_up, activation), weight), rtol=1e-4, atol=1e-4)
     rows = torch.randn(3, 160)  # more rows: the table says cuBLAS, and the CPU runs torch's code
     torch.testing.assert_close(run_gated_linear(rows, weight, activation),
-                               F.linear(act_and_mul(rows, activation), weight))
+                               F.linear(act_and_mul_plain(rows, activation), weight))
 
 
 def test_many_row_choices_go_by_bucket_of_rows():
@@ -117,14 +117,14 @@ def test_run_linear_and_gated_linear_with_a_skinny_choice_match_torch(monkeypatc
     torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
     gate_up = 2 * torch.randn(17, 160)
     torch.testing.assert_close(run_gated_linear(gate_up, weight, "silu"),
-                               F.linear(act_and_mul(gate_up, "silu"), weight), rtol=1e-4, atol=1e-4)
+                               F.linear(act_and_mul_plain(gate_up, "silu"), weight), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_act_mul_kernel_matches_torch(activation):
     from custom_ops.triton_gemv import act_mul
     x = 3 * torch.randn(5, 2 * 70)  # ragged: 70 is not a power of two
-    torch.testing.assert_close(act_mul(x, activation), act_and_mul(x, activation), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(act_mul(x, activation), act_and_mul_plain(x, activation), rtol=1e-5, atol=1e-5)
 
 
 def test_gated_linear_names_a_bad_activation_or_width():
@@ -220,7 +220,7 @@ def test_row_parallel_gated_projection_all_reduces_before_its_bias(activation):
     gate_up = torch.randn(1, 16)  # [gate 8 | up 8] of this rank's intermediate columns
     with torch.no_grad():
         y = layer.gated(gate_up, activation)
-    partial = F.linear(act_and_mul(gate_up, activation), layer.weight)
+    partial = F.linear(act_and_mul_plain(gate_up, activation), layer.weight)
     assert len(tp.reduced) == 1
     torch.testing.assert_close(tp.reduced[0], partial)
     torch.testing.assert_close(y, 2 * partial + layer.bias)

@@ -151,7 +151,7 @@ def test_gpu_gated_linear_runs_the_activation_inside_the_gemv_at_one_row_and_in_
     """Each model's down projection at one row: the GEMV with act(gate) * up in its loads, against
     float32 from the same bf16-rounded activation; at two rows one act-and-multiply launch and cuBLAS;
     captured at one row, the graph replays it on fresh inputs."""
-    from custom_ops.linear import act_and_mul
+    from custom_ops.linear import act_and_mul_plain
     for n, k in DOWN_SHAPES:
         assert (n, k) in GEMV_CONFIGS
         weight = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
@@ -159,19 +159,19 @@ def test_gpu_gated_linear_runs_the_activation_inside_the_gemv_at_one_row_and_in_
         gemv_calls.clear()
         y = torch.ops.infer.gated_linear(gate_up, weight, activation)
         assert gemv_calls == [(n, k, False)]
-        assert rel_err(y, act_and_mul(gate_up, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
+        assert rel_err(y, act_and_mul_plain(gate_up, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
         rows = torch.randn(2, 2 * k, device="cuda", dtype=torch.bfloat16)
         gemv_calls.clear()
         y2 = torch.ops.infer.gated_linear(rows, weight, activation)
         assert gemv_calls == []
-        assert rel_err(y2, act_and_mul(rows, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
+        assert rel_err(y2, act_and_mul_plain(rows, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             g = torch.ops.infer.gated_linear(gate_up, weight, activation)
         gate_up.copy_(torch.randn_like(gate_up))
         graph.replay()
-        assert rel_err(g, act_and_mul(gate_up, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
+        assert rel_err(g, act_and_mul_plain(gate_up, activation).float() @ weight.float().t()) < TOL[torch.bfloat16]
 
 
 # ------------------------------------------------------------------------------------- engine
