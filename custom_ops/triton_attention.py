@@ -79,14 +79,17 @@ def paged_attention(
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
         scale=layer.scale, sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
         config=config)
+    # Padding rows read nothing; zeros keep them deterministic (as the reference). The prefill launch
+    # writes them itself: between two piecewise graphs a separate fill was one more host launch per layer.
     if meta.is_uniform_decode:
         launch_decode(q, kv_cache, out, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
                       max_seq_len=meta.max_seq_len, num_splits=num_splits, new_kv=new_kv, rotary=rotary,
                       **common)
+        if n < out.shape[0]:
+            out[n:].zero_()
     else:
         launch_prefill(q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs,
                        max_query_len=meta.max_query_len, block_tables=meta.block_tables,
                        query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                       page_size=kv_cache.shape[2], new_kv=new_kv, **common)
-    if n < out.shape[0]:
-        out[n:].zero_()  # padding rows read nothing; zeros keep them deterministic (as the reference)
+                       page_size=kv_cache.shape[2], new_kv=new_kv, zero_from=n if n < out.shape[0] else None,
+                       **common)

@@ -8,10 +8,14 @@ JITFunction.run deriving again, on every call, the specialization it compiled fo
 type, each pointer's 16-byte alignment, each integer's divisibility by 16 and equality to 1) and
 looking it up.
 
-Here each kernel keeps its compiled variants under a key that fixes that specialization: every
-non-tensor argument's value (an integer's value fixes its type, divisibility and equality to 1), every
-tensor's dtype and 16-byte alignment, the keyword arguments (constexprs and launch options, which a
-call site passes in one order) and the device. A miss goes through `kernel[grid](...)`, which compiles
+Here each kernel keeps its compiled variants under a key that fixes that specialization, and no
+more: each integer's class (equal to 1, divisible by 16, the integer type its range needs), each
+tensor's dtype and 16-byte alignment, a float's or a bool's type (Triton passes them as fp32 / i1
+whatever the value), any other argument's value, the keyword arguments (constexprs and launch
+options, which a call site passes in one order) and the device; for a do_not_specialize parameter,
+an integer's type only, as Triton. Integer values stay out of the key:
+the token count and the stored-row count change from step to step in serving, and a key per value
+missed on every new count (a plain launch and a new entry each time). A miss goes through `kernel[grid](...)`, which compiles
 where Triton must and returns the compiled kernel; a hit calls that kernel's launcher with the
 argument list JITFunction.run would pass it: every parameter in signature order.
 
@@ -30,8 +34,8 @@ from triton.runtime.driver import driver
 
 from custom_ops.triton_common import interpreting
 
-# Distinct keys a kernel keeps before its cache is emptied: a key holds integer values such as the token
-# count, so a long-running server meets new ones (one entry per capture size and batch shape seen).
+# Distinct keys a kernel keeps before its cache is emptied: a bound for call sites that pass values which
+# do enter the key (a float's or an int's class does not grow; other objects might).
 MAX_ENTRIES_PER_KERNEL = 1024
 
 
@@ -44,13 +48,47 @@ class _Compiled:
 
 
 _caches: dict[Any, dict[tuple, _Compiled]] = {}
+_unspecialized_params: dict[Any, tuple[int, ...]] = {}
 stats = {"hits": 0, "misses": 0, "slow": 0}  # counted for tests and benchmarks
 
 
-def _key(args: tuple, options: dict[str, Any], device: int) -> tuple:
-    # The type with each value: True == 1 and 1.0 == 1, but they specialize differently.
-    return (device, tuple(options.items()),
-            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args])
+def _arg_key(a: Any) -> Any:
+    cls = a.__class__
+    if cls is int:
+        # Triton's classes: 1 (a constant), divisible by 16 (an alignment hint), i32 / i64 / u64 by range.
+        # Finer than Triton where a parameter is do_not_specialize, which only adds entries. Strings, not
+        # bools: True == 1 would make "divisible" and "one" one key.
+        if -2147483648 <= a <= 2147483647:
+            return "one" if a == 1 else ("d16" if not a & 15 else "i32")
+        return "u64" if a >= 9223372036854775808 else "i64", not a & 15
+    if cls is torch.Tensor or isinstance(a, torch.Tensor):
+        return a.dtype, not a.data_ptr() & 15
+    if cls is float or cls is bool:
+        return cls  # passed as fp32 / i1: the value never specializes
+    return cls, a   # anything else (None, a dtype): its value, as the plain path would see it
+
+
+def _int_type(a: Any) -> Any:
+    """A do_not_specialize parameter's key: an integer's type only (Triton's i32 / i64 / u64 by range)."""
+    if a.__class__ is not int:
+        return _arg_key(a)
+    if -2147483648 <= a <= 2147483647:
+        return "i32"
+    return "u64" if a >= 9223372036854775808 else "i64"
+
+
+def _unspecialized(kernel: Any) -> tuple[int, ...]:
+    """Indices of `kernel`'s do_not_specialize parameters (Triton does not split their values by class)."""
+    params = getattr(kernel, "params", None) or ()
+    return tuple(i for i, p in enumerate(params) if getattr(p, "do_not_specialize", False))
+
+
+def _key(args: tuple, options: dict[str, Any], device: int, unspecialized: tuple[int, ...] = ()) -> tuple:
+    key = [device, tuple(options.items()), *map(_arg_key, args)]
+    for i in unspecialized:
+        if i < len(args):
+            key[i + 2] = _int_type(args[i])
+    return tuple(key)
 
 
 def _tail(kernel: Any, args: tuple, options: dict[str, Any]) -> tuple | None:
@@ -67,7 +105,8 @@ def _tail(kernel: Any, args: tuple, options: dict[str, Any]) -> tuple | None:
             tail.append(param.default)
         else:
             return None
-    if any(p.name in options for p in params[:len(args)]):
+    # A constexpr bound positionally would need its value in the key, which keys integers by class.
+    if any(p.name in options or getattr(p, "is_constexpr", True) for p in params[:len(args)]):
         return None
     return tuple(tail)
 
@@ -89,7 +128,8 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, A
     cache = _caches.get(kernel)
     if cache is None:
         cache = _caches[kernel] = {}
-    key = _key(args, options, device)
+        _unspecialized_params[kernel] = _unspecialized(kernel)
+    key = _key(args, options, device, _unspecialized_params[kernel])
     entry = cache.get(key)
     if entry is None:
         stats["misses"] += 1

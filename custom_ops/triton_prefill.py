@@ -135,16 +135,17 @@ def _attend_span(
     return acc, l_i, m_i
 
 
-# num_stores and dense_len are token counts: specialized (== 1, divisible by 16, other) they would cost
-# a compile per class of capture size on a cold start-up, for a loop bound and a mask.
-@triton.jit(do_not_specialize=["num_stores", "dense_len"])
+# num_stores, dense_len and the padding rows' bounds are token counts: specialized (== 1, divisible by
+# 16, other) they would cost a compile per class of capture size on a cold start-up, for loop bounds
+# and masks.
+@triton.jit(do_not_specialize=["num_stores", "dense_len", "pad_start", "pad_end"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     k_new_ptr, v_new_ptr, slot_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     stride_knt, stride_knh, stride_vnt, stride_vnh, num_stores,
-    dense_len, scale, softcap, window,
+    dense_len, pad_start, pad_end, scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -153,6 +154,17 @@ def _prefill_kernel(
     head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # most work first
     seq = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    if pad_end > pad_start:
+        # The grid's last "sequence": the step's padding rows [pad_start, pad_end), which read nothing
+        # and are written as zeros here (a separate fill per layer was a host launch between pieces).
+        if seq == tl.num_programs(2) - 1:
+            pad_rows = pad_start + m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            pad_mask = (pad_rows < pad_end)[:, None] & d_mask[None, :]
+            tl.store(out_ptr + pad_rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=pad_mask)
+            return
     if PAGED:
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -167,8 +179,6 @@ def _prefill_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     rows = m_tile * BLOCK_M + offs_m
     row_valid = rows < q_len
@@ -287,13 +297,15 @@ def launch_prefill(
     paged: bool, num_seqs: int, max_query_len: int, dense_len: int = 0,
     block_tables: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None, page_size: int = 1, config: dict | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, zero_from: int | None = None,
 ) -> None:
     """Launch the prefill kernel. Paged: ``k_src/v_src`` are ``cache[0]/cache[1]`` ``[NB, BS, Hkv, D]``;
     dense: ``[T, Hkv, D]`` with ``dense_len = T`` and ``num_seqs = 1``.
 
     Paged, ``new_kv = (k, v, slot_mapping, num_tokens)`` fuses the store: the new tokens' keys are
-    read from ``k, v`` and written to their slots by the same launch (the cache need not hold them)."""
+    read from ``k, v`` and written to their slots by the same launch (the cache need not hold them).
+    ``zero_from``: out's rows from there on are padding (no sequence owns them); the launch writes them
+    as zeros."""
     if new_kv is not None and not paged:
         raise ValueError("launch_prefill: new_kv (a fused store) needs the paged cache")
     cfg = dict(prefill_config(head_dim, q.dtype, max_query_len))
@@ -315,7 +327,11 @@ def launch_prefill(
     else:
         k_new = v_new = slots = q  # unused under FUSE_STORE=False
         num_stores = 0
-    grid = (num_heads, cdiv(max_query_len, block_m), num_seqs)
+    pad_start, pad_end = (zero_from, out.shape[0]) if zero_from is not None and paged else (0, 0)
+    if pad_end > pad_start:  # one more grid "sequence", whose programs zero the padding rows
+        grid = (num_heads, cdiv(max(max_query_len, pad_end - pad_start), block_m), num_seqs + 1)
+    else:
+        grid = (num_heads, cdiv(max_query_len, block_m), num_seqs)
     q_strides, out_strides = q.stride(), out.stride()
     k_new_strides, v_new_strides = k_new.stride(), v_new.stride()
     launch(_prefill_kernel, grid, (
@@ -323,7 +339,7 @@ def launch_prefill(
         q_strides[0], q_strides[1], out_strides[0], out_strides[1],
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
         k_new_strides[0], k_new_strides[1], v_new_strides[0], v_new_strides[1], num_stores,
-        dense_len, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+        dense_len, pad_start, pad_end, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
     ), dict(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,

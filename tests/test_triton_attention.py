@@ -147,6 +147,19 @@ def test_paged_extend_matches_reference(dtype, window, softcap, fuse_store):
     check_close(out, ref, meta.num_actual_tokens, dtype)
 
 
+def test_paged_prefill_zeroes_more_padding_rows_than_any_sequence_has_queries():
+    """A short mixed step padded to a large capture size: the prefill launch itself writes every padding
+    row as zeros (its grid covers the padding, not only the longest query), and stores none of them."""
+    layer = make_layer(4, 2, 16)
+    q, k, v, cache, meta = make_batch([5, 9], [1, 3], layer, block_size=8, dtype=torch.float32,
+                                      device=DEVICE, pad_tokens=45)
+    assert not meta.is_uniform_decode and meta.max_query_len < 45
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    out = run_paged(q, k, v, cache, meta, layer, fuse_store=True)
+    assert torch.equal(cache.cpu(), ref_cache)
+    check_close(out, ref, meta.num_actual_tokens, torch.float32)
+
+
 @pytest.mark.parametrize("window", [None, 9])
 def test_paged_prefill_stores_and_reads_new_keys_over_several_query_tiles(window):
     """Chunks longer than one 16-row query tile, after cached prefixes that end mid-tile and mid-page

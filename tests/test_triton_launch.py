@@ -28,6 +28,12 @@ def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr, SQUARE: t
     tl.store(out_ptr + offs, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["n"])
+def _count_kernel(out_ptr, n, m, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32) + n * 1000 + m, mask=offs < m)
+
+
 def axpy(x, y, out, alpha=2.5, block=128, **constexprs):
     n = x.numel()
     launch(_axpy_kernel, (triton.cdiv(n, block),), (x, y, out, n, float(alpha)), dict(BLOCK=block, **constexprs))
@@ -45,10 +51,48 @@ def test_key_separates_what_triton_specializes_on():
     assert key != _key((base[1:], 16, 1.5), {"BLOCK": 32}, 0)            # 4-byte offset: not 16-byte aligned
     assert key != _key((base.half(), 16, 1.5), {"BLOCK": 32}, 0)         # dtype
     assert key != _key((base, 17, 1.5), {"BLOCK": 32}, 0)                # divisibility by 16
+    assert key != _key((base, 1, 1.5), {"BLOCK": 32}, 0)                 # equality to 1 (a constant)
+    assert key != _key((base, 2 ** 32, 1.5), {"BLOCK": 32}, 0)           # i64, not i32
+    assert _key((base, 2 ** 32, 1.5), {}, 0) != _key((base, 2 ** 63, 1.5), {}, 0)  # u64
     assert key != _key((base, 16, 1.5), {"BLOCK": 64}, 0)                # constexpr
     assert key != _key((base, 16, 1.5), {"BLOCK": 32}, 1)                # device
     assert _key((base, 1, 1.5), {}, 0) != _key((base, True, 1.5), {}, 0)  # True == 1, but not the same type
     assert _key((base, 1, 1.0), {}, 0) != _key((base, 1, 1), {}, 0)      # 1.0 == 1 likewise
+    assert _key((base, None), {}, 0) != _key((base, 0), {}, 0)           # None is a constant
+
+
+def test_key_leaves_out_values_triton_passes_at_run_time():
+    """Token counts change every serving step: one compiled variant must serve every count of a class."""
+    base = torch.randn(64)
+    assert _key((base, 48, 0.5), {}, 0) == _key((base, 4096, 2.0), {}, 0)   # divisible by 16, fp32
+    assert _key((base, 17, 0.5), {}, 0) == _key((base, 300, 0.5), {}, 0)    # neither 1 nor divisible
+    assert _key((base, True), {}, 0) == _key((base, False), {}, 0)          # i1 either way
+
+
+def test_key_of_a_do_not_specialize_parameter_is_its_integer_type():
+    """Triton passes such a parameter's value without classing it (== 1, divisible by 16): neither does
+    the key, so the stored-row counts of successive steps share one entry."""
+    from triton.runtime.jit import JITFunction
+    from custom_ops.triton_launch import _unspecialized
+
+    def plain(fn, **kwargs):  # under the interpreter (CPU), the JITFunction Triton would build
+        return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **kwargs)
+
+    assert _unspecialized(plain(_count_kernel, do_not_specialize=["n"])) == (1,)
+    assert _unspecialized(plain(_axpy_kernel)) == ()
+    x = torch.randn(64)
+    assert _key((x, 1, 32), {}, 0, (1,)) == _key((x, 45, 32), {}, 0, (1,)) == _key((x, 48, 32), {}, 0, (1,))
+    assert _key((x, 45, 32), {}, 0, (1,)) != _key((x, 45, 33), {}, 0, (1,))  # m is specialized
+    assert _key((x, 45, 32), {}, 0, (1,)) != _key((x, 2 ** 40, 32), {}, 0, (1,))  # i64
+
+
+def test_tail_refuses_a_constexpr_bound_positionally():
+    """Its value would have to be in the key: such a call keeps the plain launch."""
+    from triton.runtime.jit import JITFunction
+    from custom_ops.triton_launch import _tail
+    kernel = _axpy_kernel if isinstance(_axpy_kernel, JITFunction) else JITFunction(_axpy_kernel.fn)
+    x = torch.empty(4)
+    assert _tail(kernel, (x, x, x, 4, 1.0, 8), {}) is None
 
 
 def test_tail_lists_the_later_parameters_in_signature_order():
@@ -99,6 +143,34 @@ def test_gpu_hits_match_a_plain_launch_for_each_specialization(fresh_cache, n, d
         assert torch.equal(out, plain)
     assert triton_launch.stats["misses"] - before["misses"] == 2
     assert triton_launch.stats["hits"] - before["hits"] == 2
+
+
+@pytest.mark.gpu
+def test_gpu_a_hit_with_another_value_of_the_class_uses_that_value(fresh_cache):
+    """One compiled variant per class, the values passed at each launch: counts of one class give their
+    own results (a variant that had kept the first count would write the wrong rows)."""
+    before = dict(triton_launch.stats)
+    x, y = torch.randn(5000, device="cuda"), torch.randn(5000, device="cuda")
+    for n, alpha in ((300, 2.5), (17, -1.0), (4095, 0.25), (33, 3.0)):  # none is 1 or divisible by 16
+        out = torch.full_like(x, float("nan"))
+        axpy(x[:n], y[:n], out[:n], alpha=alpha)
+        torch.testing.assert_close(out[:n], expected(x[:n], y[:n], alpha=alpha))
+        assert out[n:].isnan().all(), f"n={n}: the launch wrote past its count"
+    assert triton_launch.stats["misses"] - before["misses"] == 1
+    assert triton_launch.stats["hits"] - before["hits"] == 3
+
+
+@pytest.mark.gpu
+def test_gpu_do_not_specialize_values_share_one_variant_and_reach_the_kernel():
+    triton_launch._caches.pop(_count_kernel, None)
+    before = dict(triton_launch.stats)
+    for n in (1, 16, 45, 7):  # one class for Triton and for the key
+        out = torch.full((64,), float("nan"), device="cuda")
+        launch(_count_kernel, (1,), (out, n, 40), dict(BLOCK=64))
+        assert (out[:40] == n * 1000 + 40).all() and out[40:].isnan().all(), f"n={n}"
+    assert triton_launch.stats["misses"] - before["misses"] == 1
+    assert triton_launch.stats["hits"] - before["hits"] == 3
+    triton_launch._caches.pop(_count_kernel, None)
 
 
 @pytest.mark.gpu
@@ -180,3 +252,29 @@ def test_gpu_attention_repeats_hit_and_match_the_reference(prefix_lens, query_le
         check_close(out, ref, meta.num_actual_tokens, torch.bfloat16)
     assert triton_launch.stats["hits"] - before["hits"] == 3
     assert triton_launch.stats["misses"] == before["misses"]
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_steps_of_new_token_counts_hit_after_one_per_class():
+    """Serving: every step has its own token count, padded to a capture size. After one launch per
+    specialization class (padded or not, token count divisible by 16 or not), each new count is a hit,
+    and each is attended with its own counts (float64 reference, padding rows zero)."""
+    from custom_ops import AttentionLayer
+    from tests.test_triton_attention import check_close, make_batch, reference_paged, run_paged
+    layer = AttentionLayer(8, 2, 128, 128 ** -0.5, None, None)
+    # (cached prefix lengths, new tokens, padding rows): the stored-row count and the padding's start are
+    # do_not_specialize, the padded size (a capture size) is divisible by 16 (48; 0 unpadded) or not (45),
+    # and the block tables are 4 pages + 1 wide throughout: the first two cases are the two classes.
+    cases = [([0], [45], 3), ([0], [40], 5), ([5], [36], 7), ([0], [35], 13), ([1], [44], 0), ([0], [33], 0),
+             ([2], [46], 16), ([0], [47], 1)]
+    before = dict(triton_launch.stats)
+    for i, (prefix_lens, query_lens, pad) in enumerate(cases):
+        q, k, v, cache, meta = make_batch(prefix_lens, query_lens, layer, 16, torch.bfloat16, "cuda", pad_tokens=pad)
+        assert meta.block_tables.shape[1] == 4
+        out = run_paged(q, k, v, cache, meta, layer)
+        ref, _ = reference_paged(q, k, v, cache, meta, layer)
+        check_close(out, ref, meta.num_actual_tokens, torch.bfloat16)
+        if i == 1:
+            first = dict(triton_launch.stats)
+    assert triton_launch.stats["misses"] == first["misses"], "a new token count of a seen class missed"
+    assert triton_launch.stats["hits"] - first["hits"] == len(cases) - 2

@@ -69,7 +69,7 @@ try:
                    slot_ptr="*i64", scale="fp32", softcap="fp32", **{name: "i32" for name in (
                        "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
                        "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh",
-                       "stride_vnt", "stride_vnh", "num_stores", "dense_len", "window")})
+                       "stride_vnt", "stride_vnh", "num_stores", "dense_len", "pad_start", "pad_end", "window")})
     out["prefill-fused-store"] = ptx(triton_prefill._prefill_kernel, PREFILL, dict(
         GROUP=3, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, PAGED=True,
         SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", FUSE_STORE=True), num_warps=4, num_stages=2)
