@@ -1,7 +1,9 @@
 """`torch.ops.infer.linear(x, weight, bias) -> x @ weight^T (+ bias)`: a linear layer that runs the
 Triton GEMV (custom_ops.triton_gemv) where a measurement says it beats cuBLAS, F.linear elsewhere;
 `torch.ops.infer.gated_linear(gate_up, weight, activation)` the same for a gated MLP's down
-projection, with act(gate) * up computed inside the GEMV (one launch fewer per layer at batch 1).
+projection, with act(gate) * up computed inside the GEMV (one launch fewer per layer at batch 1);
+`torch.ops.infer.act_and_mul(gate_up, activation)` the activation alone, one Triton launch on CUDA
+(where the gated op does not run the GEMV, and in every piece Inductor compiles).
 
 The op is opaque to Dynamo and Inductor (a fake implementation gives the shape), so the choice is
 made at run time, per call, from the shapes (custom_ops.gemv_table): on CUDA in bf16 or fp16 with a
