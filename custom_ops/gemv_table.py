@@ -36,9 +36,9 @@ class GemvConfig:
 # the whole batch-1 decode graph (`python -m bench gemv_graph`, bench/results/h100x2-2026-11-26/
 # gemv-in-graph/): under PDL a tile that is fastest alone can hold up its neighbours, and llama's
 # gate_up cost the step ~85 us more with the tile that won alone. Any model whose matmul has one of
-# these shapes uses the entry. A shape without an entry uses cuBLAS, and so does every shape at 2-15
-# rows (at batch 8 cuBLAS won every shape, the GEMV 2-3x slower; 16-64 rows: SKINNY_CONFIGS below). fp16 streams the same bytes
-# through the same tiles as bf16 and shares the entries.
+# these shapes uses the entry. A shape without an entry uses cuBLAS. Above one row the GEMV lost (2-3x
+# slower than cuBLAS at batch 8); 2-64 rows: SKINNY_CONFIGS below. fp16 streams the same bytes through
+# the same tiles as bf16 and shares the entries.
 GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (5120, 3072): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # llama-3.2-3b qkv: in graph -2.7 us
     (3072, 3072): GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4),    # o: in graph -3.4 us
@@ -58,52 +58,59 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
-# Decode batches of 16-64 rows (custom_ops.triton_skinny): (N, K) -> {rows bucket: choice}, where a
-# bucket covers the row counts above the previous one (17..32 is bucket 32), and a choice is either
-# the Triton skinny GEMM's config or CUBLASLT, cuBLAS through its Lt interface, which picked faster
-# kernels than cuBLAS's default for some shapes. Absent: cuBLAS's default, as torch runs it. Picked
-# per shape by `python -m bench gemm --batches 16,32,64`: each call timed inside one CUDA graph over
-# weight copies >= 3x the L2 (us per call, choice vs cuBLAS's default; bench/results/h100-2026-11-26/
-# skinny-gemm/).
+# Decode batches of 2-64 rows (custom_ops.triton_skinny): (N, K) -> {rows bucket: choice}, where a
+# bucket covers the row counts above the previous one (17..32 is bucket 32, 2..8 is bucket 8), and a
+# choice is either the Triton skinny GEMM's config or CUBLASLT, cuBLAS through its Lt interface, which
+# picked faster kernels than cuBLAS's default for some shapes. Absent: cuBLAS's default, as torch runs
+# it. Picked per shape by `python -m bench gemm --batches ...`: each call timed inside one CUDA graph
+# over weight copies >= 3x the L2 (us per call, choice vs cuBLAS's default). 16-64 rows:
+# bench/results/h100-2026-11-26/skinny-gemm/; 2-8 rows (picked at 8, within 1-2% of the picks at 2 and
+# 4; below 16 rows the kernel pads x to 16 and reads the same weight bytes, so bucket 16 serves 9-15):
+# bench/results/h100-2026-11-27/skinny-gemm-2-8-rows/.
 CUBLASLT = "cublaslt"
-ROW_BUCKETS = (16, 32, 64)
+ROW_BUCKETS = (8, 16, 32, 64)
 _N64_S1 = GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3)
+_N64_S1_ST4 = GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4)
 _N128_S1 = GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4)
 _N64_S4 = GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3)
+_N64_S4_ST4 = GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4)
+_N32_S1 = GemvConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=4)
 _N32_S2 = GemvConfig(block_n=32, block_k=128, split_k=2, num_warps=4, num_stages=4)
 _N16_S1 = GemvConfig(block_n=16, block_k=128, split_k=1, num_warps=4, num_stages=4)
 _N64_S6 = GemvConfig(block_n=64, block_k=128, split_k=6, num_warps=4, num_stages=4)
 SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | str]] = {
-    # llama-3.2-3b (us at 16 / 32 / 64 rows, cuBLAS's default in brackets)
-    (3072, 3072): {16: GemvConfig(block_n=64, block_k=128, split_k=3, num_warps=4)},   # o: 10.3 [12.2]
-    (16384, 3072): {16: _N64_S1, 32: _N64_S1, 64: _N64_S1},   # gate_up: 37.3 / 37.7 / 38.7 [39.0 / 39.5 / 40.3]
-    (3072, 8192): {16: _N64_S4, 32: _N32_S2, 64: CUBLASLT},   # down: 22.0 / 22.9 / 21.9 [24.4 / 25.0 / 24.4]
-    (128256, 3072): {16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 263 / 267 / 275 [284 / 287 / 295]
+    # llama-3.2-3b (us at 8 / 16 / 32 / 64 rows, cuBLAS's default in brackets; qkv: cuBLAS throughout)
+    (3072, 3072): {8: _N64_S4,                                                   # o: 9.92 [11.9]
+                   16: GemvConfig(block_n=64, block_k=128, split_k=3, num_warps=4)},   # 10.3 [12.2]
+    (16384, 3072): {8: _N64_S1_ST4, 16: _N64_S1, 32: _N64_S1, 64: _N64_S1},  # gate_up: 36.6 / 37.3 / 37.7 / 38.7 [38.4 / 39.0 / 39.5 / 40.3]
+    (3072, 8192): {8: _N64_S4, 16: _N64_S4, 32: _N32_S2, 64: CUBLASLT},   # down: 21.2 / 22.0 / 22.9 / 21.9 [23.0 / 24.4 / 25.0 / 24.4]
+    (128256, 3072): {8: _N128_S1, 16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 261 / 263 / 267 / 275 [282 / 284 / 287 / 295]
     # qwen3-4b
-    (6144, 2560): {16: GemvConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=4),   # qkv: 13.8 [14.5]
+    (6144, 2560): {8: _N32_S1, 16: _N32_S1,                                     # qkv: 13.8 / 13.8 [14.6 / 14.5]
                    32: GemvConfig(block_n=16, block_k=128, split_k=1, num_warps=4, num_stages=4)},  # 14.3 [15.1]
-    (2560, 4096): {16: _N64_S4, 32: _N32_S2},                 # o: 11.0 / 12.0 [12.5 / 12.6]
-    (19456, 2560): {16: _N64_S1, 32: _N64_S1},                # gate_up: 37.7 / 38.4 [40.5 / 43.5]
-    (2560, 9728): {16: GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4),  # down: 22.2 [23.3]
-                   64: CUBLASLT},                                                                  # 23.4 [24.5]
-    (151936, 2560): {16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 260 / 265 / 272 [277 / 281 / 287]
+    (2560, 4096): {8: _N64_S4, 16: _N64_S4, 32: _N32_S2},       # o: 10.7 / 11.0 / 12.0 [12.3 / 12.5 / 12.6]
+    (19456, 2560): {8: _N64_S1, 16: _N64_S1, 32: _N64_S1},      # gate_up: 37.3 / 37.7 / 38.4 [39.9 / 40.5 / 43.5]
+    (2560, 9728): {8: _N64_S4_ST4, 16: _N64_S4_ST4, 64: CUBLASLT},   # down: 21.6 / 22.2 / 23.4 [22.9 / 23.3 / 24.5]
+    (151936, 2560): {8: _N64_S1_ST4, 16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 257 / 260 / 265 / 272 [275 / 277 / 281 / 287]
     # gemma-3-1b
-    (1536, 1152): {16: _N16_S1, 32: _N16_S1, 64: _N16_S1},    # qkv: 4.30 / 4.55 / 4.25 [4.51 / 4.89 / 4.87]
+    (1536, 1152): {8: _N16_S1, 16: _N16_S1, 32: _N16_S1, 64: _N16_S1},    # qkv: 4.26 / 4.30 / 4.55 / 4.25 [4.82 / 4.51 / 4.89 / 4.87]
+    # o at 2-8 rows: 3.79 us alone [4.44], but in the batch-8 decode graph it cost the step 166 us (1.393 ms
+    # with cuBLAS there, 1.558 with it; batch 4: 1.351 against 1.336), so cuBLAS (skinny-gemm-2-8-rows/)
     (1152, 1024): {16: _N16_S1, 32: _N16_S1, 64: _N16_S1},    # o: 3.82 / 4.06 / 3.78 [4.51 / 4.53 / 4.60]
-    (13824, 1152): {16: _N64_S1, 32: _N64_S1, 64: _N64_S1},   # gate_up: 13.1 / 13.2 / 13.9 [14.2 / 14.5 / 14.8]
-    (1152, 6912): {16: _N64_S6, 32: _N64_S6},                 # down: 9.3 / 10.6 [11.2 / 11.3]
-    (262144, 1152): {16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 206 / 211 / 218 [221 / 225 / 236]
+    (13824, 1152): {8: _N64_S1, 16: _N64_S1, 32: _N64_S1, 64: _N64_S1},   # gate_up: 12.9 / 13.1 / 13.2 / 13.9 [14.1 / 14.2 / 14.5 / 14.8]
+    (1152, 6912): {8: _N64_S6, 16: _N64_S6, 32: _N64_S6},                 # down: 9.04 / 9.3 / 10.6 [11.0 / 11.2 / 11.3]
+    (262144, 1152): {8: _N128_S1, 16: _N128_S1, 32: _N128_S1, 64: _N128_S1},  # lm_head: 202 / 206 / 211 / 218 [218 / 221 / 225 / 236]
 }
 
 
 def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str) -> GemvConfig | str | None:
     """How x [rows, K] @ weight[N, K]^T runs, the one place that decides: at one row the GEMV's config;
-    at 16-64 rows the skinny GEMM's config or CUBLASLT; None for cuBLAS's default."""
+    at 2-64 rows the skinny GEMM's config or CUBLASLT; None for cuBLAS's default."""
     if device_type != "cuda" or dtype not in GEMV_DTYPES:
         return None
     if rows == 1:
         return GEMV_CONFIGS.get((n, k))
-    if rows < ROW_BUCKETS[0] or rows > ROW_BUCKETS[-1]:
+    if rows < 2 or rows > ROW_BUCKETS[-1]:
         return None
     bucket = next(b for b in ROW_BUCKETS if rows <= b)
     return SKINNY_CONFIGS.get((n, k), {}).get(bucket)

@@ -7,7 +7,7 @@ projection, with act(gate) * up computed inside the GEMV (one launch fewer per l
 
 The op is opaque to Dynamo and Inductor (a fake implementation gives the shape), so the choice is
 made at run time, per call, from the shapes (custom_ops.gemv_table): on CUDA in bf16 or fp16 with a
-measured (N, K), the GEMV at one row and at 16-64 rows the skinny GEMM (custom_ops.triton_skinny) or
+measured (N, K), the GEMV at one row and at 2-64 rows the skinny GEMM (custom_ops.triton_skinny) or
 cuBLASLt where the table says so; otherwise F.linear. A CUDA graph records the kernel the call chose
 at capture, and each decode batch size is captured as its own graph, so the batch-1 decode graph
 replays the GEMV and the batch-64 one the choices for 64 rows.
@@ -53,7 +53,7 @@ def _blas(library: str) -> Iterator[None]:
 
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor, choice: GemvConfig | str,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, K] @ weight^T for 16-64 rows, as the table's `choice` says: the Triton skinny GEMM's
+    """x [rows, K] @ weight^T for 2-64 rows, as the table's `choice` says: the Triton skinny GEMM's
     config, or CUBLASLT."""
     if choice == CUBLASLT:
         with _blas(CUBLASLT):

@@ -1,6 +1,6 @@
-"""Triton skinny GEMM for decode batches of 16-64 rows: ``out[M, N] = x[M, K] @ weight[N, K]^T``.
+"""Triton skinny GEMM for decode batches of 2-64 rows: ``out[M, N] = x[M, K] @ weight[N, K]^T``.
 
-At 16-64 rows a decode matmul still only streams its weight (64 FLOPs per weight byte at 64 rows,
+At 2-64 rows a decode matmul still only streams its weight (64 FLOPs per weight byte at 64 rows,
 a fifth of what an H100 can feed), yet cuBLAS measured ~80% of copy bandwidth on llama-3.2-3b's
 shapes at batch 64 (bench/results/h100-2026-11-26/kernels-batch-16-64/). The GEMV kernel
 (custom_ops.triton_gemv) loops over 16-row tiles of x outside its K loop, so above 16 rows it reads
@@ -30,7 +30,9 @@ from custom_ops.triton_common import cdiv, next_power_of_2
 from custom_ops.triton_gemv import check_operands, output_for, split_workspaces
 from custom_ops.triton_prefill import dot_precision
 
-MIN_ROWS = 16  # below this the GEMV's CUDA-core path reads the weight once per step already
+# From 2 rows: below 16 the MMA's x side is padded to 16 rows (masked loads), and the kernel still
+# reads every weight byte once; at one row the GEMV (custom_ops.triton_gemv) serves.
+MIN_ROWS = 2
 MAX_ROWS = 128
 # A weight tile of at least this many rows is the MMA's left operand (a Hopper MMA's 64-row side);
 # narrower tiles put x there and transpose the product.
@@ -63,7 +65,7 @@ def _skinny_kernel(
         tl.extra.cuda.gdc_wait()
     if W_LEFT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:  # a narrow weight tile: x (>= 16 rows) on the left, the product transposed once at the end
+    else:  # a narrow weight tile: x (16 rows or more, padded) on the left, the product transposed once
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
         k = k_start + offs_k
@@ -110,7 +112,7 @@ def fits(rows: int) -> bool:
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation), for
-    16 <= M <= 128. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages."""
+    2 <= M <= 128. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages."""
     check_operands("skinny_gemm", x, weight, None)
     m = x.shape[0]
     if not fits(m):
@@ -131,7 +133,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     pdl = launch_with_pdl(x.device)
     _skinny_kernel[(tiles_n, config.split_k)](
         x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
     )

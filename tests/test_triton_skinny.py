@@ -1,7 +1,7 @@
-"""The skinny GEMM for 16-128 decode rows (custom_ops/triton_skinny.py) against plain torch in float64.
+"""The skinny GEMM for 2-128 decode rows (custom_ops/triton_skinny.py) against plain torch in float64.
 
 CPU: Triton's interpreter on small ragged shapes (fp32, fp16). GPU (`gpu` mark): the benchmark models'
-decode shapes in bf16 at 16 and 64 rows, and a CUDA-graph replay of the down projection on act-and-mul's
+decode shapes in bf16 at 2, 8, 16 and 64 rows, and a CUDA-graph replay of the down projection on act-and-mul's
 output (as the engine runs a gated MLP above one row)."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double().cpu() - b).norm() / b.norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("m", [16, 23, 64])  # 23: a masked tail of the 32-row tile
+@pytest.mark.parametrize("m", [2, 7, 16, 23, 64])  # 2, 7: x padded to 16 rows; 23: a masked tail of the 32-row tile
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("block_n", [16, 64])  # x on the MMA's left side / the weight on it
 def test_skinny_matches_torch_for_ragged_shapes(m, split_k, block_n):
@@ -49,8 +49,10 @@ def test_skinny_even_k_split_and_strided_x_in_fp16():
 def test_skinny_refuses_what_it_cannot_serve():
     weight = torch.randn(16, 32)
     cfg = GemvConfig(block_n=16, block_k=16)
-    with pytest.raises(ValueError, match="16..128 rows"):
-        skinny_gemm(torch.randn(8, 32), weight, cfg)
+    with pytest.raises(ValueError, match="2..128 rows"):
+        skinny_gemm(torch.randn(1, 32), weight, cfg)
+    with pytest.raises(ValueError, match="2..128 rows"):
+        skinny_gemm(torch.randn(129, 32), weight, cfg)
     with pytest.raises(ValueError, match="weight"):
         skinny_gemm(torch.randn(16, 32), torch.randn(16, 33), cfg)
     with pytest.raises(ValueError, match="must match"):
@@ -71,7 +73,7 @@ def decode_shapes() -> list[tuple[str, int, int]]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [16, 64])
+@pytest.mark.parametrize("m", [2, 8, 16, 64])
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_skinny_decode_shapes_in_bf16(m, split_k):
     for name, n, k in decode_shapes():
