@@ -6,9 +6,9 @@ batch sizes (default 1 and 8), `out = x @ W^T` in bf16 by:
   cublas_fp32_reduce  F.linear with allow_bf16_reduced_precision_reduction off (cuBLAS may not
                       reduce split-K partials in bf16: changes which split-K kernels it picks);
   cublaslt            F.linear with torch.backends.cuda.preferred_blas_library("cublaslt");
-  triton_gemv         below 16 rows: custom_ops.triton_gemv at every config of CONFIGS (the best one
+  triton_gemv         at one row: custom_ops.triton_gemv at every config of CONFIGS (the best one
                       is reported, the whole sweep is in the JSON's meta);
-  triton_skinny       from 16 rows: custom_ops.triton_skinny at every config of skinny_configs.
+  triton_skinny       from 2 rows: custom_ops.triton_skinny at every config of skinny_configs.
 Each kernel is timed inside one CUDA graph that runs it over enough copies of W that the L2 never
 holds the weight it reads (as in a model step, where a layer's weights were last read a step ago);
 time per call = graph replay time / calls. GB/s counts W + x + out bytes; `x_copy` and `x_read` are
@@ -45,7 +45,7 @@ CONFIGS = _triton_configs()
 
 
 def skinny_configs(n: int, k: int) -> tuple:
-    """The skinny GEMM's candidates at 16-64 rows (custom_ops.triton_skinny): narrow weight tiles
+    """The skinny GEMM's candidates at 2-64 rows (custom_ops.triton_skinny): narrow weight tiles
     (x on the MMA's left side) unsplit and split in two, and 64/128-row tiles with the two smallest
     splits that give >= 100 programs. 128-key tiles: 64-key ones lost every llama-3.2-3b shape."""
     from custom_ops.gemv_table import GemvConfig
@@ -127,7 +127,7 @@ def weight_copies(n: int, k: int, l2_bytes: int) -> list[torch.Tensor]:
 
 def measure_shape(n: int, k: int, batch: int, l2_bytes: int, configs=None) -> list[dict]:
     """Every variant at one shape: dicts with variant, config, us, rel_err (vs cuBLAS default). The
-    Triton variant is the GEMV below 16 rows and the skinny GEMM from 16 rows (custom_ops.triton_skinny)."""
+    Triton variant is the GEMV at one row and the skinny GEMM from 2 rows (custom_ops.triton_skinny)."""
     from custom_ops.triton_gemv import gemv
     from custom_ops.triton_skinny import fits, skinny_gemm
     skinny = fits(batch)
