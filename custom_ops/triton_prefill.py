@@ -312,6 +312,8 @@ def launch_prefill(
     cfg.update(config or {})
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     if max_query_len <= 0 or num_seqs <= 0:
+        if zero_from is not None and paged and zero_from < out.shape[0]:
+            out[zero_from:].zero_()  # nothing to attend; the padding rows are still written
         return
     if paged:
         stride_kb, stride_ko, stride_kh = k_src.stride()[:3]

@@ -160,6 +160,15 @@ def test_paged_prefill_zeroes_more_padding_rows_than_any_sequence_has_queries():
     check_close(out, ref, meta.num_actual_tokens, torch.float32)
 
 
+def test_prefill_launch_without_sequences_still_zeroes_the_padding_rows():
+    from custom_ops.triton_prefill import launch_prefill
+    q = torch.randn(5, 2, 16, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    launch_prefill(q, q, q, out, num_heads=2, num_kv_heads=2, head_dim=16, scale=0.25, sliding_window=None,
+                   logit_softcap=None, paged=True, num_seqs=0, max_query_len=0, zero_from=2)
+    assert out[:2].isnan().all() and (out[2:] == 0).all()
+
+
 @pytest.mark.parametrize("window", [None, 9])
 def test_paged_prefill_stores_and_reads_new_keys_over_several_query_tiles(window):
     """Chunks longer than one 16-row query tile, after cached prefixes that end mid-tile and mid-page
