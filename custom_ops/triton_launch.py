@@ -13,9 +13,9 @@ more: each integer's class (equal to 1, divisible by 16, the integer type its ra
 tensor's dtype and 16-byte alignment, a float's or a bool's type (Triton passes them as fp32 / i1
 whatever the value), any other argument's value, the keyword arguments (constexprs and launch
 options, which a call site passes in one order) and the device; for a do_not_specialize parameter,
-an integer's type only, as Triton. Integer values stay out of the key:
-the token count and the stored-row count change from step to step in serving, and a key per value
-missed on every new count (a plain launch and a new entry each time). A miss goes through `kernel[grid](...)`, which compiles
+an integer's type only, as Triton. Integer values stay out of the key: the token count and the
+stored-row count change from step to step in serving, and a key per value missed on every new count
+(a plain launch and a new entry each time). A miss goes through `kernel[grid](...)`, which compiles
 where Triton must and returns the compiled kernel; a hit calls that kernel's launcher with the
 argument list JITFunction.run would pass it: every parameter in signature order.
 
@@ -47,20 +47,31 @@ class _Compiled:
         self.tail = tail      # the parameters after the positional ones, in signature order
 
 
-_caches: dict[Any, dict[tuple, _Compiled]] = {}
-_unspecialized_params: dict[Any, tuple[int, ...]] = {}
+class _KernelCache:
+    __slots__ = ("entries", "unspecialized")
+
+    def __init__(self, kernel: Any) -> None:
+        self.entries: dict[tuple, _Compiled] = {}
+        self.unspecialized = _unspecialized(kernel)  # read once per kernel: its parameters are fixed
+
+
+_caches: dict[Any, _KernelCache] = {}
 stats = {"hits": 0, "misses": 0, "slow": 0}  # counted for tests and benchmarks
+
+
+def _wide_int_type(a: int) -> str:
+    """Triton's type for an integer outside i32's range."""
+    return "u64" if a >= 9223372036854775808 else "i64"
 
 
 def _arg_key(a: Any) -> Any:
     cls = a.__class__
     if cls is int:
         # Triton's classes: 1 (a constant), divisible by 16 (an alignment hint), i32 / i64 / u64 by range.
-        # Finer than Triton where a parameter is do_not_specialize, which only adds entries. Strings, not
-        # bools: True == 1 would make "divisible" and "one" one key.
+        # Strings, not bools: True == 1 would make "divisible" and "one" one key.
         if -2147483648 <= a <= 2147483647:
             return "one" if a == 1 else ("d16" if not a & 15 else "i32")
-        return "u64" if a >= 9223372036854775808 else "i64", not a & 15
+        return _wide_int_type(a), not a & 15
     if cls is torch.Tensor or isinstance(a, torch.Tensor):
         return a.dtype, not a.data_ptr() & 15
     if cls is float or cls is bool:
@@ -72,9 +83,7 @@ def _int_type(a: Any) -> Any:
     """A do_not_specialize parameter's key: an integer's type only (Triton's i32 / i64 / u64 by range)."""
     if a.__class__ is not int:
         return _arg_key(a)
-    if -2147483648 <= a <= 2147483647:
-        return "i32"
-    return "u64" if a >= 9223372036854775808 else "i64"
+    return "i32" if -2147483648 <= a <= 2147483647 else _wide_int_type(a)
 
 
 def _unspecialized(kernel: Any) -> tuple[int, ...]:
@@ -127,10 +136,9 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, A
     device = torch.cuda.current_device()
     cache = _caches.get(kernel)
     if cache is None:
-        cache = _caches[kernel] = {}
-        _unspecialized_params[kernel] = _unspecialized(kernel)
-    key = _key(args, options, device, _unspecialized_params[kernel])
-    entry = cache.get(key)
+        cache = _caches[kernel] = _KernelCache(kernel)
+    key = _key(args, options, device, cache.unspecialized)
+    entry = cache.entries.get(key)
     if entry is None:
         stats["misses"] += 1
         compiled = kernel[grid](*args, **options)
@@ -138,9 +146,9 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, A
             compiled = compiled.result()
         tail = _tail(kernel, args, options)
         if tail is not None and compiled is not None:
-            if len(cache) >= MAX_ENTRIES_PER_KERNEL:
-                cache.clear()
-            cache[key] = _Compiled(compiled, tail)
+            if len(cache.entries) >= MAX_ENTRIES_PER_KERNEL:
+                cache.entries.clear()
+            cache.entries[key] = _Compiled(compiled, tail)
         return
     stats["hits"] += 1
     compiled = entry.kernel

@@ -86,6 +86,44 @@ def test_key_of_a_do_not_specialize_parameter_is_its_integer_type():
     assert _key((x, 45, 32), {}, 0, (1,)) != _key((x, 2 ** 40, 32), {}, 0, (1,))  # i64
 
 
+def test_cache_bookkeeping_with_a_stand_in_kernel(monkeypatch):
+    """The hit path without a GPU: a stand-in for a JITFunction whose `kernel[grid](...)` returns a
+    compiled object. The first launch of a class compiles (a miss), later ones of that class call the
+    compiled launcher with the grid, the current stream, the new values and the tail in signature order,
+    and a do_not_specialize count shares one entry."""
+    from types import SimpleNamespace
+    from custom_ops import triton_launch as tl_mod
+
+    def param(name, constexpr=False, dns=False):
+        return SimpleNamespace(name=name, is_constexpr=constexpr, do_not_specialize=dns, has_default=False)
+
+    runs, plain = [], []
+    compiled = SimpleNamespace(function="fn", packed_metadata="meta", run=lambda *a: runs.append(a))
+
+    class StandIn:
+        params = [param("x_ptr"), param("n", dns=True), param("m"), param("BLOCK", constexpr=True)]
+        pre_run_hooks = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: plain.append((grid, args, options)) or compiled
+
+    kernel = StandIn()
+    monkeypatch.setattr(tl_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(tl_mod.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tl_mod, "driver", SimpleNamespace(active=SimpleNamespace(get_current_stream=lambda d: "stream")))
+    x = torch.empty(16)
+    for n, m in ((45, 7), (3, 9), (1000, 5)):   # n: one entry whatever its value; m: "i32" each time
+        launch(kernel, (4, 2), (x, n, m), {"BLOCK": 64})
+    launch(kernel, (4,), (x, 8, 32), {"BLOCK": 64})   # m divisible by 16: a class of its own
+    try:
+        assert [p[1][1:] for p in plain] == [(45, 7), (8, 32)]
+        assert runs == [(4, 2, 1, "stream", "fn", "meta", None, None, None, x, 3, 9, 64),
+                        (4, 2, 1, "stream", "fn", "meta", None, None, None, x, 1000, 5, 64)]
+        assert len(tl_mod._caches[kernel].entries) == 2 and tl_mod._caches[kernel].unspecialized == (1,)
+    finally:
+        tl_mod._caches.pop(kernel, None)
+
+
 def test_tail_refuses_a_constexpr_bound_positionally():
     """Its value would have to be in the key: such a call keeps the plain launch."""
     from triton.runtime.jit import JITFunction
