@@ -200,6 +200,15 @@ class GroupedBlockPool:
         """Give back the sliding blocks no query at next_position or later can see; how many."""
         return sum(p.release_before(request_id, next_position) for p in self.sliding)
 
+    def holds(self, request_id: str, num_tokens: int, next_position: int) -> bool:
+        """BlockPool.holds for every group."""
+        if not self.full.holds(request_id, num_tokens, next_position):
+            return False
+        for pool in self.sliding:
+            if not pool.holds(request_id, num_tokens, next_position):
+                return False
+        return True
+
     def free(self, request_id: str) -> int:
         for pool in self.sliding:
             pool.free(request_id)

@@ -112,6 +112,14 @@ class SlidingBlockPool:
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self.table(request_id)))
 
+    def holds(self, request_id: str, num_tokens: int, next_position: int) -> bool:
+        """True when grow(request_id, num_tokens) and release_before(request_id, next_position) would
+        change nothing (BlockPool.holds)."""
+        table = self._tables.get(request_id)
+        if table is None or len(table) * self.block_size < num_tokens:
+            return False
+        return min(self.first_visible_block(next_position), len(table)) <= self._released[request_id]
+
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Enough blocks for num_tokens tokens; False (and no change) if too few are available."""
         needed = self.num_new_blocks_needed(request_id, num_tokens)

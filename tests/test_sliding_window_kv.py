@@ -281,6 +281,27 @@ def test_release_keeps_exactly_the_blocks_a_query_at_the_next_position_can_see()
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
+def test_holds_is_true_exactly_when_growing_and_releasing_would_change_nothing():
+    """The scheduler skips grow and release_before for a request the pools say `holds` its chunk (most
+    decode steps); that is safe only if they would have been no-ops, in every group."""
+    pool = GroupedBlockPool(BlockPool(32, BLOCK), [SlidingBlockPool(32, BLOCK, WINDOW)])
+    assert pool.admit("r", [], 6) and not pool.holds("q", 1, 0)  # q holds nothing
+    seen = set()
+    for start in range(6, 40):  # one decode token a step, through block and window boundaries
+        end = start + 1
+        before = ([list(t) for t in pool.tables("r")], pool.full.num_free_blocks, pool.sliding[0].num_free_blocks)
+        holds = pool.holds("r", end, start)
+        assert holds == (pool.full.holds("r", end, start) and pool.sliding[0].holds("r", end, start))
+        pool.release_before("r", start)
+        assert pool.grow("r", end)
+        after = ([list(t) for t in pool.tables("r")], pool.full.num_free_blocks, pool.sliding[0].num_free_blocks)
+        assert holds == (before == after), f"at position {start}"
+        seen.add(holds)
+        assert pool.holds("r", end, start)  # once reserved, the same chunk needs nothing more
+    assert seen == {True, False}
+    pool.check_consistency()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_key_a_query_reads_was_computed_from_its_own_prefix_under_sharing_eviction_and_preemption(seed):
     """The scheduler and both pools without a model: each slot remembers the prefix its K/V was
