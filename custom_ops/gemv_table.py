@@ -48,7 +48,7 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (6144, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),    # qwen3-4b qkv: in graph -12.0 us
     (2560, 4096): GemvConfig(block_n=2, block_k=4096, split_k=1, num_warps=8),   # o: in graph -6.3 us, whole K -16.9
     (19456, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),   # gate_up: 36.1 vs 39.5
-    (2560, 9728): GemvConfig(block_n=16, block_k=256, split_k=4, num_warps=4),   # down: 21.3 vs 22.7
+    (2560, 9728): GemvConfig(block_n=16, block_k=256, split_k=6, num_warps=4),   # down: 21.3 vs 22.7 at s4; s6 in graph -9.0 us
     (151936, 2560): GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4),  # lm_head: 249.9 vs 271.6
     (1536, 1152): GemvConfig(block_n=4, block_k=2048, split_k=1, num_warps=8),   # gemma-3-1b qkv: in graph -2.6, whole K -25.6
     (1152, 1024): GemvConfig(block_n=4, block_k=1024, split_k=1, num_warps=4),   # o: in graph -15.5 us, n4 -3.0
