@@ -8,7 +8,8 @@ from custom_ops.layers import (
     AttentionLayer, check_kv_cache, get_attention_layer, is_registered, register_attention_layer, unique_prefix,
 )
 from custom_ops.linear import (
-    act_and_mul, act_and_mul_plain, decode_linear, gated_gemv_linear, gated_linear_plain, gemv_linear, run_gated_linear, run_linear,
+    act_and_mul, act_and_mul_plain, decode_linear, gated_gemv_linear, gated_linear_plain, gemv_linear,
+    run_gated_linear, run_linear,
 )
 from custom_ops.qkv_rope import linear_rope, linear_rope_plain, run_linear_rope
 from custom_ops.norm import add_rms_norm, rms_norm, run_add_rms_norm

@@ -34,6 +34,7 @@ from custom_ops.triton_prefill import dot_precision
 # reads every weight byte once; at one row the GEMV (custom_ops.triton_gemv) serves.
 MIN_ROWS = 2
 MAX_ROWS = 128
+MMA_MIN_ROWS = 16  # x's side of the MMA: fewer rows are padded to this by masked loads
 # A weight tile of at least this many rows is the MMA's left operand (a Hopper MMA's 64-row side);
 # narrower tiles put x there and transpose the product.
 W_LEFT_ROWS = 64
@@ -133,8 +134,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     pdl = launch_with_pdl(x.device)
     _skinny_kernel[(tiles_n, config.split_k)](
         x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
+        BLOCK_M=max(MMA_MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS,
+        DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
     )
     return out

@@ -138,8 +138,8 @@ class Scheduler:
         if self.pool.holds(request.request_id, start + num_new, start):
             return True  # most decode steps: 15 of 16 tokens land in a block the request already has
         # Sliding-window blocks no query from the chunk's start on can see go back first (engine.kv_groups).
-        self.pool.release_before(request.request_id, request.num_computed_tokens)
-        while not self.pool.grow(request.request_id, request.num_computed_tokens + num_new):
+        self.pool.release_before(request.request_id, start)
+        while not self.pool.grow(request.request_id, start + num_new):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
