@@ -8,8 +8,8 @@ from custom_ops.layers import (
     AttentionLayer, check_kv_cache, get_attention_layer, is_registered, register_attention_layer, unique_prefix,
 )
 from custom_ops.linear import (
-    act_and_mul, act_and_mul_plain, decode_linear, gated_gemv_linear, gated_linear_plain, gemv_linear,
-    run_gated_linear, run_linear,
+    act_and_mul, act_and_mul_plain, argmax_key_tiles, decode_linear, gated_gemv_linear, gated_linear_plain,
+    gemv_linear, run_gated_linear, run_linear,
 )
 from custom_ops.qkv_rope import linear_rope, linear_rope_plain, run_linear_rope
 from custom_ops.norm import add_rms_norm, rms_norm, run_add_rms_norm
@@ -20,7 +20,8 @@ __all__ = [
     "attention", "attention_layer_renamed", "run_attention", "ForwardContext", "RuntimeMode", "forward_context",
     "get_forward_context", "AttentionLayer", "check_kv_cache", "get_attention_layer", "is_registered",
     "register_attention_layer", "unique_prefix", "SCRATCH_BLOCK", "AttentionMetadata",
-    "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "decode_linear", "gemv_linear", "run_linear",
+    "allocate_kv_cache", "GEMV_CONFIGS", "GemvConfig", "gemv_config", "argmax_key_tiles", "decode_linear",
+    "gemv_linear", "run_linear",
     "act_and_mul", "act_and_mul_plain", "gated_gemv_linear", "gated_linear_plain", "run_gated_linear",
     "linear_rope", "linear_rope_plain", "run_linear_rope",
     "add_rms_norm", "rms_norm", "run_add_rms_norm", "apply_rotary", "qk_norm_rope", "run_qk_norm_rope",

@@ -52,25 +52,48 @@ def _blas(library: str) -> Iterator[None]:
 
 
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor, choice: GemvConfig | str,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] @ weight^T for 2-64 rows, as the table's `choice` says: the Triton skinny GEMM's
-    config, or CUBLASLT."""
+    config (`keys`: its argmax keys too, see run_linear), or CUBLASLT."""
     if choice == CUBLASLT:
         with _blas(CUBLASLT):
             return F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=out)
     from custom_ops.triton_skinny import skinny_gemm  # lazy: Triton is imported only where it runs
-    return skinny_gemm(x, weight, choice, out)
+    return skinny_gemm(x, weight, choice, out, keys)
+
+
+def argmax_key_tiles(rows: int, weight: torch.Tensor, dtype: torch.dtype, device_type: str) -> int | None:
+    """The argmax keys per row `run_linear(x, weight, out=, keys=)` stores for `rows` rows of x of
+    `dtype`: the skinny GEMM's N tiles where the table picks it with one K split (2-64 rows); None where
+    the chosen kernel stores none (the GEMV at one row, cuBLAS, split K)."""
+    if rows < 2 or dtype != weight.dtype or weight.stride(-1) != 1:
+        return None
+    n, k = weight.shape
+    choice = gemv_config(rows, n, k, dtype, device_type)
+    if not isinstance(choice, GemvConfig):
+        return None
+    from custom_ops.triton_skinny import key_tiles  # lazy: Triton is imported only where it runs
+    return key_tiles(n, choice)
 
 
 def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
     """The op's implementation, callable directly by eager code. `out`: for a 2-D x and no bias, a
     [rows, N] buffer the matmul writes itself and that is returned (the decode graphs' static logits:
-    no copy pass over the vocabulary)."""
+    no copy pass over the vocabulary). `keys`: with `out`, an int64 [rows, argmax_key_tiles(...)] the
+    matmul fills with its tiles' argmax keys (custom_ops.triton_argmax.argmax_of_keys: the greedy token
+    without reading the logits again)."""
     n, k = weight.shape
     if out is not None and (bias is not None or x.dim() != 2):
         raise ValueError(f"custom_ops.linear: `out` needs a 2-D x and no bias (x {tuple(x.shape)}, "
                          f"bias {'given' if bias is not None else 'None'})")
+    if keys is not None:
+        tiles = None if out is None else argmax_key_tiles(x.shape[0], weight, x.dtype, x.device.type)
+        if tiles is None or keys.shape != (x.shape[0], tiles):
+            raise ValueError(f"custom_ops.linear: keys {tuple(keys.shape)} need `out` and the skinny GEMM's "
+                             f"one-split choice for x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                             f"([rows, {tiles}])")
+        return matmul_rows(x, weight, table_config(x, weight, x.shape[0]), out, keys)
     config = table_config(x, weight, x.numel() // max(k, 1)) if x.shape[-1] == k else None
     if config is None:
         if out is None:

@@ -86,6 +86,42 @@ def _row_argmax_kernel(
             tl.atomic_xchg(counter, 0)  # every chunk of the row has arrived: ready for the next launch
 
 
+@triton.jit
+def argmax_tile_keys(values, index, mask):
+    """The best _argmax_key of each column of a [BLOCK_N, BLOCK_M] tile of float32 values (rows of the
+    tile are vocabulary entries `index`, columns the batch rows; masked entries never win): what a
+    logits matmul's epilogue stores per tile, so the argmax reads keys, not the logits again."""
+    keys = tl.where(mask, _argmax_key(values, index), _KEY_PAD)
+    return tl.max(keys, axis=0)
+
+
+@triton.jit
+def _keys_argmax_kernel(keys_ptr, out_ptr, num_tiles, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    best = tl.full([BLOCK], _KEY_PAD, tl.int64)
+    for start in range(0, num_tiles, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        best = tl.maximum(best, tl.load(keys_ptr + row.to(tl.int64) * num_tiles + t, mask=t < num_tiles,
+                                        other=_KEY_PAD))
+    tl.store(out_ptr + row, _key_index(tl.max(best, axis=0)))
+
+
+def argmax_of_keys(keys: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: each row's argmax from the per-tile keys [N, tiles] a logits matmul stored
+    (argmax_tile_keys): torch's x.argmax(dim=-1) of the logits it wrote, ties and NaNs included, from
+    tiles * 8 bytes a row instead of the whole vocabulary row."""
+    if keys.dim() != 2 or keys.dtype != torch.int64 or not keys.is_contiguous():
+        raise ValueError(f"argmax_of_keys needs contiguous int64 keys [N, tiles], got {tuple(keys.shape)} "
+                         f"{keys.dtype}")
+    out = torch.empty(keys.shape[0], dtype=torch.int64, device=keys.device)
+    rows, tiles = keys.shape
+    if rows == 0 or tiles == 0:
+        return out.zero_()
+    launch(_keys_argmax_kernel, (rows,), (keys, out, tiles), dict(BLOCK=min(1024, next_power_of_2(tiles)),
+                                                                 num_warps=4))
+    return out
+
+
 def argmax_chunk(num_rows: int, vocab: int, sm_count: int) -> int:
     """Elements per program: a power of two in [MIN_CHUNK, MAX_CHUNK] giving the grid about two
     programs per SM where the batch allows it.

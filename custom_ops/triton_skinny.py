@@ -26,6 +26,7 @@ import triton.language as tl
 
 from custom_ops.gemv_table import GemvConfig
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
+from custom_ops.triton_argmax import argmax_tile_keys
 from custom_ops.triton_common import cdiv, next_power_of_2
 from custom_ops.triton_gemv import check_operands, output_for, split_workspaces
 from custom_ops.triton_prefill import dot_precision
@@ -45,11 +46,15 @@ W_LEFT_ROWS = 64
 # start-up, per table entry, for no change in the generated loads (rows are masked either way).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
+    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr, keys_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_LEFT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
+    # KEYS (one split): the tile's argmax key per row of x, of the values as stored, into
+    # keys[M, tiles] (custom_ops.triton_argmax.argmax_of_keys reads them: the sampler's greedy token
+    # without a second pass over the logits).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,8 +92,11 @@ def _skinny_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     nm_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=nm_mask)
+        stored = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], stored, mask=nm_mask)
+        if KEYS:
+            best = argmax_tile_keys(stored.to(tl.float32), offs_n[:, None] + 0 * offs_m[None, :], nm_mask)
+            tl.store(keys_ptr + offs_m.to(tl.int64) * tl.num_programs(0) + pid_n, best, mask=m_mask)
     else:
         # partials are [SPLIT_K, M, N] float32; the last split to arrive sums them in split order
         tl.store(part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=nm_mask)
@@ -110,10 +118,18 @@ def fits(rows: int) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS
 
 
+def key_tiles(n: int, config: GemvConfig) -> int | None:
+    """How many argmax keys a row of `skinny_gemm(..., keys=)` has for an N-wide weight, or None where
+    the config cannot store them (split K: the partials are summed by one program per N tile)."""
+    return cdiv(n, config.block_n) if config.split_k == 1 else None
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation), for
-    2 <= M <= 128. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages."""
+    2 <= M <= 128. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages.
+    `keys`: a contiguous int64 [M, key_tiles(N, config)] that gets each N tile's argmax key per row
+    (custom_ops.triton_argmax.argmax_of_keys)."""
     check_operands("skinny_gemm", x, weight, None)
     m = x.shape[0]
     if not fits(m):
@@ -128,15 +144,20 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     if k == 0:
         return out.zero_()
     tiles_n = cdiv(n, config.block_n)
+    if keys is not None and (key_tiles(n, config) is None or keys.shape != (m, tiles_n)
+                             or keys.dtype != torch.int64 or not keys.is_contiguous()):
+        raise ValueError(f"skinny_gemm keys {tuple(keys.shape)} {keys.dtype} must be a contiguous int64 "
+                         f"[{m}, {key_tiles(n, config)}] for weight {tuple(weight.shape)} and {config}")
     k_tiles = cdiv(k, config.block_k)
     even_k = k % config.block_k == 0 and k_tiles % config.split_k == 0
     parts, arrivals = split_workspaces(x.device, config.split_k, m, n, tiles_n, out)
     pdl = launch_with_pdl(x.device)
     _skinny_kernel[(tiles_n, config.split_k)](
-        x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out, parts, arrivals, out if keys is None else keys, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0),
         BLOCK_M=max(MMA_MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS,
-        DOT_PRECISION=dot_precision(x.dtype), PDL=pdl,
+        DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, KEYS=keys is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
     )
     return out

@@ -55,6 +55,10 @@ class DecodeGraphs:
         self.pool = pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None
+        # Where the LM head's kernel stores per-tile argmax keys (CausalLM.argmax_key_tiles): batch size ->
+        # keys per row, and one flat buffer, outside the pool like the logits, that each size views.
+        self.key_tiles: dict[int, int] = {}
+        self._keys: torch.Tensor | None = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.replays = 0
@@ -74,20 +78,47 @@ class DecodeGraphs:
         runner.load_dummy(largest, largest, uniform_decode=True)
         return {b: runner.buffers.metadata(b, b, b, 1, runner.max_model_len, True) for b in batch_sizes}
 
-    def _forward(self, meta: AttentionMetadata, batch_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, meta: AttentionMetadata, batch_size: int) -> torch.Tensor:
+        """The forward and the LM head into the static logits (and argmax keys, where stored)."""
         hidden = self.runner.run_forward(meta, RuntimeMode.FULL, batch_size)
-        return self.runner.model.compute_logits(hidden, out=out)
+        keys = self.keys_view(batch_size)
+        out = self.logits[:batch_size]
+        if keys is None:
+            return self.runner.model.compute_logits(hidden, out=out)
+        return self.runner.model.compute_logits(hidden, out=out, keys=keys)
+
+    def keys_view(self, batch_size: int) -> torch.Tensor | None:
+        """The argmax keys [batch_size, tiles] of the size's graph, or None if its LM head stores none."""
+        tiles = self.key_tiles.get(batch_size)
+        if tiles is None or self._keys is None:
+            return None
+        return self._keys[:batch_size * tiles].view(batch_size, tiles)
+
+    def _allocate_outputs(self, batch_sizes: list[int], logits: torch.Tensor) -> None:
+        """The static logits [max batch, V] (shaped like an eager forward's `logits`) and argmax keys."""
+        self.logits = torch.empty((self.runner.buffers.max_seqs, logits.shape[-1]), dtype=logits.dtype,
+                                  device=logits.device)
+        tiles_of = getattr(self.runner.model, "argmax_key_tiles", None)
+        self.key_tiles = {}
+        for batch_size in batch_sizes:
+            tiles = tiles_of(batch_size) if tiles_of is not None else None
+            if tiles is not None:
+                self.key_tiles[batch_size] = tiles
+        words = max((b * t for b, t in self.key_tiles.items()), default=0)
+        self._keys = torch.empty(words, dtype=torch.int64, device=logits.device) if words else None
 
     def _warm_up(self, metas: dict[int, AttentionMetadata]) -> None:
-        """One eager forward per size, queued on the capture stream without waiting in between."""
+        """One eager forward per size, queued on the capture stream without waiting in between (the
+        first size's also once without the static outputs, which it sizes)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(self.stream):
+            if self.logits is None:
+                batch_size, meta = next(iter(metas.items()))
+                hidden = self.runner.run_forward(meta, RuntimeMode.FULL, batch_size)
+                self._allocate_outputs(list(metas), self.runner.model.compute_logits(hidden))
+                del hidden
             for batch_size, meta in metas.items():
-                logits = self._forward(meta, batch_size)
-                if self.logits is None:
-                    self.logits = torch.empty((self.runner.buffers.max_seqs, logits.shape[-1]),
-                                              dtype=logits.dtype, device=logits.device)
-                del logits
+                self._forward(meta, batch_size)
         self.stream.synchronize()
 
     def _record(self, meta: AttentionMetadata, batch_size: int) -> torch.cuda.CUDAGraph:
@@ -97,7 +128,7 @@ class DecodeGraphs:
             graph.capture_begin(pool=self.pool)
             try:
                 # The LM head writes the static logits itself: no copy pass over the vocabulary.
-                self._forward(meta, batch_size, out=self.logits[:batch_size])
+                self._forward(meta, batch_size)
             finally:
                 graph.capture_end()
         return graph
@@ -117,7 +148,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free_captured = torch.cuda.mem_get_info(device)[0]
         del graph
-        self.logits = None
+        self.logits = self._keys = None
         torch.cuda.empty_cache()
         return max(0, torch.cuda.mem_get_info(device)[0] - free_captured)
 
@@ -154,7 +185,7 @@ class DecodeGraphs:
 
     def release(self) -> None:
         self.graphs.clear()
-        self.logits = None
+        self.logits = self._keys = None
 
     def replay(self, batch_size: int, num_real: int) -> torch.Tensor:
         """Replay the bucket's graph (the step's values are already in the static buffers)."""
@@ -162,3 +193,8 @@ class DecodeGraphs:
         self.replays += 1
         self.replays_by_size[batch_size] += 1
         return self.logits[:num_real]
+
+    def argmax_keys(self, batch_size: int, num_real: int) -> torch.Tensor | None:
+        """The last replay's argmax keys of its first num_real rows (custom_ops.triton_argmax), or None."""
+        keys = self.keys_view(batch_size)
+        return None if keys is None else keys[:num_real]

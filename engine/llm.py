@@ -220,7 +220,7 @@ class LLM:
         tokens, logprobs = [], None
         if sampling:
             sampler = self.runtime.sampler
-            sampled = sampler.sample(result.logits, sampling)
+            sampled = sampler.sample(result.logits, sampling, result.argmax_keys)
             logprobs = sampler.logprobs(result.logits, sampled, sampling)
             tokens = sampled.tolist()
         self.scheduler.update(out, tokens, time.perf_counter())

@@ -187,6 +187,9 @@ class StaticBuffers:
 class StepResult:
     logits: torch.Tensor   # [N, V], row i for the i-th sampling chunk
     dispatch: Dispatch
+    # [N, tiles] int64: the LM head's per-tile argmax keys of those logits (a decode graph whose LM
+    # head stores them, engine.decode_graphs), from which greedy rows need not read the logits again
+    argmax_keys: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -235,9 +238,11 @@ class ModelRunner:
         rows = self.buffers.logits_indices[:num_sampling]  # under FULL, a token's row is its chunk's
         if full:
             logits = self.decode_graphs.replay(num_padded, num_chunks)
+            keys = self.decode_graphs.argmax_keys(num_padded, num_chunks)
             if num_sampling != num_chunks:  # a 1-token chunk short of its request's end samples nothing
                 logits = logits[rows]
-            return StepResult(logits, dispatch)
+                keys = None if keys is None else keys[rows]
+            return StepResult(logits, dispatch, keys)
         hidden = self.run_forward(meta, dispatch.mode, num_padded)
         return StepResult(self.model.compute_logits(hidden[rows]), dispatch)
 

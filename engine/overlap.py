@@ -276,7 +276,7 @@ class OverlapLoop:
         host_tokens, ready, logprob_rows, host_logprobs = None, None, [], None
         keep: list[torch.Tensor] = []
         if sampling:
-            tokens = runtime.sampler.sample(result.logits, sampling)
+            tokens = runtime.sampler.sample(result.logits, sampling, result.argmax_keys)
             slot_tokens.index_copy_(0, sample_t, tokens)
             keep.append(tokens)
             logprobs = runtime.sampler.logprobs(result.logits, tokens, sampling)

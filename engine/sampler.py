@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops.triton_argmax import argmax_of_keys
 from engine.argmax import RowArgmax
 from engine.request import Request, TokenLogprobs
 from engine.staging import host_to_device
@@ -47,13 +48,16 @@ class Sampler:
         """logits [N, V] (row i belongs to requests[i]) -> N token ids (waits for the device)."""
         return self.sample(logits, requests).tolist()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device."""
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               argmax_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device.
+        `argmax_keys`: the LM head's per-tile argmax keys of these logits (engine.model_runner.StepResult),
+        which give the greedy tokens of unadjusted logits from a few KB a row."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
         adjusting = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
         if not adjusting:
-            return self._draw(logits, requests)
+            return self._draw(logits, requests, argmax_keys)
         biased = [(i, token, bias) for i in adjusting for token, bias in requests[i].params.logit_bias]
         penalized = [i for i in adjusting if requests[i].params.has_penalties]
         held_back = [(i, token) for i in adjusting if requests[i].params.min_tokens
@@ -115,11 +119,15 @@ class Sampler:
             self._no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
         return self._no_prompt
 
-    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, requests: list[Request],
+              argmax_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """`argmax_keys`: of these very logits (never of adjusted ones), for the greedy rows."""
+        greedy = None if argmax_keys is None else argmax_of_keys(argmax_keys)
         if all(r.params.temperature == 0 for r in requests):
-            return self.argmax(logits)
+            return self.argmax(logits) if greedy is None else greedy
         logits = logits.float()
-        greedy = self.argmax(logits)
+        if greedy is None:
+            greedy = self.argmax(logits)
         temperature = host_to_device([r.params.temperature or 1.0 for r in requests], torch.float32, logits.device)
         probs = self._filtered_probs(logits / temperature[:, None], requests)
         noise = torch.empty_like(probs)

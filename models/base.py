@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from custom_ops import gemv_linear, run_linear, unique_prefix
+from custom_ops import argmax_key_tiles, gemv_linear, run_linear, unique_prefix
 from models.config import ModelConfig, RopeParams
 from models.layers import Embedding, Linear, RotaryEmbedding, init_random_
 from models.parallel import SINGLE, Part, TensorParallel, vocab_range
@@ -91,18 +91,37 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def argmax_key_tiles(self, rows: int) -> int | None:
+        """The argmax keys per row `compute_logits(hidden, out=, keys=)` stores for `rows` rows, or None
+        where it stores none: the switched-on logits matmul on one rank, without a final softcap (a
+        capped logit's argmax is the raw one's only up to ties tanh's rounding makes)."""
+        weight = self._logits_weight()
+        if (not self.decode_gemv or self.tp.world_size != 1 or weight.shape[0] != self.config.vocab_size
+                or self.config.final_logit_softcap):
+            return None
+        return argmax_key_tiles(rows, weight, weight.dtype, weight.device.type)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+                       keys: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, V] of hidden [N, H]. `out` (a [N, V] buffer in the logits' dtype): written and
         returned, by the matmul itself on one rank (no copy pass over the vocabulary: the decode
-        graphs' static logits), by a copy after the gather under tensor parallelism."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        graphs' static logits), by a copy after the gather under tensor parallelism. `keys` (with
+        `out`, where argmax_key_tiles(N) is not None): an int64 [N, tiles] the matmul fills with its
+        tiles' argmax keys, from which the sampler's greedy tokens come without re-reading the logits."""
+        weight = self._logits_weight()
         cap = self.config.final_logit_softcap
+        if keys is not None and (out is None or self.argmax_key_tiles(hidden.shape[0]) is None):
+            raise ValueError(f"compute_logits keys {tuple(keys.shape)}: this model stores no argmax keys for "
+                             f"{hidden.shape[0]} rows (argmax_key_tiles is None) or `out` is missing")
         if out is not None and self.tp.world_size == 1 and weight.shape[0] == self.config.vocab_size:
             if out.shape != (hidden.shape[0], weight.shape[0]) or out.dtype != hidden.dtype:
                 raise ValueError(f"compute_logits out {tuple(out.shape)} {out.dtype} must be "
                                  f"[{hidden.shape[0]}, {weight.shape[0]}] {hidden.dtype}")
             if self.decode_gemv:  # eager here (the decode graphs call this outside torch.compile)
-                run_linear(hidden, weight, out=out)
+                run_linear(hidden, weight, out=out, keys=keys)
             else:
                 torch.mm(hidden, weight.t(), out=out)  # what F.linear runs, into out
             if cap:  # in place, the same ops as below

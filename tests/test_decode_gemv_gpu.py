@@ -280,9 +280,9 @@ def test_gpu_engine_at_batch_64_replays_the_tables_many_row_choices_and_generate
     calls = []
     real = custom_ops.linear.matmul_rows
 
-    def spy(x, weight, choice, out=None):
+    def spy(x, weight, choice, out=None, keys=None):
         calls.append((weight.shape[0], weight.shape[1], x.shape[0], torch.cuda.is_current_stream_capturing()))
-        return real(x, weight, choice, out)
+        return real(x, weight, choice, out, keys)
     monkeypatch.setattr(custom_ops.linear, "matmul_rows", spy)
 
     net = models.from_config(CONFIG, dtype="bfloat16", device="cuda", seed=0)

@@ -133,6 +133,9 @@ class _EagerDecodeGraphs:
         self.replays_by_size[batch_size] = self.replays_by_size.get(batch_size, 0) + 1
         return logits[:num_real]
 
+    def argmax_keys(self, batch_size, num_real):
+        return None  # the LM head stores argmax keys only on CUDA (CausalLM.argmax_key_tiles)
+
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
 def test_padded_full_and_piecewise_steps_give_the_same_tokens(saved_models, arch):

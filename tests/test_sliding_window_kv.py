@@ -106,6 +106,9 @@ class _EagerDecodeGraphs:
         self.padded_replays += batch_size > num_real
         return self.logits[:num_real]
 
+    def argmax_keys(self, batch_size: int, num_real: int) -> None:
+        return None  # the LM head stores argmax keys only on CUDA (CausalLM.argmax_key_tiles)
+
     def release(self) -> None:
         self.logits = None
 

@@ -1,0 +1,139 @@
+"""The LM head's argmax keys: the skinny GEMM stores each N tile's best (value, index) key per row as it
+writes the logits (custom_ops.triton_skinny, KEYS), `argmax_of_keys` turns them into torch's
+`argmax(dim=-1)` of those logits, and the sampler takes its greedy tokens from them when a decode graph
+stored them (engine.decode_graphs -> StepResult.argmax_keys -> Sampler.sample).
+
+CPU: the kernels in Triton's interpreter (both MMA layouts, ragged N, ties across tiles, NaNs), the
+named refusals, the sampler's choice. GPU (`gpu` mark): a model with gemma-3-1b's vocabulary and hidden
+size in an engine with decode graphs: every captured size of 2 rows or more stores keys, and every step
+the sampler reads keys for agrees with the logits' argmax.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+from custom_ops import GemvConfig, run_linear
+from custom_ops.triton_argmax import argmax_of_keys
+from custom_ops.triton_skinny import key_tiles, skinny_gemm
+from engine import LLM, SamplingParams
+from engine.request import Request
+from engine.sampler import Sampler
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _logits_with_keys(m: int, n: int, config: GemvConfig, dtype: torch.dtype, plant=None):
+    x = torch.randn(m, 32, device=DEVICE).to(dtype)
+    weight = torch.randn(n, 32, device=DEVICE).to(dtype)
+    if plant is not None:
+        plant(weight)
+    keys = torch.empty(m, key_tiles(n, config), dtype=torch.int64, device=DEVICE)
+    return skinny_gemm(x, weight, config, keys=keys), keys
+
+
+@pytest.mark.parametrize("block_n", [16, 64])  # x on the MMA's left side, and the weight
+@pytest.mark.parametrize("m", [2, 5, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_keys_give_torchs_argmax_of_the_logits_as_stored(block_n, m, dtype):
+    def equal_rows_across_tiles(weight):  # every row's maximum may tie between tiles: the lower index wins
+        weight[150] = weight[3]
+        weight[70] = weight[3]
+    logits, keys = _logits_with_keys(m, 151, GemvConfig(block_n=block_n, block_k=16, num_warps=1), dtype,
+                                     equal_rows_across_tiles)
+    assert torch.equal(argmax_of_keys(keys), logits.argmax(dim=-1))
+
+
+def test_keys_rank_a_nan_above_everything_as_torch_does():
+    def nan_row(weight):
+        weight[90] = float("nan")  # every row's logit 90 is NaN
+    logits, keys = _logits_with_keys(3, 130, GemvConfig(block_n=16, block_k=16, num_warps=1), torch.float32,
+                                     nan_row)
+    assert torch.equal(argmax_of_keys(keys), logits.argmax(dim=-1)) and bool((argmax_of_keys(keys) == 90).all())
+
+
+def test_only_a_one_split_skinny_choice_stores_keys_and_others_are_refused_by_name():
+    x, weight = torch.randn(4, 32), torch.randn(40, 32)
+    assert key_tiles(40, GemvConfig(block_n=16, block_k=16, split_k=2)) is None
+    with pytest.raises(ValueError, match=r"skinny_gemm keys \(4, 2\)"):
+        skinny_gemm(x, weight, GemvConfig(block_n=16, block_k=16, num_warps=1),
+                    keys=torch.empty(4, 2, dtype=torch.int64))  # 40 columns are 3 tiles of 16
+    with pytest.raises(ValueError, match="keys .* need `out` and the skinny GEMM's one-split choice"):
+        run_linear(x, weight, out=torch.empty(4, 40), keys=torch.empty(4, 3, dtype=torch.int64))  # CPU: no table
+    with pytest.raises(ValueError, match="argmax_of_keys needs contiguous int64"):
+        argmax_of_keys(torch.zeros(4, 3, dtype=torch.int32))
+
+
+def test_a_model_without_stored_keys_refuses_them_in_compute_logits():
+    from bench.configs import TINY_LLAMA
+    net = models.from_config(TINY_LLAMA, dtype="float32", device="cpu", seed=0)
+    assert net.argmax_key_tiles(4) is None  # decode_gemv off, and no table on the CPU
+    hidden = torch.randn(4, TINY_LLAMA["hidden_size"])
+    with pytest.raises(ValueError, match="stores no argmax keys for 4 rows"):
+        net.compute_logits(hidden, out=torch.empty(4, TINY_LLAMA["vocab_size"]),
+                           keys=torch.empty(4, 2, dtype=torch.int64))
+
+
+def _request(i: int, **params) -> Request:
+    return Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4, **params))
+
+
+def test_the_sampler_takes_greedy_tokens_from_the_keys_and_never_for_adjusted_logits():
+    """Keys planted to name token 7 while the logits' argmax is elsewhere show which source was read."""
+    logits = torch.randn(3, 64)
+    logits[:, 7] = -10.0
+    sampler = Sampler(torch.device("cpu"), seed=0, eos_token_ids=())
+    keys = argmax_keys_naming(7, rows=3, tiles=4)
+    greedy = [_request(i, temperature=0.0) for i in range(3)]
+    assert sampler.sample(logits, greedy, keys).tolist() == [7, 7, 7]
+    assert sampler.sample(logits, greedy).tolist() == logits.argmax(dim=-1).tolist()
+    biased = [_request(0, temperature=0.0, logit_bias={3: 100.0})] + greedy[1:]
+    assert sampler.sample(logits, biased, keys).tolist()[0] == 3  # adjusted logits: the keys are not theirs
+    mixed = [greedy[0], _request(1, temperature=1.0, seed=5), greedy[2]]
+    tokens = sampler.sample(logits, mixed, keys).tolist()
+    assert tokens[0] == tokens[2] == 7 and tokens[1] != 7  # the sampled row draws from the logits
+
+
+def argmax_keys_naming(token: int, rows: int, tiles: int) -> torch.Tensor:
+    """Keys whose argmax is `token` in every row: the top key (an order-preserving image of +inf)
+    in the tile of index 0, naming `token`; every other tile the lowest key."""
+    keys = torch.full((rows, tiles), -(2 ** 63), dtype=torch.int64)
+    keys[:, 0] = (0x7F800000 << 32) | (0x7FFFFFFF - token)
+    return keys
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_decode_graphs_store_keys_and_the_sampler_reads_their_argmax(monkeypatch):
+    from bench.configs import GEMMA_3_1B
+    import engine.sampler
+    config = {**GEMMA_3_1B, "num_hidden_layers": 2}  # the real LM head (262,144 x 1,152)
+    net = models.from_config(config, dtype="bfloat16", device="cuda", seed=0)
+    checked = []
+    real = engine.sampler.argmax_of_keys
+
+    def spy(keys):
+        tokens = real(keys)
+        checked.append(keys.shape)
+        return tokens
+    monkeypatch.setattr(engine.sampler, "argmax_of_keys", spy)
+    real_sample = Sampler.sample
+
+    def sample(self, logits, requests, argmax_keys=None):
+        tokens = real_sample(self, logits, requests, argmax_keys)
+        if argmax_keys is not None:
+            assert torch.equal(tokens, logits.argmax(dim=-1)), "keys' argmax differs from the logits'"
+        return tokens
+    monkeypatch.setattr(Sampler, "sample", sample)
+    prompts = [[2] + list(range(100 + i, 110 + i)) for i in range(8)]
+    torch._dynamo.reset()
+    with LLM(net, max_model_len=64, max_num_seqs=8, block_size=16, num_gpu_blocks=64,
+             decode_graph_sizes=(1, 2, 4, 8), show_progress=False) as llm:
+        graphs = llm.runtime.runner.decode_graphs
+        assert set(graphs.key_tiles) == {2, 4, 8}  # one row: the GEMV stores none
+        llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+        llm.generate(prompts[:3], SamplingParams(max_tokens=6, ignore_eos=True))  # batch 3 pads to 4
+    torch._dynamo.reset()
+    assert checked and all(shape[1] == graphs.key_tiles[8] for shape in checked if shape[0] == 8)
