@@ -10,6 +10,11 @@ kind, each group's slot mapping and block tables: engine.kv_groups, ModelRunner.
 the backend's pieces pass straight through and this capture records everything, attention kernels
 and KV addresses included.
 
+Where the LM head runs the skinny GEMM with one K split (2-64 rows, models.base.CausalLM.argmax_key_tiles),
+the graph also stores each vocabulary tile's argmax key per row into a static buffer, and the sampler
+takes greedy tokens from those keys (custom_ops.triton_argmax.argmax_of_keys) instead of reading the
+logits again: gemma-3-1b's 262,144-wide rows are 2,048 keys.
+
 Cost (what keeps a capture cheap): the dummy decode metadata is loaded ONCE at the largest batch (the
 rows of a smaller batch hold the same values, so its metadata is a slice); every size gets one eager
 warm-up forward, all queued back to back on the capture stream with no synchronize between them,
@@ -94,17 +99,16 @@ class DecodeGraphs:
             return None
         return self._keys[:batch_size * tiles].view(batch_size, tiles)
 
-    def _allocate_outputs(self, batch_sizes: list[int], logits: torch.Tensor) -> None:
-        """The static logits [max batch, V] (shaped like an eager forward's `logits`) and argmax keys."""
-        self.logits = torch.empty((self.runner.buffers.max_seqs, logits.shape[-1]), dtype=logits.dtype,
-                                  device=logits.device)
-        tiles_of = getattr(self.runner.model, "argmax_key_tiles", None)
-        self.key_tiles = {}
-        for batch_size in batch_sizes:
-            tiles = tiles_of(batch_size) if tiles_of is not None else None
-            if tiles is not None:
-                self.key_tiles[batch_size] = tiles
-        words = max((b * t for b, t in self.key_tiles.items()), default=0)
+    def _key_tiles_of(self, batch_size: int) -> int | None:
+        tiles_of = getattr(self.runner.model, "argmax_key_tiles", None)  # a models.base.CausalLM's
+        return tiles_of(batch_size) if tiles_of is not None else None
+
+    def _allocate_outputs(self, logits: torch.Tensor) -> None:
+        """The static logits [max batch, V] (shaped like an eager forward's `logits`) and a keys buffer
+        for the most any batch size stores. Allocated once: a graph keeps the addresses it recorded."""
+        max_seqs = self.runner.buffers.max_seqs
+        self.logits = torch.empty((max_seqs, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+        words = max(((self._key_tiles_of(b) or 0) * b for b in range(2, max_seqs + 1)), default=0)
         self._keys = torch.empty(words, dtype=torch.int64, device=logits.device) if words else None
 
     def _warm_up(self, metas: dict[int, AttentionMetadata]) -> None:
@@ -115,9 +119,14 @@ class DecodeGraphs:
             if self.logits is None:
                 batch_size, meta = next(iter(metas.items()))
                 hidden = self.runner.run_forward(meta, RuntimeMode.FULL, batch_size)
-                self._allocate_outputs(list(metas), self.runner.model.compute_logits(hidden))
+                self._allocate_outputs(self.runner.model.compute_logits(hidden))
                 del hidden
             for batch_size, meta in metas.items():
+                tiles = self._key_tiles_of(batch_size)
+                if tiles is None or self._keys is None or batch_size * tiles > self._keys.numel():
+                    self.key_tiles.pop(batch_size, None)
+                else:
+                    self.key_tiles[batch_size] = tiles
                 self._forward(meta, batch_size)
         self.stream.synchronize()
 
@@ -149,6 +158,7 @@ class DecodeGraphs:
         free_captured = torch.cuda.mem_get_info(device)[0]
         del graph
         self.logits = self._keys = None
+        self.key_tiles.clear()
         torch.cuda.empty_cache()
         return max(0, torch.cuda.mem_get_info(device)[0] - free_captured)
 
@@ -186,6 +196,7 @@ class DecodeGraphs:
     def release(self) -> None:
         self.graphs.clear()
         self.logits = self._keys = None
+        self.key_tiles.clear()
 
     def replay(self, batch_size: int, num_real: int) -> torch.Tensor:
         """Replay the bucket's graph (the step's values are already in the static buffers)."""
