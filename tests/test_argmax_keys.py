@@ -131,9 +131,10 @@ def test_gpu_decode_graphs_store_keys_and_the_sampler_reads_their_argmax(monkeyp
     torch._dynamo.reset()
     with LLM(net, max_model_len=64, max_num_seqs=8, block_size=16, num_gpu_blocks=64,
              decode_graph_sizes=(1, 2, 4, 8), show_progress=False) as llm:
-        graphs = llm.runtime.runner.decode_graphs
-        assert set(graphs.key_tiles) == {2, 4, 8}  # one row: the GEMV stores none
+        key_tiles = dict(llm.runtime.runner.decode_graphs.key_tiles)
         llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
         llm.generate(prompts[:3], SamplingParams(max_tokens=6, ignore_eos=True))  # batch 3 pads to 4
     torch._dynamo.reset()
-    assert checked and all(shape[1] == graphs.key_tiles[8] for shape in checked if shape[0] == 8)
+    assert set(key_tiles) == {2, 4, 8}  # one row: the GEMV stores none
+    assert {shape[0] for shape in checked} >= {8, 3}  # batch 8, and 3 real rows of the batch-4 graph
+    assert all(shape[1] == key_tiles[8] for shape in checked)
