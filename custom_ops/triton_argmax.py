@@ -96,29 +96,44 @@ def argmax_tile_keys(values, index, mask):
 
 
 @triton.jit
-def _keys_argmax_kernel(keys_ptr, out_ptr, num_tiles, BLOCK: tl.constexpr):
+def _keys_argmax_kernel(keys_ptr, out_ptr, scatter_ptr, index_ptr, num_tiles, BLOCK: tl.constexpr,
+                        SCATTER: tl.constexpr):
     row = tl.program_id(0)
     best = tl.full([BLOCK], _KEY_PAD, tl.int64)
     for start in range(0, num_tiles, BLOCK):
         t = start + tl.arange(0, BLOCK)
         best = tl.maximum(best, tl.load(keys_ptr + row.to(tl.int64) * num_tiles + t, mask=t < num_tiles,
                                         other=_KEY_PAD))
-    tl.store(out_ptr + row, _key_index(tl.max(best, axis=0)))
+    token = _key_index(tl.max(best, axis=0))
+    tl.store(out_ptr + row, token)
+    if SCATTER:
+        tl.store(scatter_ptr + tl.load(index_ptr + row), token)
 
 
-def argmax_of_keys(keys: torch.Tensor) -> torch.Tensor:
+def argmax_of_keys(keys: torch.Tensor, scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """int64 [N]: each row's argmax from the per-tile keys [N, tiles] a logits matmul stored
     (argmax_tile_keys): torch's x.argmax(dim=-1) of the logits it wrote, ties and NaNs included, from
-    tiles * 8 bytes a row instead of the whole vocabulary row."""
+    tiles * 8 bytes a row instead of the whole vocabulary row. `scatter` (dest, index): the tokens also
+    go to dest[index[i]] from the same launch (the overlapped loop's token slots: one kernel fewer
+    between two decode steps); dest int64, index int64 [N]."""
     if keys.dim() != 2 or keys.dtype != torch.int64 or not keys.is_contiguous():
         raise ValueError(f"argmax_of_keys needs contiguous int64 keys [N, tiles], got {tuple(keys.shape)} "
                          f"{keys.dtype}")
-    out = torch.empty(keys.shape[0], dtype=torch.int64, device=keys.device)
     rows, tiles = keys.shape
-    if rows == 0 or tiles == 0:
-        return out.zero_()
-    launch(_keys_argmax_kernel, (rows,), (keys, out, tiles), dict(BLOCK=min(1024, next_power_of_2(tiles)),
-                                                                 num_warps=4))
+    if scatter is not None:
+        dest, index = scatter
+        if (dest.dtype != torch.int64 or index.dtype != torch.int64 or index.shape != (rows,)
+                or not dest.is_contiguous()):
+            raise ValueError(f"argmax_of_keys scatter: dest {dest.dtype} (contiguous) and index "
+                             f"{tuple(index.shape)} {index.dtype} must be int64, index [{rows}]")
+    out = torch.empty(rows, dtype=torch.int64, device=keys.device)
+    if rows == 0:
+        return out
+    if tiles == 0:
+        raise ValueError("argmax_of_keys needs at least one key a row")
+    dest, index = scatter if scatter is not None else (out, out)
+    launch(_keys_argmax_kernel, (rows,), (keys, out, dest, index, tiles),
+           dict(BLOCK=min(1024, next_power_of_2(tiles)), SCATTER=scatter is not None, num_warps=4))
     return out
 
 

@@ -276,8 +276,8 @@ class OverlapLoop:
         host_tokens, ready, logprob_rows, host_logprobs = None, None, [], None
         keep: list[torch.Tensor] = []
         if sampling:
-            tokens = runtime.sampler.sample(result.logits, sampling, result.argmax_keys)
-            slot_tokens.index_copy_(0, sample_t, tokens)
+            # into their slots for the next step's inputs, by the sampler's own launch where it can
+            tokens = runtime.sampler.sample(result.logits, sampling, result.argmax_keys, (slot_tokens, sample_t))
             keep.append(tokens)
             logprobs = runtime.sampler.logprobs(result.logits, tokens, sampling)
             if logprobs is not None:

@@ -48,14 +48,24 @@ class Sampler:
         """logits [N, V] (row i belongs to requests[i]) -> N token ids (waits for the device)."""
         return self.sample(logits, requests).tolist()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request],
-               argmax_keys: torch.Tensor | None = None) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, requests: list[Request], argmax_keys: torch.Tensor | None = None,
+               scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device.
         `argmax_keys`: the LM head's per-tile argmax keys of these logits (engine.model_runner.StepResult),
-        which give the greedy tokens of unadjusted logits from a few KB a row."""
+        which give the greedy tokens of unadjusted logits from a few KB a row. `scatter` (dest, index):
+        the tokens are also written to dest[index] (by the keys' own launch where it serves)."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"sampler got logits for {logits.shape[0]} rows and {len(requests)} requests")
         adjusting = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
+        if not adjusting and argmax_keys is not None and all(r.params.temperature == 0 for r in requests):
+            return argmax_of_keys(argmax_keys, scatter)
+        tokens = self._sample(logits, requests, adjusting, argmax_keys)
+        if scatter is not None:
+            scatter[0].index_copy_(0, scatter[1], tokens)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], adjusting: list[int],
+                argmax_keys: torch.Tensor | None) -> torch.Tensor:
         if not adjusting:
             return self._draw(logits, requests, argmax_keys)
         biased = [(i, token, bias) for i in adjusting for token, bias in requests[i].params.logit_bias]

@@ -46,6 +46,17 @@ def test_keys_give_torchs_argmax_of_the_logits_as_stored(block_n, m, dtype):
     assert torch.equal(argmax_of_keys(keys), logits.argmax(dim=-1))
 
 
+def test_keys_scatter_the_tokens_into_their_slots_from_the_same_launch():
+    logits, keys = _logits_with_keys(4, 100, GemvConfig(block_n=16, block_k=16, num_warps=1), torch.float32)
+    slots = torch.full((10,), -1, dtype=torch.int64, device=DEVICE)
+    index = torch.tensor([7, 2, 9, 0], device=DEVICE)
+    tokens = argmax_of_keys(keys, (slots, index))
+    assert torch.equal(tokens, logits.argmax(dim=-1)) and torch.equal(slots[index], tokens)
+    assert int((slots == -1).sum()) == 6  # nothing else written
+    with pytest.raises(ValueError, match="scatter"):
+        argmax_of_keys(keys, (slots, index[:3]))
+
+
 def test_keys_rank_a_nan_above_everything_as_torch_does():
     def nan_row(weight):
         weight[90] = float("nan")  # every row's logit 90 is NaN
@@ -94,6 +105,11 @@ def test_the_sampler_takes_greedy_tokens_from_the_keys_and_never_for_adjusted_lo
     mixed = [greedy[0], _request(1, temperature=1.0, seed=5), greedy[2]]
     tokens = sampler.sample(logits, mixed, keys).tolist()
     assert tokens[0] == tokens[2] == 7 and tokens[1] != 7  # the sampled row draws from the logits
+    for requests, argmax_keys in ((greedy, keys), (mixed, keys), (greedy, None)):  # every path scatters
+        slots = torch.full((6,), -1, dtype=torch.int64)
+        index = torch.tensor([5, 0, 3])
+        tokens = sampler.sample(logits, requests, argmax_keys, (slots, index))
+        assert torch.equal(slots[index], tokens) and int((slots == -1).sum()) == 3
 
 
 def argmax_keys_naming(token: int, rows: int, tiles: int) -> torch.Tensor:
