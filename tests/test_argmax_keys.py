@@ -130,17 +130,20 @@ def test_gpu_decode_graphs_store_keys_and_the_sampler_reads_their_argmax(monkeyp
     checked = []
     real = engine.sampler.argmax_of_keys
 
-    def spy(keys):
-        tokens = real(keys)
+    def spy(keys, scatter=None):
+        tokens = real(keys, scatter)
         checked.append(keys.shape)
         return tokens
     monkeypatch.setattr(engine.sampler, "argmax_of_keys", spy)
     real_sample = Sampler.sample
 
-    def sample(self, logits, requests, argmax_keys=None):
-        tokens = real_sample(self, logits, requests, argmax_keys)
+    def sample(self, logits, requests, argmax_keys=None, scatter=None):
+        tokens = real_sample(self, logits, requests, argmax_keys, scatter)
         if argmax_keys is not None:
             assert torch.equal(tokens, logits.argmax(dim=-1)), "keys' argmax differs from the logits'"
+        if scatter is not None:  # the overlap loop's next inputs hold the same tokens
+            dest, index = scatter
+            assert torch.equal(dest.index_select(0, index), tokens), "scattered tokens differ"
         return tokens
     monkeypatch.setattr(Sampler, "sample", sample)
     prompts = [[2] + list(range(100 + i, 110 + i)) for i in range(8)]
