@@ -131,13 +131,12 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[Request],
               argmax_keys: torch.Tensor | None = None) -> torch.Tensor:
-        """`argmax_keys`: of these very logits (never of adjusted ones), for the greedy rows."""
-        greedy = None if argmax_keys is None else argmax_of_keys(argmax_keys)
+        """`argmax_keys`: of these very logits (never of adjusted ones), for the greedy rows of a mixed
+        batch (an all-greedy one with keys never gets here: `sample` reduces the keys alone)."""
         if all(r.params.temperature == 0 for r in requests):
-            return self.argmax(logits) if greedy is None else greedy
+            return self.argmax(logits)
         logits = logits.float()
-        if greedy is None:
-            greedy = self.argmax(logits)
+        greedy = self.argmax(logits) if argmax_keys is None else argmax_of_keys(argmax_keys)
         temperature = host_to_device([r.params.temperature or 1.0 for r in requests], torch.float32, logits.device)
         probs = self._filtered_probs(logits / temperature[:, None], requests)
         noise = torch.empty_like(probs)
