@@ -87,6 +87,26 @@ def test_a_model_without_stored_keys_refuses_them_in_compute_logits():
                            keys=torch.empty(4, 2, dtype=torch.int64))
 
 
+def test_keys_are_stored_only_where_the_raw_argmax_is_the_token(monkeypatch):
+    """With the logits matmul switched on and a kernel that stores keys, one rank without a final softcap
+    stores them; under tensor parallelism or a softcap (tanh's rounding can tie distinct raw logits) the
+    sampler must read the logits."""
+    import dataclasses
+    import models.base
+    from bench.configs import TINY_LLAMA
+    from models.parallel import TensorParallel
+    monkeypatch.setattr(models.base, "argmax_key_tiles", lambda rows, weight, dtype, device_type: 7)
+    net = models.from_config(TINY_LLAMA, dtype="float32", device="cpu", seed=0)
+    assert net.argmax_key_tiles(4) is None  # the logits matmul is plain F.linear until switched on
+    models.set_decode_gemv(net, True)
+    assert net.argmax_key_tiles(4) == 7
+    net.config = dataclasses.replace(net.config, final_logit_softcap=30.0)
+    assert net.argmax_key_tiles(4) is None
+    net.config = dataclasses.replace(net.config, final_logit_softcap=None)
+    net.tp = TensorParallel(0, 2, group=object())
+    assert net.argmax_key_tiles(4) is None
+
+
 def _request(i: int, **params) -> Request:
     return Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4, **params))
 
