@@ -104,7 +104,8 @@ def gc_frozen() -> Iterator[None]:
 
     Nestable: inside an outer freeze the collection only visits what was made since (a full one of a
     process that has traced a model costs ~0.15-0.2 s), and only the outermost exit unfreezes. An
-    engine's start-up wraps all its capture phases in one."""
+    engine holds one from its first capture (or, without graphs, the end of its compile) until it
+    closes, so a serving step never pays for a collection over the compiled model (engine.runtime)."""
     global _frozen_depth
     gc.collect()
     gc.freeze()

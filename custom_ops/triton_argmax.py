@@ -95,7 +95,10 @@ def argmax_tile_keys(values, index, mask):
     return tl.max(keys, axis=0)
 
 
-@triton.jit
+# The scatter's index is a slice of the engine's staging slab at whatever offset its region has (8-byte
+# aligned): specialized on alignment, an aligned and an unaligned index were two compiles, and the one a
+# start-up warm-up did not meet compiled inside a serving step. One load per program needs no hint.
+@triton.jit(do_not_specialize_on_alignment=["index_ptr"])
 def _keys_argmax_kernel(keys_ptr, out_ptr, scatter_ptr, index_ptr, num_tiles, BLOCK: tl.constexpr,
                         SCATTER: tl.constexpr):
     row = tl.program_id(0)

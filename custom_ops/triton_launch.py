@@ -13,7 +13,7 @@ more: each integer's class (equal to 1, divisible by 16, the integer type its ra
 tensor's dtype and 16-byte alignment, a float's or a bool's type (Triton passes them as fp32 / i1
 whatever the value), any other argument's value, the keyword arguments (constexprs and launch
 options, which a call site passes in one order) and the device; for a do_not_specialize parameter,
-an integer's type only, as Triton. Integer values stay out of the key: the token count and the
+an integer's type only, and for a do_not_specialize_on_alignment one, a tensor's dtype only, as Triton. Integer values stay out of the key: the token count and the
 stored-row count change from step to step in serving, and a key per value missed on every new count
 (a plain launch and a new entry each time). A miss goes through `kernel[grid](...)`, which compiles
 where Triton must and returns the compiled kernel; a hit calls that kernel's launcher with the
@@ -48,11 +48,13 @@ class _Compiled:
 
 
 class _KernelCache:
-    __slots__ = ("entries", "unspecialized")
+    __slots__ = ("entries", "unspecialized", "unaligned")
 
     def __init__(self, kernel: Any) -> None:
         self.entries: dict[tuple, _Compiled] = {}
-        self.unspecialized = _unspecialized(kernel)  # read once per kernel: its parameters are fixed
+        # read once per kernel: its parameters are fixed
+        self.unspecialized = _flagged(kernel, "do_not_specialize")
+        self.unaligned = _flagged(kernel, "do_not_specialize_on_alignment")
 
 
 _caches: dict[Any, _KernelCache] = {}
@@ -86,17 +88,22 @@ def _int_type(a: Any) -> Any:
     return "i32" if -2147483648 <= a <= 2147483647 else _wide_int_type(a)
 
 
-def _unspecialized(kernel: Any) -> tuple[int, ...]:
-    """Indices of `kernel`'s do_not_specialize parameters (Triton does not split their values by class)."""
+def _flagged(kernel: Any, flag: str) -> tuple[int, ...]:
+    """Indices of `kernel`'s parameters with `flag` set: do_not_specialize (Triton does not split their
+    values by class) or do_not_specialize_on_alignment (nor their pointers by 16-byte alignment)."""
     params = getattr(kernel, "params", None) or ()
-    return tuple(i for i, p in enumerate(params) if getattr(p, "do_not_specialize", False))
+    return tuple(i for i, p in enumerate(params) if getattr(p, flag, False))
 
 
-def _key(args: tuple, options: dict[str, Any], device: int, unspecialized: tuple[int, ...] = ()) -> tuple:
+def _key(args: tuple, options: dict[str, Any], device: int, unspecialized: tuple[int, ...] = (),
+         unaligned: tuple[int, ...] = ()) -> tuple:
     key = [device, tuple(options.items()), *map(_arg_key, args)]
     for i in unspecialized:
         if i < len(args):
             key[i + 2] = _int_type(args[i])
+    for i in unaligned:
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            key[i + 2] = args[i].dtype
     return tuple(key)
 
 
@@ -137,7 +144,7 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, A
     cache = _caches.get(kernel)
     if cache is None:
         cache = _caches[kernel] = _KernelCache(kernel)
-    key = _key(args, options, device, cache.unspecialized)
+    key = _key(args, options, device, cache.unspecialized, cache.unaligned)
     entry = cache.entries.get(key)
     if entry is None:
         stats["misses"] += 1

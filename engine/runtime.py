@@ -3,8 +3,9 @@
 On CUDA:
 1. compile (optional) and a scratch-only KV cache (block 0), enough for dummy steps;
 2. warm-up: a dummy step at the full token budget (the compile happens here) and a dummy decode at
-   the largest batch, then the sampler on the largest batch of logits; the measured peak is memory
-   every later eager step needs;
+   the largest batch, then the sampler on the largest batch of logits, and the LM head and sampler at
+   every row count (their Triton variants compile here, not in a serving step); the measured peak is
+   memory every later eager step needs;
 3. piecewise graphs (prefill_graphs), largest size first: they do not record the KV address
    (attention runs between pieces), so they are captured now and their memory is simply resident;
 4. a throwaway capture of the largest decode graph measures the memory the decode graphs will need;
@@ -65,6 +66,11 @@ class Runtime:
     piecewise_capture_seconds: float = 0.0
     compiled: CompiledModel | None = None
     pool: Any = None                            # the engine's GraphPool (CUDA)
+    # With a compiled model, what start-up left alive (the traced and compiled model above all) stays
+    # out of the collector's reach until close: a full collection over it took 0.24-0.28 s (gemma-3-1b
+    # on an H100 host; 0.4 ms frozen), a stall for every request of the step that met one
+    # (compile_backend.pool.gc_frozen; vLLM freezes the same way).
+    gc_freeze: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def kv_group_stats(self, max_model_len: int) -> list[dict[str, object]]:
         """Per KV group: layers, blocks, free blocks, and sequences of max_model_len it holds."""
@@ -72,7 +78,10 @@ class Runtime:
         return group_stats(kv.groups, kv.group_bytes_per_block, self.block_pool, max_model_len, kv.block_size)
 
     def close(self) -> None:
-        """Release everything this engine made; the model itself is left as it was."""
+        """Release everything this engine made; the model itself is left as it was. Its frozen
+        objects go back to the collector (the last engine open unfreezes), so the caller's next
+        collection reaches what of the engine sits in reference cycles."""
+        self.gc_freeze.close()
         runner = self.runner
         if runner.decode_graphs is not None:
             runner.decode_graphs.release()
@@ -155,6 +164,9 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
             _allocate_pool(rt, num_blocks, config)
         if config.compile:
             _warm_up(runner, sampler, config, False, timeline)  # compiles now, not in the first request's step
+            from compile_backend.pool import gc_frozen  # lazy: compile_backend is slow to import
+            with timeline.phase("gc freeze"):
+                rt.gc_freeze.enter_context(gc_frozen())  # the compiled model out of serving's collections
         return
 
     kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
@@ -163,11 +175,11 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
     memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, full_own_code, timeline)
     from compile_backend.pool import gc_frozen  # lazy: compile_backend is slow to import
     # One full collection for all the capture phases below: each phase's own freeze then only visits
-    # what was made since (compile_backend.pool.gc_frozen).
-    with contextlib.ExitStack() as frozen:
-        with timeline.phase("gc freeze"):
-            frozen.enter_context(gc_frozen())
-        _capture_and_size(rt, config, timeline, min_over_ranks, min_blocks)
+    # what was made since (compile_backend.pool.gc_frozen). The freeze lasts until Runtime.close, so
+    # serving never collects over the compiled model either (Runtime.gc_freeze).
+    with timeline.phase("gc freeze"):
+        rt.gc_freeze.enter_context(gc_frozen())
+    _capture_and_size(rt, config, timeline, min_over_ranks, min_blocks)
 
 
 def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeline,
@@ -287,10 +299,28 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_o
                 if cuda:  # real logits of this model: the argmax method is timed on them once
                     sampler.argmax.choose(logits)
             del logits
+    if cuda:
+        with timeline.phase("sampling kernels"):
+            _compile_sampling_kernels(runner, sampler, num_seqs)
     if not cuda:
         return 0
     torch.cuda.synchronize(runner.device)
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
+
+
+def _compile_sampling_kernels(runner: ModelRunner, sampler: Sampler, num_seqs: int) -> None:
+    """The LM head and the sampler outside any graph at every row count a step can sample (1..num_seqs),
+    so each Triton variant they use compiles now: the LM head's kernel is chosen per row bucket
+    (custom_ops.gemv_table) and the argmax's chunk per row count. Met first in serving, such a compile
+    took 0.36 s of one step (gemma-3-1b at batch 64 on a fresh H100: TTFT median 98 -> 465 ms in that
+    generate; bench/results/h100-2026-11-27/serving-compiles/). With warm Triton caches this costs
+    milliseconds. Every rank runs it (the LM head's collectives under tensor parallelism)."""
+    model = runner.model
+    hidden = torch.randn(num_seqs, model.config.hidden_size, dtype=model.config.dtype, device=runner.device)
+    key_tiles = getattr(model, "argmax_key_tiles", None)  # a models.base.CausalLM's
+    for rows in range(1, num_seqs + 1):
+        logits = model.compute_logits(hidden[:rows])
+        sampler.compile_kernels(logits, key_tiles(rows) if key_tiles is not None else None)
 
 
 def _capture_piecewise(runner: ModelRunner, backend: InferGraphsBackend, config: EngineConfig) -> float:

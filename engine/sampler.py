@@ -64,6 +64,21 @@ class Sampler:
             scatter[0].index_copy_(0, scatter[1], tokens)
         return tokens
 
+    def compile_kernels(self, logits: torch.Tensor, key_tiles: int | None) -> None:
+        """Launch, on `logits` [N, V], each kernel a step sampling N rows can run outside a graph: the
+        argmax in the logits' dtype (greedy rows) and in float32 (sampled and mixed batches), and with
+        `key_tiles` (the argmax keys a row the LM head stores at N rows) the keys' reduction, alone and
+        with its scatter. Their Triton variants depend on N (engine.runtime's warm-up calls this for
+        every N a step can sample), and one first met in a serving step compiles there."""
+        self.argmax(logits)
+        self.argmax(logits.float())
+        if key_tiles:
+            rows = logits.shape[0]
+            keys = torch.zeros(rows, key_tiles, dtype=torch.int64, device=logits.device)
+            argmax_of_keys(keys)
+            index = torch.arange(rows, device=logits.device)
+            argmax_of_keys(keys, (torch.empty_like(index), index))
+
     def _sample(self, logits: torch.Tensor, requests: list[Request], adjusting: list[int],
                 argmax_keys: torch.Tensor | None) -> torch.Tensor:
         if not adjusting:

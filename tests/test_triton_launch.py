@@ -73,17 +73,33 @@ def test_key_of_a_do_not_specialize_parameter_is_its_integer_type():
     """Triton passes such a parameter's value without classing it (== 1, divisible by 16): neither does
     the key, so the stored-row counts of successive steps share one entry."""
     from triton.runtime.jit import JITFunction
-    from custom_ops.triton_launch import _unspecialized
+    from custom_ops.triton_launch import _flagged
 
     def plain(fn, **kwargs):  # under the interpreter (CPU), the JITFunction Triton would build
         return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **kwargs)
 
-    assert _unspecialized(plain(_count_kernel, do_not_specialize=["n"])) == (1,)
-    assert _unspecialized(plain(_axpy_kernel)) == ()
+    assert _flagged(plain(_count_kernel, do_not_specialize=["n"]), "do_not_specialize") == (1,)
+    assert _flagged(plain(_axpy_kernel), "do_not_specialize") == ()
     x = torch.randn(64)
     assert _key((x, 1, 32), {}, 0, (1,)) == _key((x, 45, 32), {}, 0, (1,)) == _key((x, 48, 32), {}, 0, (1,))
     assert _key((x, 45, 32), {}, 0, (1,)) != _key((x, 45, 33), {}, 0, (1,))  # m is specialized
     assert _key((x, 45, 32), {}, 0, (1,)) != _key((x, 2 ** 40, 32), {}, 0, (1,))  # i64
+
+
+def test_key_of_a_do_not_specialize_on_alignment_pointer_is_its_dtype():
+    """Triton compiles one variant for such a pointer whatever its alignment: the key holds its dtype
+    only, so a view at an 8-byte offset (the staging slab's index regions) hits the aligned call's entry."""
+    from triton.runtime.jit import JITFunction
+    from custom_ops.triton_launch import _flagged
+
+    unaligned = _flagged(JITFunction(_axpy_kernel.fn, do_not_specialize_on_alignment=["x_ptr"]),
+                         "do_not_specialize_on_alignment")
+    assert unaligned == (0,)
+    buffer = torch.randn(65, dtype=torch.float64)
+    aligned, shifted = buffer[:64], buffer[1:]  # 8 bytes apart: one of them is not 16-byte aligned
+    assert _key((aligned, 3), {}, 0) != _key((shifted, 3), {}, 0)
+    assert _key((aligned, 3), {}, 0, (), unaligned) == _key((shifted, 3), {}, 0, (), unaligned)
+    assert _key((aligned, 3), {}, 0, (), unaligned) != _key((aligned.float(), 3), {}, 0, (), unaligned)
 
 
 def test_cache_bookkeeping_with_a_stand_in_kernel(monkeypatch):
@@ -95,7 +111,8 @@ def test_cache_bookkeeping_with_a_stand_in_kernel(monkeypatch):
     from custom_ops import triton_launch as tl_mod
 
     def param(name, constexpr=False, dns=False):
-        return SimpleNamespace(name=name, is_constexpr=constexpr, do_not_specialize=dns, has_default=False)
+        return SimpleNamespace(name=name, is_constexpr=constexpr, do_not_specialize=dns, has_default=False,
+                               do_not_specialize_on_alignment=False)
 
     runs, plain = [], []
     compiled = SimpleNamespace(function="fn", packed_metadata="meta", run=lambda *a: runs.append(a))
