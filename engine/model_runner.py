@@ -28,6 +28,15 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}  # "i" is 32-bit wherever torch runs
 
 
+@dataclass(frozen=True)
+class DeviceIds:
+    """Input ids that live on the device: the id of token row rows[i] is tokens[slots[i]] (engine.overlap's
+    sampled tokens, never read back before the step that consumes them)."""
+    tokens: torch.Tensor  # int64, on the buffers' device
+    rows: list[int]
+    slots: list[int]
+
+
 class StaticBuffers:
     """Every tensor a step reads, at fixed device addresses, plus pinned host staging for the copies.
 
@@ -70,7 +79,7 @@ class StaticBuffers:
         self._table_capacity = 2 * seqs * num_groups
         # query_start_loc [seqs + 1] and seq_lens [seqs], int32, fill seqs + 1 int64 words; the table
         # entries' int32 values fill capacity / 2 words
-        regions = [("logits_indices", seqs), ("int32", seqs + 1), ("step_indices", 3 * seqs),
+        regions = [("logits_indices", seqs), ("int32", seqs + 1), ("step_indices", seqs),
                    ("table_index", self._table_capacity),
                    ("table_value", self._table_capacity // 2), ("input_ids", tokens), ("positions", tokens),
                    ("slot_mapping", tokens)] + [(f"group_slots_{g}", tokens) for g in range(1, num_groups)]
@@ -78,9 +87,11 @@ class StaticBuffers:
         self._slab = torch.zeros(total, dtype=torch.int64, device=self._device)
         self._host = torch.zeros(total, dtype=torch.int64, pin_memory=self._pin)
         views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._offsets: dict[str, int] = {}  # where each region starts in the slab (the upload kernel's ranges)
         offset = 0
         for name, n in regions:
             views[name] = (self._slab[offset:offset + n], self._host[offset:offset + n])
+            self._offsets[name] = offset
             offset += n
         self._last_region = total - tokens  # a per-token region: a step fills its first len(slots)
         dev32, host32 = (v.view(torch.int32) for v in views.pop("int32"))
@@ -91,8 +102,7 @@ class StaticBuffers:
         self.positions, self._positions = views.pop("positions")
         self.slot_mapping, self._slot_mapping = views.pop("slot_mapping")
         self._table_index, self._table_index_host = views.pop("table_index")
-        # up to three per-sequence index lists of the caller's (engine.overlap: the rows and token slots
-        # of the input ids it gathers on the device, and the slots its sampled tokens go to)
+        # a per-sequence index list of the caller's (engine.overlap: the slots its sampled tokens go to)
         self.step_indices, self._step_indices = views.pop("step_indices")
         self._table_value, self._table_value_host = (v.view(torch.int32) for v in views.pop("table_value"))
         # KV groups after the first (engine.kv_groups): each its own slot mapping (and block tables)
@@ -113,17 +123,25 @@ class StaticBuffers:
     def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
              seq_lens: list[int], tables: list[list[int]], logits_indices: list[int],
              group_slots: list[list[int]] = (), group_tables: list[list[list[int]]] = (),
-             step_indices: list[int] = ()) -> None:
+             step_indices: list[int] = (), device_ids: DeviceIds | None = None, decode: bool = False) -> None:
         """Copy one step's values in (host lists -> pinned staging -> device, asynchronously).
 
         `tables[i]` is the block table of sequence i: the pool's own list (only new entries are copied,
         see PersistentBlockTables), or an empty one for a padding row. `group_slots[g]` and
         `group_tables[g]`: the same for KV group g + 1 (one entry per extra group, engine.kv_groups).
-        `step_indices`: up to 3 * max_seqs ints the caller reads from `self.step_indices` (same copy).
+        `step_indices`: up to max_seqs ints the caller reads from `self.step_indices` (same copy).
+        `device_ids`: input ids that are on the device, not in `ids` (DeviceIds).
+
+        `decode` (a step the decode graphs run): on CUDA the copy is one kernel (custom_ops.step_upload)
+        that also writes the new table entries and the device ids, one launch on the stream between two
+        decode graphs where a copy, an index_copy_ and an index_select were three, with a hand-off of a
+        few microseconds each. Other steps keep the copy engine: with the kernel on every step, TTFT
+        through prefill steps read 143-331 ms against 105-119 ms at batch 64 (gemma-3-1b,
+        bench/results/h100-2026-11-27/stage-kernel/), a cost not traced to its cause.
         """
         if len(step_indices) > self.step_indices.numel():
             raise ValueError(f"StaticBuffers.load got {len(step_indices)} step indices; the buffers hold "
-                             f"{self.step_indices.numel()} (3 * max_num_seqs)")
+                             f"{self.step_indices.numel()} (max_num_seqs)")
         if len(group_slots) != len(self.group_tables) or len(group_tables) != len(self.group_tables):
             raise ValueError(f"StaticBuffers.load got slots / tables for {len(group_slots)} / {len(group_tables)} "
                              f"extra KV groups, the engine has {len(self.group_tables)}")
@@ -140,6 +158,12 @@ class StaticBuffers:
             for persistent, (index, values) in zip((self.tables, *self.group_tables), planned):
                 persistent.ship(index, values)
         self._loaded = True
+        if device_ids is not None and device_ids.rows:
+            ids = list(ids)
+            for row, slot in zip(device_ids.rows, device_ids.slots):
+                ids[row] = -1 - slot  # resolved on the device: the token in device_ids.tokens[slot]
+        else:
+            device_ids = None
         staged = [(self._input_ids, ids), (self._positions, positions), (self._slot_mapping, slots),
                   (self._query_start_loc, query_start_loc), (self._seq_lens, seq_lens),
                   (self._logits_indices, logits_indices), (self._step_indices, step_indices)]
@@ -157,11 +181,25 @@ class StaticBuffers:
                     at += len(index)
         # one copy: everything up to the last used token of the last per-token region
         end = self._last_region + len(slots)
+        entries = num_entries if in_slab else 0  # after the rows that moved (plan): a new entry lands on its row
+        if self._pin and decode:
+            from custom_ops.step_upload import upload_step  # lazy: Triton is imported only where it runs
+            ids_at = self._offsets["input_ids"]
+            upload_step(self._host[:end], self._slab[:end],
+                        None if device_ids is None else (ids_at, ids_at + len(ids)),
+                        None if device_ids is None else device_ids.tokens, self._all_tables,
+                        (self._offsets["table_index"], 2 * self._offsets["table_value"], entries))
+            self._copied.record()
+            return
         self._slab[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        if in_slab and num_entries:  # after the rows that moved (plan): a new entry lands on its row
-            self._all_tables.index_copy_(0, self._table_index[:num_entries], self._table_value[:num_entries])
+        if entries:
+            self._all_tables.index_copy_(0, self._table_index[:entries], self._table_value[:entries])
+        if device_ids is not None:
+            staged_ids = self.input_ids[:len(ids)]
+            staged_ids.copy_(torch.where(staged_ids < 0, device_ids.tokens[(-1 - staged_ids).clamp(min=0)],
+                                         staged_ids))
 
     def metadata(self, num_tokens: int, num_seqs: int, num_actual_tokens: int, max_query_len: int,
                  max_seq_len: int, uniform_decode: bool) -> AttentionMetadata:
@@ -212,21 +250,17 @@ class ModelRunner:
         # stage the same buffers and run the same forward.
         self.on_staged: Callable[..., None] | None = None
 
-    def execute(self, out: SchedulerOutput, pool: BlockPool,
-                write_inputs: Callable[[torch.Tensor], None] | None = None,
+    def execute(self, out: SchedulerOutput, pool: BlockPool, device_ids: DeviceIds | None = None,
                 step_indices: list[int] = ()) -> StepResult:
-        """`write_inputs(input_ids)`: called once the static buffers hold the step and before the
-        forward or graph replay, to write input ids that live on the device (engine.overlap).
-        `step_indices` reach `self.buffers.step_indices` in the step's one copy (valid until the next
-        step is loaded)."""
+        """`device_ids`: input ids that live on the device (engine.overlap), written with the step's
+        upload. `step_indices` reach `self.buffers.step_indices` in the step's one copy (valid until the
+        next step is loaded)."""
         batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode)
         dispatch = self.dispatcher.dispatch(batch)
         full = dispatch.mode is RuntimeMode.FULL
         num_padded = dispatch.descriptor.num_tokens
-        meta, num_sampling = self._prepare(out, pool, num_padded, full, step_indices)
-        if write_inputs is not None:
-            write_inputs(self.buffers.input_ids)
-        if self.on_staged is not None:  # after write_inputs: the other ranks receive the real ids
+        meta, num_sampling = self._prepare(out, pool, num_padded, full, step_indices, device_ids)
+        if self.on_staged is not None:  # after the upload resolved device_ids: the other ranks get real ids
             self.on_staged(batch, dispatch, meta, num_sampling, len(out.chunks))
         return self.run_staged(dispatch, meta, num_sampling, len(out.chunks))
 
@@ -273,7 +307,8 @@ class ModelRunner:
         return forward_context(meta, mode, num_tokens, self.kv_caches, self.group_metadata(meta))
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
-                 full: bool, step_indices: list[int] = ()) -> tuple[AttentionMetadata | None, int]:
+                 full: bool, step_indices: list[int] = (),
+                 device_ids: DeviceIds | None = None) -> tuple[AttentionMetadata | None, int]:
         """Load the step into the static buffers; (its metadata, or None under FULL, where the decode
         graph reads the buffer slices it was captured with; the number of sampling chunks)."""
         ids: list[int] = []
@@ -330,7 +365,7 @@ class ModelRunner:
             seq_lens += [1] * pad
             tables += [[]] * pad
         self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices,
-                          group_slots, group_tables, step_indices)
+                          group_slots, group_tables, step_indices, device_ids, decode=full)
         if full:
             return None, len(logits_indices)
         meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max(c.num_tokens for c in out.chunks),
@@ -362,6 +397,7 @@ class ModelRunner:
         slots += [self.scratch_slot] * pad
         num_extra = len(self.group_layers)
         self.buffers.load([0] * num_tokens, positions + [0] * pad, slots, query_start_loc, lens, [[]] * num_seqs,
-                          [q - 1 for q in query_start_loc[1:]], [slots] * num_extra, [[[]] * num_seqs] * num_extra)
+                          [q - 1 for q in query_start_loc[1:]], [slots] * num_extra, [[[]] * num_seqs] * num_extra,
+                          decode=uniform_decode)  # as the steps it stands for: their upload kernel compiles here
         max_seq_len = self.max_model_len if uniform_decode else max(lens)
         return self.buffers.metadata(num_tokens, num_seqs, num_real, max(lens), max_seq_len, uniform_decode)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.model_runner import DeviceIds
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -253,26 +254,14 @@ class OverlapLoop:
         sampling = [c.request for c in out.chunks if c.samples]
         sample_slots = [self.slots.slot(r) for r in sampling]
         slot_tokens = self.slots.tokens  # after any growth above
-        n = len(gather_rows)
-        # Rows only increase (one per chunk at most, chunks in row order), so a last row of n - 1 means
-        # rows 0..n-1: every decode step. Their gather is then one kernel writing the buffer itself,
-        # not a gather and a scatter (each kernel between two replays costs the step ~3-4 us).
-        leading_rows = n > 0 and gather_rows[-1] == n - 1
-        # The indices ride in the step's one staging copy (a copy of their own was one more transfer
-        # on the stream between two decode graphs), into the runner's fixed `step_indices` buffer,
-        # which holds them until the next step is loaded, after this step's scatter below has read
-        # them (one stream).
-        indices = runtime.runner.buffers.step_indices
-        rows_t, slots_t, sample_t = indices[:n], indices[n:2 * n], indices[2 * n:2 * n + len(sample_slots)]
-
-        def write_inputs(input_ids: torch.Tensor) -> None:
-            if leading_rows:
-                torch.index_select(slot_tokens, 0, slots_t, out=input_ids[:n])
-            elif n:
-                input_ids.index_copy_(0, rows_t, slot_tokens.index_select(0, slots_t))
-
-        result = runtime.runner.execute(out, runtime.block_pool, write_inputs,
-                                        gather_rows + gather_slots + sample_slots)
+        # The input ids of the gathered rows are written with the step's upload (on CUDA one kernel that
+        # also copies the staged values: each kernel between two replays costs the step ~3-4 us), and
+        # the sampled tokens' slots ride in the same copy, into the runner's fixed `step_indices`
+        # buffer, which holds them until the next step is loaded, after this step's scatter below has
+        # read them (one stream).
+        sample_t = runtime.runner.buffers.step_indices[:len(sample_slots)]
+        result = runtime.runner.execute(out, runtime.block_pool, DeviceIds(slot_tokens, gather_rows, gather_slots),
+                                        sample_slots)
         host_tokens, ready, logprob_rows, host_logprobs = None, None, [], None
         keep: list[torch.Tensor] = []
         if sampling:

@@ -1,0 +1,84 @@
+"""`upload_step(...)`: a step's staged values from pinned host memory to the device in ONE kernel that
+reads the host memory over the bus itself (zero-copy), and in the same launch the two small writes
+that used to follow the copy: new block-table entries and input ids that live on the device.
+
+Between two decode graphs an H100 ran, for gemma-3-1b at batch 16 (bench/results/h100-2026-11-27/
+stage-kernel/): the slab's host-to-device copy on the copy engine (3.2 us, with a 5.8 us hand-off to the
+kernel after it), an index_copy_ of the new table entries (1.8 us) and an index_select of the
+overlapped loop's input ids (4.8 us), each hand-off a few microseconds more. Here that is one kernel:
+- each program copies BLOCK slab elements;
+- an input id below zero, in the ids region, is `-(slot + 1)`: the token waiting in `tokens[slot]` on
+  the device (engine.overlap's token slots), resolved as it is copied (no element is written twice, so
+  the launch has no race);
+- table entry i goes to `tables[index[i]] = value[i]`, index and value read from the host slab.
+
+The kernel reads the host memory when it runs, as an asynchronous copy does: the caller must not
+rewrite `host` before then (an event recorded after the launch, as for a copy).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.triton_common import cdiv, interpreting
+from custom_ops.triton_launch import launch
+
+BLOCK = 1024  # slab elements a program moves: 8 KiB of int64, 8 per thread at 4 warps
+
+
+# One compiled variant for every step: no integer is specialized (Triton would otherwise compile a
+# variant per class of each count and offset, equal to 1 or divisible by 16, and a serving engine met
+# new classes mid-run: a compile on the step's path), and the two optional parts are runtime branches.
+@triton.jit(do_not_specialize=["n", "ids_begin", "ids_end", "index_at", "value_at", "num_entries"])
+def _upload_step_kernel(src_ptr, src32_ptr, dst_ptr, n, ids_begin, ids_end, tokens_ptr,
+                        tables_ptr, index_at, value_at, num_entries, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    values = tl.load(src_ptr + offs, mask=mask, other=0)
+    on_device = (offs >= ids_begin) & (offs < ids_end) & (values < 0)  # an empty range without device ids
+    token = tl.load(tokens_ptr + (-values - 1), mask=mask & on_device, other=0)
+    tl.store(dst_ptr + offs, tl.where(on_device, token, values), mask=mask)
+    if tl.program_id(0) * BLOCK < num_entries:
+        entry_mask = offs < num_entries
+        index = tl.load(src_ptr + index_at + offs, mask=entry_mask, other=0)
+        value = tl.load(src32_ptr + value_at + offs, mask=entry_mask, other=0)
+        tl.store(tables_ptr + index, value, mask=entry_mask)
+
+
+def upload_step(host: torch.Tensor, device: torch.Tensor, ids: tuple[int, int] | None = None,
+                tokens: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+                entries: tuple[int, int, int] = (0, 0, 0)) -> None:
+    """device[:] = host, queued on the current stream, with host an int64 pinned CPU tensor and device an
+    int64 CUDA tensor of its size (in Triton's interpreter, any CPU tensors).
+
+    `ids` (begin, end): the slab range of the input ids; a negative id there, -(slot + 1), becomes
+    tokens[slot] (int64, on the device). `tables` (flat int32 on the device) and `entries`
+    (index_at, value_at, count): tables[host[index_at + i]] = host.view(int32)[value_at + i] for
+    i < count, in the same launch."""
+    if host.dtype != torch.int64 or device.dtype != torch.int64 or host.shape != device.shape or host.dim() != 1:
+        raise ValueError(f"upload_step: host {tuple(host.shape)} {host.dtype} and device {tuple(device.shape)} "
+                         f"{device.dtype} must be one-dimensional int64 of one size")
+    if not (host.is_contiguous() and device.is_contiguous()):
+        raise ValueError("upload_step needs contiguous host and device tensors")
+    if not interpreting() and (not device.is_cuda or host.is_cuda or not host.is_pinned()):
+        raise ValueError(f"upload_step needs a pinned CPU host tensor and a CUDA device tensor, got host on "
+                         f"{host.device} (pinned: {host.is_pinned()}) and device on {device.device}")
+    if (ids is None) != (tokens is None):
+        raise ValueError("upload_step: `ids` and `tokens` go together (the id range and the tokens it reads)")
+    if tokens is not None and (tokens.dtype != torch.int64 or not tokens.is_contiguous()):
+        raise ValueError(f"upload_step: tokens must be contiguous int64, got {tokens.dtype}")
+    index_at, value_at, count = entries
+    n = host.numel()
+    if tables is not None and tables.dtype != torch.int32:
+        raise ValueError(f"upload_step: tables must be flat int32, got {tables.dtype}")
+    if count and (tables is None or index_at + count > n or value_at + count > 2 * n):
+        raise ValueError(f"upload_step: {count} table entries need flat int32 tables and index / value inside "
+                         f"the {n}-element slab (index at {index_at}, value at {value_at} as int32)")
+    if n == 0:
+        return
+    begin, end = ids if ids is not None else (0, 0)
+    launch(_upload_step_kernel, (cdiv(n, BLOCK),),
+           (host, host.view(torch.int32), device, n, begin, end, device if tokens is None else tokens,
+            device.view(torch.int32) if tables is None else tables, index_at, value_at, count),
+           dict(BLOCK=BLOCK, num_warps=4))
