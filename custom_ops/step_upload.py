@@ -3,7 +3,7 @@ reads the host memory over the bus itself (zero-copy), and in the same launch th
 that used to follow the copy: new block-table entries and input ids that live on the device.
 
 Between two decode graphs an H100 ran, for gemma-3-1b at batch 16 (bench/results/h100-2026-11-27/
-stage-kernel/): the slab's host-to-device copy on the copy engine (3.2 us, with a 5.8 us hand-off to the
+stage-kernel-not-landed/): the slab's host-to-device copy on the copy engine (3.2 us, with a 5.8 us hand-off to the
 kernel after it), an index_copy_ of the new table entries (1.8 us) and an index_select of the
 overlapped loop's input ids (4.8 us), each hand-off a few microseconds more. Here that is one kernel:
 - each program copies BLOCK slab elements;
