@@ -135,9 +135,9 @@ class StaticBuffers:
         `decode` (a step the decode graphs run): on CUDA the copy is one kernel (custom_ops.step_upload)
         that also writes the new table entries and the device ids, one launch on the stream between two
         decode graphs where a copy, an index_copy_ and an index_select were three, with a hand-off of a
-        few microseconds each. Other steps keep the copy engine. Not on main: TTFT regressed at batch 16
-        and 64 with the kernel on every step and with it on decode steps only (gemma-3-1b, batch 64:
-        143-331 against 98-119 ms; bench/results/h100-2026-11-27/stage-kernel-not-landed/), cause not found.
+        few microseconds each (gemma-3-1b on an H100: ITL over replay 1.017-1.018x at batch 64 against
+        1.025-1.033x with the copy, TTFT unchanged; bench/results/h100-2026-11-27/stage-kernel-landed/).
+        Other steps keep the copy engine.
         """
         if len(step_indices) > self.step_indices.numel():
             raise ValueError(f"StaticBuffers.load got {len(step_indices)} step indices; the buffers hold "
