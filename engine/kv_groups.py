@@ -202,12 +202,8 @@ class GroupedBlockPool:
 
     def holds(self, request_id: str, num_tokens: int, next_position: int) -> bool:
         """BlockPool.holds for every group."""
-        if not self.full.holds(request_id, num_tokens, next_position):
-            return False
-        for pool in self.sliding:
-            if not pool.holds(request_id, num_tokens, next_position):
-                return False
-        return True
+        return (self.full.holds(request_id, num_tokens, next_position)
+                and all(pool.holds(request_id, num_tokens, next_position) for pool in self.sliding))
 
     def free(self, request_id: str) -> int:
         for pool in self.sliding:

@@ -123,7 +123,7 @@ class StaticBuffers:
     def load(self, ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
              seq_lens: list[int], tables: list[list[int]], logits_indices: list[int],
              group_slots: list[list[int]] = (), group_tables: list[list[list[int]]] = (),
-             step_indices: list[int] = (), device_ids: DeviceIds | None = None, decode: bool = False) -> None:
+             step_indices: list[int] = (), device_ids: DeviceIds | None = None) -> None:
         """Copy one step's values in (host lists -> pinned staging -> device, asynchronously).
 
         `tables[i]` is the block table of sequence i: the pool's own list (only new entries are copied,
@@ -132,12 +132,12 @@ class StaticBuffers:
         `step_indices`: up to max_seqs ints the caller reads from `self.step_indices` (same copy).
         `device_ids`: input ids that are on the device, not in `ids` (DeviceIds).
 
-        `decode` (a step the decode graphs run): on CUDA the copy is one kernel (custom_ops.step_upload)
-        that also writes the new table entries and the device ids, one launch on the stream between two
-        decode graphs where a copy, an index_copy_ and an index_select were three, with a hand-off of a
-        few microseconds each (gemma-3-1b on an H100: ITL over replay 1.017-1.018x at batch 64 against
-        1.025-1.033x with the copy, TTFT unchanged; bench/results/h100-2026-11-27/stage-kernel-landed/).
-        Other steps keep the copy engine.
+        On CUDA the copy is one kernel (custom_ops.step_upload) that also writes the new table entries
+        and the device ids: one launch on the stream between two decode graphs where a copy, an
+        index_copy_ and an index_select were three, with a hand-off of a few microseconds each
+        (gemma-3-1b on an H100: ITL over replay 1.017-1.018x at batch 64 against 1.025-1.033x with the
+        copy; bench/results/h100-2026-11-27/stage-kernel-landed/). Every step takes it, mixed ones too,
+        so one path serves CUDA; the torch ops below serve the CPU.
         """
         if len(step_indices) > self.step_indices.numel():
             raise ValueError(f"StaticBuffers.load got {len(step_indices)} step indices; the buffers hold "
@@ -182,7 +182,7 @@ class StaticBuffers:
         # one copy: everything up to the last used token of the last per-token region
         end = self._last_region + len(slots)
         entries = num_entries if in_slab else 0  # after the rows that moved (plan): a new entry lands on its row
-        if self._pin and decode:
+        if self._pin:
             from custom_ops.step_upload import upload_step  # lazy: Triton is imported only where it runs
             ids_at = self._offsets["input_ids"]
             upload_step(self._host[:end], self._slab[:end],
@@ -191,9 +191,7 @@ class StaticBuffers:
                         (self._offsets["table_index"], 2 * self._offsets["table_value"], entries))
             self._copied.record()
             return
-        self._slab[:end].copy_(self._host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._slab[:end].copy_(self._host[:end])
         if entries:
             self._all_tables.index_copy_(0, self._table_index[:entries], self._table_value[:entries])
         if device_ids is not None:
@@ -365,7 +363,7 @@ class ModelRunner:
             seq_lens += [1] * pad
             tables += [[]] * pad
         self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices,
-                          group_slots, group_tables, step_indices, device_ids, decode=full)
+                          group_slots, group_tables, step_indices, device_ids)
         if full:
             return None, len(logits_indices)
         meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max(c.num_tokens for c in out.chunks),
@@ -397,7 +395,6 @@ class ModelRunner:
         slots += [self.scratch_slot] * pad
         num_extra = len(self.group_layers)
         self.buffers.load([0] * num_tokens, positions + [0] * pad, slots, query_start_loc, lens, [[]] * num_seqs,
-                          [q - 1 for q in query_start_loc[1:]], [slots] * num_extra, [[[]] * num_seqs] * num_extra,
-                          decode=uniform_decode)  # as the steps it stands for: their upload kernel compiles here
+                          [q - 1 for q in query_start_loc[1:]], [slots] * num_extra, [[[]] * num_seqs] * num_extra)
         max_seq_len = self.max_model_len if uniform_decode else max(lens)
         return self.buffers.metadata(num_tokens, num_seqs, num_real, max(lens), max_seq_len, uniform_decode)

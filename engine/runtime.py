@@ -299,11 +299,10 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_o
                 if cuda:  # real logits of this model: the argmax method is timed on them once
                     sampler.argmax.choose(logits)
             del logits
-    if cuda:
-        with timeline.phase("sampling kernels"):
-            _compile_sampling_kernels(runner, sampler, num_seqs)
     if not cuda:
         return 0
+    with timeline.phase("sampling kernels"):
+        _compile_sampling_kernels(runner, sampler, num_seqs)
     torch.cuda.synchronize(runner.device)
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
 

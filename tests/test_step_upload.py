@@ -3,8 +3,7 @@ block-table entries written by one kernel, against the same result built with pl
 
 CPU: the kernel in Triton's interpreter, and StaticBuffers' torch path (what the CPU engine runs) for
 device ids. GPU (`gpu` mark): from pinned memory, rewritten between uploads, queued behind other work,
-and StaticBuffers on CUDA (decode steps by the kernel, others by the copy engine) against the CPU
-buffers given the same steps."""
+and StaticBuffers on CUDA (every step by the kernel) against the CPU buffers given the same steps."""
 from __future__ import annotations
 
 import pytest
@@ -82,18 +81,18 @@ def test_upload_step_names_what_is_wrong():
 def _load_steps(buffers: StaticBuffers, tokens: torch.Tensor) -> list[list[int]]:
     """Three steps through `buffers`: a decode of three rows whose ids are all on the device, a mixed step
     (a prefill chunk, then a decode whose id is on the device) that crosses a block, and a decode with
-    none (on CUDA the decodes take the upload kernel, the mixed step the copy engine). The input ids
+    none (on CUDA every step takes the upload kernel, on the CPU torch's ops). The input ids
     each step leaves, and the first two table rows, as lists."""
     tables = [[3], [4, 7], [5]]
     seen = []
     buffers.load([-1, -1, -1], [0, 20, 1], [48, 113, 81], [0, 1, 2, 3], [1, 21, 2], tables, [0, 1, 2],
-                 device_ids=DeviceIds(tokens, [0, 1, 2], [2, 0, 1]), decode=True)
+                 device_ids=DeviceIds(tokens, [0, 1, 2], [2, 0, 1]))
     seen.append(buffers.input_ids[:3].tolist())
     tables[0].append(9)
     buffers.load([11, 12, 13, -1], [0, 1, 2, 16], [80, 81, 82, 144], [0, 3, 4], [3, 17], [[6], tables[0]], [2, 3],
                  device_ids=DeviceIds(tokens, [3], [1]))
     seen.append(buffers.input_ids[:4].tolist())
-    buffers.load([21, 22], [3, 17], [83, 145], [0, 1, 2], [4, 18], [[6], tables[0]], [0, 1], decode=True)
+    buffers.load([21, 22], [3, 17], [83, 145], [0, 1, 2], [4, 18], [[6], tables[0]], [0, 1])
     seen.append(buffers.input_ids[:2].tolist())
     seen.append(buffers.block_tables[:2, :2].tolist())
     return seen
