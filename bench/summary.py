@@ -7,6 +7,7 @@ import argparse
 import glob
 import os
 
+from bench.knockout import GEMV_VARIANT
 from bench.measure import Report
 from bench.serving import CONFIGS as SERVING_CONFIGS, WORKLOADS as SERVING_WORKLOADS
 
@@ -339,7 +340,7 @@ def knockout_lines(results: str) -> list[str]:
             row = _find(report, variant=kind)
             cells.append("-" if row is None else f"{row['saved_ms'] * 1e3:.0f} us ({row['saved_us_per_layer']:.1f} "
                                                  f"us x {layers} layers)")
-        rest = _find(report, variant="gemv")
+        rest = _find(report, variant=GEMV_VARIANT)
         lines.append(f"| {model} | {base['replay_ms']:.3f} ms | {base['floor_ms']:.3f} ms | " + " | ".join(cells)
                      + f" | {'-' if rest is None else format(rest['replay_ms'], '.3f') + ' ms'} |")
     return lines + [""]
