@@ -36,6 +36,32 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def gpu_ms_host_ahead(fn: Callable[[], object], iters: int = 10, sleep_cycles: int = 500_000_000,
+                      attempts: int = 3) -> float:
+    """Mean GPU milliseconds of one call of fn with the host far ahead: the GPU sleeps while the host
+    enqueues `iters` calls, then runs them back to back, so no host time (Python, launches) sits between
+    them. Next to `median_ms`, which a caller waits for, it says whether a row is host-bound. A try
+    whose enqueueing outlasted the sleep is repeated with twice the sleep (that time would include host
+    gaps). CUDA only: fn must be warm (compiled and captured) already."""
+    for _ in range(attempts):
+        torch.cuda.synchronize()
+        asleep, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        asleep.record()
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        began = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        enqueue_ms = (time.perf_counter() - began) * 1e3
+        end.record()
+        torch.cuda.synchronize()
+        if enqueue_ms < asleep.elapsed_time(start):
+            return start.elapsed_time(end) / iters
+        sleep_cycles *= 2
+    raise RuntimeError(f"gpu_ms_host_ahead: enqueueing {iters} calls took {enqueue_ms:.1f} ms, longer than the "
+                       f"GPU slept in {attempts} tries; the GPU time would include host gaps")
+
+
 @dataclass(frozen=True)
 class Ceilings:
     copy_bytes_per_s: float    # device-to-device copy, bytes read + bytes written per second

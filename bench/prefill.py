@@ -2,7 +2,10 @@
 
   eager             our model as an nn.Module (attention op through the dispatcher)
   compiled          infer_graphs backend, RuntimeMode.NONE: Inductor pieces, no graphs
-  piecewise         infer_graphs backend, RuntimeMode.PIECEWISE: one graph per piece at T tokens
+  piecewise         infer_graphs backend, RuntimeMode.PIECEWISE: one graph per piece at T tokens;
+                    its gpu_ms is the step's GPU time with the host far ahead (bench.measure.
+                    gpu_ms_host_ahead): well under median_ms, the row is host-bound (the attention
+                    launches between the pieces), not GPU-bound
   full_graph        the compiled forward captured whole as ONE native graph at T (FULL mode):
                     the no-launch-overhead ideal piecewise is compared with
   full_graph_eager  the un-compiled forward captured as one graph: launches gone, kernels unfused
@@ -19,11 +22,11 @@ import torch
 from bench.common import build_model, free_device_memory, parse_ints, rel_err
 from bench.configs import load_config
 from bench.floors import model_cost, prefill_floor_ms
-from bench.measure import Report, measure_ceilings, median_ms, plot_latency_vs_floor, ratio
+from bench.measure import Report, gpu_ms_host_ahead, measure_ceilings, median_ms, plot_latency_vs_floor, ratio
 from bench.paged import PagedKV, blocks_per_seq, step_inputs, step_metadata
 
 TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-COLUMNS = ["variant", "tokens", "median_ms", "floor_ms", "x_floor", "x_full_graph", "tokens_per_s"]
+COLUMNS = ["variant", "tokens", "median_ms", "gpu_ms", "floor_ms", "x_floor", "x_full_graph", "tokens_per_s"]
 logger = logging.getLogger("bench")
 
 
@@ -73,6 +76,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
             ms_piece = ms_full = ms_full_eager = None
             if on_cuda:  # on the CPU nothing is captured: a "piecewise" row would time the compiled pieces again
                 ms_piece = median_ms(lambda: run_model(compiled, RuntimeMode.PIECEWISE), iters=iters)
+                gpu_ms_piece = gpu_ms_host_ahead(lambda: run_model(compiled, RuntimeMode.PIECEWISE))
                 piece_err = rel_err(run_model(compiled, RuntimeMode.PIECEWISE), reference)
                 for variant, fn in (("full_graph", compiled), ("full_graph_eager", net)):
                     run_model(fn, RuntimeMode.FULL)  # warm-up outside the capture
@@ -91,6 +95,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
             if ms_piece is not None:
                 add("piecewise", t, ms_piece)
                 report.rows[-1]["piecewise_vs_eager_rel_err"] = piece_err
+                report.rows[-1]["gpu_ms"] = gpu_ms_piece
             if ms_full is not None:
                 add("full_graph", t, ms_full)
                 add("full_graph_eager", t, ms_full_eager)

@@ -169,11 +169,28 @@ def test_decode_report_on_cpu_claims_no_graphs_and_times_a_compiled_model(monkey
     assert "full_graph_unsplit: no decode graphs on this device, nothing to time" in report.notes
 
 
+@pytest.mark.gpu
+def test_gpu_time_with_the_host_ahead_leaves_out_the_host_time_a_caller_waits_for():
+    """A call that spends 3 ms on the host and ~0.25 ms on the GPU: median_ms (what a caller waits for)
+    reads the host's time, gpu_ms_host_ahead the GPU's; the prefill suite tells host-bound rows by it."""
+    import time
+    import torch
+    from bench.measure import gpu_ms_host_ahead, median_ms
+
+    def call():
+        time.sleep(0.003)
+        torch.cuda._sleep(500_000)  # ~0.25 ms at the H100's ~2 GHz
+    waited, gpu = median_ms(call, iters=10), gpu_ms_host_ahead(call, iters=10)
+    assert waited > 2.5
+    assert 0.05 < gpu < 1.0
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
 def test_prefill_report_on_cpu_has_no_graph_rows():
     from bench import prefill
     report = prefill.run("tiny-llama", tokens="16", peers="none", iters=1)
     assert [r["variant"] for r in report.rows] == ["compiled", "eager"]  # sorted by (tokens, variant)
+    assert "gpu_ms" in report.columns and all("gpu_ms" not in r for r in report.rows)  # piecewise rows only
     assert "graphs are captured on CUDA only" in report.notes[-1]
 
 
