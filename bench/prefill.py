@@ -73,7 +73,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
             ms_eager = median_ms(lambda: run_model(net, RuntimeMode.NONE), iters=iters)
             reference = run_model(net, RuntimeMode.NONE).float()
             ms_compiled = median_ms(lambda: run_model(compiled, RuntimeMode.NONE), iters=iters)
-            ms_piece = ms_full = ms_full_eager = None
+            ms_piece = gpu_ms_piece = ms_full = ms_full_eager = None
             if on_cuda:  # on the CPU nothing is captured: a "piecewise" row would time the compiled pieces again
                 ms_piece = median_ms(lambda: run_model(compiled, RuntimeMode.PIECEWISE), iters=iters)
                 gpu_ms_piece = gpu_ms_host_ahead(lambda: run_model(compiled, RuntimeMode.PIECEWISE))
