@@ -66,7 +66,7 @@ class EngineConfig:
     prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: compile_backend's default_capture_sizes
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
-    async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/overlap.py)
+    async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/step_loop.py at depth 1; False: depth 0)
     # what the decode graphs record when compiled, from the pieces' own trace: "piecewise" the split
     # pieces with the attention op called between them; "layered" one Inductor graph per decoder layer
     # with its attention op inside, identical layers compiled once (compile_backend/layered.py);

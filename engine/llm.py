@@ -22,14 +22,13 @@ import gc
 import itertools
 import logging
 import os
-import time
 from typing import Any, Callable, Sequence, Union
 
 import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import OutputTracker
-from engine.overlap import OverlapLoop
+from engine.step_loop import StepLoop
 from engine.request import (
     FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
 )
@@ -111,8 +110,8 @@ class LLM:
             self.runtime.close()  # a refused configuration leaves nothing behind
             self.runtime = None
             raise
-        # async scheduling: the host runs one step ahead of the device (engine/overlap.py)
-        self._overlap = OverlapLoop(self.scheduler, self.runtime) if self.config.async_scheduling else None
+        # async scheduling: the host runs one step ahead of the device (engine/step_loop.py)
+        self._loop = StepLoop(self.scheduler, self.runtime, depth=1 if self.config.async_scheduling else 0)
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output
@@ -171,7 +170,7 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a streamed request's token awaits its step() output."""
         return (self.scheduler.has_unfinished() or bool(self._unreported)
-                or (self._overlap is not None and self._overlap.has_pending()))
+                or (self._loop is not None and self._loop.has_inflight()))
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -193,13 +192,13 @@ class LLM:
         """Run one step; the requests that got a token, in chunk order.
 
         With async scheduling, the step launched now reports its tokens at the next call, and this
-        call reports the previous step's (a call with nothing to launch only reads them).
+        call reports the previous step's (a call with nothing to launch only reads them; StepLoop).
         The engine's device is current meanwhile: Triton launches its kernels on the current device,
         and an engine on cuda:1 is stepped by callers whose current device is cuda:0.
         """
         device = self.runtime.runner.device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            launched, sampling = self._overlap.step() if self._overlap is not None else self._sync_step()
+            launched, sampling = self._loop.step()
         self._detokenize(sampling)
         self.num_steps += launched
         self.num_generated_tokens += len(sampling)
@@ -207,28 +206,6 @@ class LLM:
             if request.is_finished:
                 del self._requests[request.request_id]
         return sampling
-
-    def _sync_step(self) -> tuple[bool, list[Request]]:
-        """The synchronous loop (async_scheduling=False): schedule, run, sample, read the tokens."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
-            return False, []
-        result = self.runtime.runner.execute(out, self.runtime.block_pool)
-        sampling = [c.request for c in out.chunks if c.samples]
-        tokens, logprobs = [], None
-        if sampling:
-            sampler = self.runtime.sampler
-            sampled = sampler.sample(result.logits, sampling, result.argmax_keys)
-            logprobs = sampler.logprobs(result.logits, sampled, sampling)
-            tokens = sampled.tolist()
-        self.scheduler.update(out, tokens, time.perf_counter())
-        if logprobs is not None:
-            rows, packed = logprobs
-            for row, token_logprobs in sampler.unpack(rows, packed.tolist(), tokens, sampling):
-                sampling[row].logprobs.append(token_logprobs)
-        return True, sampling
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -290,8 +267,7 @@ class LLM:
         """Finish a request outside the scheduler's own stop checks: its blocks go back now, and so
         does its device token slot under async scheduling (once no step in flight samples for it)."""
         self.scheduler.finish(request, reason)
-        if self._overlap is not None:
-            self._overlap.finished(request)
+        self._loop.finished(request)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -312,8 +288,7 @@ class LLM:
             except Exception as exc:
                 errors.append(exc)
 
-        if self._overlap is not None:
-            attempt(self._overlap.drain)  # no graph or pool is freed under a step still running
+        attempt(self._loop.drain)  # no graph or pool is freed under a step still running
         try:  # this rank's figures only: gathering the other ranks' could wait on a failed group
             self._final_stats = self._collect_stats(gather_ranks=False)
         except Exception as exc:
@@ -325,7 +300,7 @@ class LLM:
         runtime, self.runtime = self.runtime, None
         self._requests.clear()
         self._unreported.clear()
-        self._overlap = None  # it holds the runtime's token slots
+        self._loop = None  # it holds the runtime's token slots
         self.model = None
         cuda = runtime.kv_cache.device.type == "cuda"
         attempt(runtime.close)
@@ -393,11 +368,11 @@ class LLM:
             "decode_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
             "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
             "piecewise_capture_seconds": self.runtime.piecewise_capture_seconds,
-            "async_scheduling": self._overlap is not None,
+            "async_scheduling": self._loop.depth == 1,
             # steps the host could not run ahead of: it read the in-flight tokens with the device idle
-            "async_drains": self._overlap.num_drains if self._overlap else 0,
-            "async_overlapped_steps": self._overlap.num_overlapped_steps if self._overlap else 0,
-            "async_discarded_tokens": self._overlap.num_discarded_tokens if self._overlap else 0,
+            "async_drains": self._loop.num_drains,
+            "async_overlapped_steps": self._loop.num_overlapped_steps,
+            "async_discarded_tokens": self._loop.num_discarded_tokens,
             **self.runtime.memory,
             "startup": self.startup.as_dict(),
         }

@@ -30,8 +30,8 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i"}  # "i" is 32-bit wherever torc
 
 @dataclass(frozen=True)
 class DeviceIds:
-    """Input ids that live on the device: the id of token row rows[i] is tokens[slots[i]] (engine.overlap's
-    sampled tokens, never read back before the step that consumes them)."""
+    """Input ids that live on the device: the id of token row rows[i] is tokens[slots[i]] (engine.step_loop's
+    sampled tokens, not read back yet when the step that consumes them is launched)."""
     tokens: torch.Tensor  # int64, on the buffers' device
     rows: list[int]
     slots: list[int]
@@ -102,7 +102,7 @@ class StaticBuffers:
         self.positions, self._positions = views.pop("positions")
         self.slot_mapping, self._slot_mapping = views.pop("slot_mapping")
         self._table_index, self._table_index_host = views.pop("table_index")
-        # a per-sequence index list of the caller's (engine.overlap: the slots its sampled tokens go to)
+        # a per-sequence index list of the caller's (engine.step_loop: the slots its sampled tokens go to)
         self.step_indices, self._step_indices = views.pop("step_indices")
         self._table_value, self._table_value_host = (v.view(torch.int32) for v in views.pop("table_value"))
         # KV groups after the first (engine.kv_groups): each its own slot mapping (and block tables)
@@ -250,7 +250,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, pool: BlockPool, device_ids: DeviceIds | None = None,
                 step_indices: list[int] = ()) -> StepResult:
-        """`device_ids`: input ids that live on the device (engine.overlap), written with the step's
+        """`device_ids`: input ids that live on the device (engine.step_loop), written with the step's
         upload. `step_indices` reach `self.buffers.step_indices` in the step's one copy (valid until the
         next step is loaded)."""
         batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode)
@@ -326,16 +326,19 @@ class ModelRunner:
                 table, *extra = pool.tables(request.request_id)
             else:
                 table, extra = pool.block_table(request.request_id), ()
+            known = request.token_ids  # positions past its end are in flight: `device_ids` fills them
             if end - start == 1:  # a decode token: appends, not generators (the host's step at batch 64)
                 block, offset = divmod(start, block_size)
-                ids.append(request.token_ids[start])
+                ids.append(known[start] if start < len(known) else 0)
                 positions.append(start)
                 slots.append(table[block] * block_size + offset)
                 for g, group_table in enumerate(extra):
                     group_slots[g].append(group_table[block] * block_size + offset)
                     group_tables[g].append(group_table)
             else:
-                ids.extend(request.token_ids[start:end])
+                ids.extend(known[start:end])
+                if end > len(known):
+                    ids.extend([0] * (end - max(start, len(known))))
                 positions.extend(range(start, end))
                 slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
                 for g, group_table in enumerate(extra):

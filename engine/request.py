@@ -157,8 +157,11 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.perf_counter)
-    token_ids: list[int] = field(init=False)   # prompt + generated so far
-    num_computed_tokens: int = 0               # tokens whose K/V are in the cache
+    token_ids: list[int] = field(init=False)   # prompt + generated tokens the host has read; only grows
+    num_computed_tokens: int = 0               # tokens whose K/V are in the cache (or being written)
+    # Tokens sampled by launched steps that the host has not read yet (vLLM's num_output_placeholders):
+    # they count for planning (`num_planned_tokens`), never appear in token_ids.
+    num_inflight_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -179,7 +182,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the host knows (prompt + generated and read)."""
         return len(self.token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus those in flight: where the request's next chunk ends."""
+        return len(self.token_ids) + self.num_inflight_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -86,8 +86,8 @@ class Sampler:
         biased = [(i, token, bias) for i in adjusting for token, bias in requests[i].params.logit_bias]
         penalized = [i for i in adjusting if requests[i].params.has_penalties]
         held_back = [(i, token) for i in adjusting if requests[i].params.min_tokens
-                     # the tokens out so far, the overlapped loop's in-flight one included
-                     and requests[i].num_tokens - requests[i].num_prompt_tokens < requests[i].params.min_tokens
+                     # the tokens out so far, those still in flight included
+                     and requests[i].num_planned_tokens - requests[i].num_prompt_tokens < requests[i].params.min_tokens
                      for token in self._stop_ids(requests[i])]
         # a float32 copy: the logits a decode graph owns, which logprobs read, stay as they are
         adjusted = logits.float() if logits.dtype != torch.float32 else logits.clone()

@@ -43,7 +43,7 @@ class ScheduledChunk:
     @classmethod
     def next_for(cls, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+        return cls(request, start, num_tokens, start + num_tokens == request.num_planned_tokens)
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, num_new, out):
                 out.chunks.append(ScheduledChunk.next_for(request, num_new))
                 budget -= num_new
@@ -111,7 +111,7 @@ class Scheduler:
             request = self.waiting[0]  # holds no blocks: new, or preempted (its blocks released)
             cached = self.pool.match_prefix(request.token_ids)
             num_cached = len(cached) * self.pool.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_planned_tokens - num_cached, budget)
             if not self.pool.admit(request.request_id, cached, num_cached + num_new):
                 break
             if self.pool.cache is not None:
@@ -156,23 +156,52 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted request %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
-    def update(self, out: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
-        """Advance each chunk; `sampled` holds one token per sampling chunk, in chunk order. Returns the finished."""
-        finished = []
-        tokens = iter(sampled)
+    # -- after a step: the one update, in two halves ------------------------------------------------
+    # `advance` runs when a step is launched, `resolve_token` when its tokens are read: at once in
+    # the synchronous loop (`update`), one step later in the overlapped one (engine.step_loop). Both
+    # loops go through these, so every rule about finishing lives here.
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """A launched step: its chunks are computed, and each sampling chunk has one token in flight.
+        A request whose in-flight token reaches max_tokens or max_model_len leaves the running list
+        now, so it is never scheduled past its length (it finishes when that token is read)."""
+        max_model_len = self.max_model_len
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
-            self.publish_filled(chunk)
             if not chunk.samples:
-                continue
-            token = next(tokens)
-            request.token_ids.append(token)
-            request.token_times.append(now)
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                self.finish(request, reason)
-                finished.append(request)
+                continue  # a partial prefill chunk emits no token
+            request.num_inflight_tokens += 1
+            planned = request.num_planned_tokens
+            if (planned - request.num_prompt_tokens >= request.params.max_tokens or planned >= max_model_len) \
+                    and request in self.running:
+                self.running.remove(request)
+
+    def resolve_token(self, request: Request, token: int, now: float) -> FinishReason | None:
+        """The oldest in-flight token of `request` is read: append it, and finish the request if it
+        ends it (returns why). A request finished meanwhile (abort, stop string, or an earlier token
+        of its own) drops the token: nothing is appended, and None is returned."""
+        if request.is_finished:
+            return None
+        request.num_inflight_tokens -= 1
+        request.token_ids.append(token)
+        request.token_times.append(now)
+        reason = self._finish_reason(request, token)
+        if reason is not None:
+            self.finish(request, reason)
+        return reason
+
+    def update(self, out: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
+        """`advance` and `resolve_token` at once (the step's tokens are known): `sampled` holds one
+        token per sampling chunk, in chunk order. Returns the requests that finished."""
+        self.advance(out)
+        for chunk in out.chunks:
+            self.publish_filled(chunk)
+        finished = []
+        tokens = iter(sampled)
+        for chunk in out.chunks:
+            if chunk.samples and self.resolve_token(chunk.request, next(tokens), now) is not None:
+                finished.append(chunk.request)
         return finished
 
     def publish_filled(self, chunk: ScheduledChunk) -> None:
@@ -182,11 +211,10 @@ class Scheduler:
         if request.num_computed_tokens // block_size > chunk.start // block_size:  # a block filled up
             self.pool.publish(request.request_id, request.token_ids, request.num_computed_tokens)
 
-    def _finish_reason(self, request: Request, token: int, num_tokens: int | None = None) -> FinishReason | None:
-        """Why `token` ends the request, or None. `num_tokens`: the request's length with that token
-        (default: all of token_ids; engine.overlap passes less while a later token is in flight)."""
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        """Why `token`, the request's newest known token, ends it, or None."""
         params = request.params
-        num_tokens = request.num_tokens if num_tokens is None else num_tokens
+        num_tokens = request.num_tokens
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.EOS
         if token in params.stop_token_ids:
@@ -208,3 +236,4 @@ class Scheduler:
         self.pool.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.num_inflight_tokens = 0  # whatever a step still in flight samples for it is dropped

@@ -1,4 +1,4 @@
-"""Async scheduling (engine/overlap.py) gives exactly the synchronous loop's tokens.
+"""Async scheduling (engine/step_loop.py at depth 1) gives exactly the synchronous loop's tokens.
 
 The host runs one step ahead: tokens stay on the device and reach the next step's input ids there,
 stop conditions are applied one step late and the token a finished request sampled after its end is
@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.dispatch import Dispatcher
-from engine.overlap import PLACEHOLDER, TokenSlots
+from engine.step_loop import TokenSlots
 from engine.request import FinishReason, Request
 from tests.hf_helpers import random_hf_model
 from tests.test_engine_generate import ARCHS, COMMON, PROMPTS, SMALL, _EagerDecodeGraphs
@@ -44,7 +44,7 @@ def _same(sync, overlapped):
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
     assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in sync]
     for out in overlapped:
-        assert PLACEHOLDER not in out.token_ids and out.finished
+        assert out.finished
         assert len(out.inter_token_latencies_s) == len(out.token_ids) - 1
 
 
@@ -119,8 +119,8 @@ def test_streamed_outputs_report_every_token_once_and_never_one_past_the_end(lla
             assert out.token_ids[:len(seen[out.request_id])] == seen[out.request_id]
             assert len(out.token_ids) == len(seen[out.request_id]) + 1  # one new token per report
             seen[out.request_id] = out.token_ids
-        # between steps a request looks as after a synchronous step: only tokens read back
-        assert all(PLACEHOLDER not in r.token_ids for r in llm._requests.values())
+        # between steps a request holds only tokens read back, and at most one in flight
+        assert all(r.num_planned_tokens - r.num_tokens in (0, 1) for r in llm._requests.values())
     want = [o.token_ids[:o.token_ids.index(stop) + 1] if stop in o.token_ids else o.token_ids for o in sync]
     assert [seen[rid] for rid in ids] == want
 
@@ -135,7 +135,7 @@ def test_a_request_finished_while_its_token_is_in_flight_reports_no_more_tokens(
     for _ in range(4):
         llm.step()
     request = llm._requests[gone]
-    assert PLACEHOLDER not in request.token_ids and llm._overlap._pending[request] == request.num_tokens
+    assert request.num_inflight_tokens == 1 and request.num_planned_tokens == request.num_tokens + 1
     assert request.num_computed_tokens == request.num_tokens  # the in-flight step computed its last token
     reported = list(request.output_token_ids)
     llm.scheduler.finish(request, FinishReason.STOP)  # as an abort does
@@ -146,7 +146,7 @@ def test_a_request_finished_while_its_token_is_in_flight_reports_no_more_tokens(
             finished[out.request_id] = out
     assert list(finished) == [keep] and len(finished[keep].token_ids) == 8
     assert request.token_ids == request.prompt_token_ids + reported
-    assert llm.stats()["async_discarded_tokens"] >= 1 and not llm._overlap.slots._slots
+    assert llm.stats()["async_discarded_tokens"] >= 1 and not llm._loop.slots._slots
     assert llm.runtime.block_pool.num_free_blocks == llm.runtime.block_pool.num_usable_blocks
 
 
@@ -160,17 +160,17 @@ def test_a_request_preempted_with_its_token_in_flight_is_readmitted_with_that_to
     for _ in range(5):
         llm.step()
     request = llm._requests[ids[2]]
-    in_flight = llm._overlap._pending[request]
-    assert in_flight == request.num_tokens  # its next token is in flight
+    in_flight = request.num_tokens  # the position of its token in flight
+    assert request.num_inflight_tokens == 1
     llm.scheduler.running.remove(request)
     llm.scheduler._preempt(request)  # as the scheduler does when blocks run short
-    launch, refills = llm._overlap._launch, []
+    launch, refills = llm._loop._launch, []
 
     def spy(out):
         refills.extend(c for c in out.chunks if c.request is request and c.start <= in_flight < c.start + c.num_tokens)
         return launch(out)
 
-    llm._overlap._launch = spy
+    llm._loop._launch = spy
     outputs = {}
     while llm.has_unfinished_requests():
         for out in llm.step():
@@ -271,7 +271,7 @@ def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampli
 
     llm.runtime.runner.execute = behind_a_sleep
     llm.step()
-    inflight = llm._overlap._inflight
+    inflight = llm._loop._inflight
     assert inflight is not None and inflight.ready is not None
     assert not inflight.ready.query(), "step() waited for the device"
     mode = "full" if step_kind == "full_decode" else "piecewise"
@@ -285,12 +285,12 @@ def test_gpu_step_returns_while_the_step_it_launched_still_runs(tmp_path, sampli
 def test_a_request_aborted_with_no_token_in_flight_gives_its_token_slot_back(llama_dir):
     llm = LLM(str(llama_dir), **SMALL)
     rid = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
-    while not llm._overlap.slots._slots:  # until it has sampled: it owns a device token slot
+    while not llm._loop.slots._slots:  # until it has sampled: it owns a device token slot
         llm.step()
-    llm._overlap.drain()  # its in-flight token is read: nothing of it is in flight any more
-    [request] = llm._overlap.slots._slots
+    llm._loop.drain()  # its in-flight token is read: nothing of it is in flight any more
+    [request] = llm._loop.slots._slots
     assert llm.abort(rid)
-    assert request not in llm._overlap.slots._slots
+    assert request not in llm._loop.slots._slots
     assert [o.finish_reason for o in llm.step() if o.request_id == rid] == ["abort"]
     assert llm.runtime.block_pool.num_free_blocks == llm.runtime.block_pool.num_usable_blocks
     llm.close()

@@ -1,32 +1,35 @@
-"""OverlapLoop: the step loop with the host one step ahead of the device (async scheduling).
+"""StepLoop: the engine's one step loop: schedule, launch, resolve, at depth 0 or 1.
 
-One call of `step()` schedules and launches step N, then reads back step N-1. While the device runs
-step N the host returns step N-1's outputs and schedules, stages and launches step N+1, so the device
-never waits for Python between two steps. The synchronous loop (LLM._step with
-EngineConfig.async_scheduling=False) gives the same greedy and seeded tokens; it is kept for
-debugging and as the reference the tests compare against.
+One call of `step()` schedules and launches a step, then reads back ("resolves") a step's sampled
+tokens: at depth 1 (async scheduling, the default) the PREVIOUS step's, so while the device runs
+step N the host reads step N-1, returns its outputs and schedules, stages and launches N+1, and the
+device never waits for Python between two steps; at depth 0 the step it just launched (the host
+waits for the device every step; for debugging, and the reference the tests compare against). The
+two depths share every line but which step is resolved: one schedule, one launch, one post-step
+update (Scheduler.advance at launch, Scheduler.resolve_token at read, Scheduler.publish_filled
+between), so a per-token feature is written once.
 
 Invariants:
-- Every sampled token stays on the device: the step that samples it scatters it into its request's
-  slot of `TokenSlots.tokens` (one slot per request, held until it finishes; not a ring, which
-  wraps onto live requests under load). A step's input id at the position of a token not read
-  back yet is gathered from that slot on the device, after the static buffers are loaded and
-  before the forward (a decode graph reads the static input_ids buffer).
-- Between calls, `request.token_ids` holds only tokens the host has read, exactly as after a
-  synchronous step (outputs, stop strings, abort and the prefix cache see nothing else), while
-  `num_computed_tokens` already counts the in-flight step. Inside a call the in-flight token is a
-  PLACEHOLDER appended at its position, so `num_tokens` counts it and the scheduler plans the next
-  chunk as usual; only trailing positions are ever placeholders (steps resolve in order).
-- A step advances `num_computed_tokens` and appends its placeholders when it is launched. A
-  request whose new token reaches max_tokens or max_model_len leaves the running list then, so it
-  is never scheduled past its length (that limit never lags). EOS and stop tokens are known only
-  when the token is read, one step late: the request finishes then, its blocks are freed, and the
-  token its extra in-flight step samples is discarded, never emitted. Freeing blocks while a step
-  that writes them is in flight is safe: all device work is ordered on one stream, so whoever gets
-  the blocks next writes them in a later step. The same holds for the sliding-window blocks the
-  scheduler gives back when it plans step N+1 (engine.kv_groups): step N may still read them.
+- Every sampled token stays on the device until read: the step that samples it scatters it into its
+  request's slot of `TokenSlots.tokens` (one slot per request, held until it finishes; not a ring,
+  which wraps onto live requests under load). A step's input id at a position whose token is still
+  in flight is gathered from that slot on the device, in the step's upload and before the forward
+  (a decode graph reads the static input_ids buffer).
+- `request.token_ids` holds only tokens the host has read, and only grows; tokens in flight are a
+  count (`Request.num_inflight_tokens`) that the scheduler plans with (`num_planned_tokens`), and
+  they are read in launch order, so a resolved token is always appended at the end.
+- A step advances `num_computed_tokens` and the in-flight counts when it is launched. A request
+  whose in-flight token reaches max_tokens or max_model_len leaves the running list then, so it is
+  never scheduled past its length (that limit never lags). EOS and stop tokens are known only when
+  the token is read, one step late at depth 1: the scheduler finishes the request then, its blocks
+  are freed, and the token its extra in-flight step samples is dropped, never emitted. Freeing
+  blocks while a step that writes them is in flight is safe: all device work is ordered on one
+  stream, so whoever gets the blocks next writes them in a later step. The same holds for the
+  sliding-window blocks the scheduler gives back when it plans step N+1 (engine.kv_groups).
 - A preempted request keeps its in-flight token (that step ran on its blocks before they were
   freed); if it is readmitted before the token is read, the gather fills its prefill input.
+- Blocks a step fills are published to the prefix cache after the step before it is resolved (every
+  token below `num_computed_tokens` is then known on the host) and before its own tokens are.
 - A step's index lists (the input ids it gathers, the slots its tokens go to) reach the device in
   the runner's one staging copy of the step; its read-back buffer and sampled tokens live in its
   `_InFlight` record until it is resolved. Host lists reach the device through pinned memory with
@@ -42,13 +45,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model_runner import DeviceIds
-from engine.request import FinishReason, Request
+from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.runtime import Runtime
-
-PLACEHOLDER = -1  # an in-flight token on the host, inside a call; out of vocabulary: a missed gather fails loudly
 
 
 class ReadBack:
@@ -58,7 +59,7 @@ class ReadBack:
     kernels waited ~9.6 us behind an 8-byte copy on an H100 (measured between graph replays); on a side
     stream the step took +0.1 us. The tokens land in pinned buffers allocated once (a fresh pinned block
     per step costs the host tens of us, and the host is the bottleneck at large batches): a step's
-    buffer is written again DEPTH steps later, after `OverlapLoop._resolve` has waited for its event and
+    buffer is written again DEPTH steps later, after `StepLoop._resolve` has waited for its event and
     read it. The device tensors must stay alive until the event completes (the caller keeps them: their
     blocks could otherwise be reused on the compute stream while the copy still reads them)."""
 
@@ -127,7 +128,6 @@ class TokenSlots:
 class _InFlight:
     """A launched step whose tokens the host has not read yet."""
     sampling: list[Request]            # requests that sample, in chunk order (= token rows)
-    positions: list[int]               # each one's placeholder index in its token_ids
     host_tokens: torch.Tensor | None   # the tokens' read-back buffer (pinned on CUDA)
     ready: torch.cuda.Event | None     # recorded after the read-back copy (CUDA only)
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # device tensors the step reads
@@ -135,73 +135,27 @@ class _InFlight:
     host_logprobs: torch.Tensor | None = None  # their Sampler.logprobs tensor's read-back buffer
 
 
-class OverlapLoop:
-    def __init__(self, scheduler: Scheduler, runtime: Runtime) -> None:
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, runtime: Runtime, depth: int = 1) -> None:
+        if depth not in (0, 1):
+            raise ValueError(f"StepLoop depth must be 0 (resolve each step at once) or 1 (one step later), got {depth}")
         self.scheduler = scheduler
         self.runtime = runtime
+        self.depth = depth
         self.device = runtime.runner.device
         self.slots = TokenSlots(2 * scheduler.max_num_seqs, self.device)
         self._read_back = ReadBack(scheduler.max_num_seqs, self.device) if self.device.type == "cuda" else None
-        self._pending: dict[Request, int] = {}  # request -> position of its newest in-flight token
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0  # launched while the previous step was still in flight
         self.num_drains = 0            # the host had to read the in-flight step before scheduling more
         self.num_discarded_tokens = 0  # sampled after their request had finished
 
-    def has_pending(self) -> bool:
-        """True while a live request has a token in flight (it may have left the running list)."""
-        return any(not r.is_finished for r in self._pending)
+    def has_inflight(self) -> bool:
+        """True while a launched step samples for a live request (it may have left the running list)."""
+        return self._inflight is not None and any(not r.is_finished for r in self._inflight.sampling)
 
     def step(self) -> tuple[bool, list[Request]]:
-        """(whether a step was launched, the requests whose token was read: the previous step's)."""
-        self._show_inflight()
-        try:
-            return self._step()
-        finally:
-            self._hide_inflight()
-
-    def drain(self) -> list[Request]:
-        """Read the in-flight step now, if any, and wait for the device (before the engine frees what
-        that step runs on: a step with no sampling row has no read-back to wait for)."""
-        previous, self._inflight = self._inflight, None
-        self._show_inflight()
-        try:
-            resolved = self._resolve(previous) if previous is not None else []
-        finally:
-            self._hide_inflight()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return resolved
-
-    def finished(self, request: Request) -> None:
-        """A request the engine finished between steps (an abort, a stop string): its slot goes back
-        now, unless a step still in flight samples for it (then reading that step releases it)."""
-        if request not in self._pending:
-            self.forget(request)
-
-    def forget(self, request: Request) -> None:
-        """Drop a finished request's in-flight token and slot (idempotent)."""
-        while request.token_ids and request.token_ids[-1] == PLACEHOLDER:
-            request.token_ids.pop()
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-        self._pending.pop(request, None)
-        self.slots.release(request)
-
-    def _show_inflight(self) -> None:
-        for request, position in self._pending.items():
-            if request.is_finished:  # aborted or stopped between calls: its token will be discarded
-                continue
-            if position != request.num_tokens:
-                raise RuntimeError(f"request {request.request_id!r}: its in-flight token is at position {position} "
-                                   f"but it has {request.num_tokens} tokens (token_ids changed between steps)")
-            request.token_ids.append(PLACEHOLDER)
-
-    def _hide_inflight(self) -> None:
-        for request in self._pending:
-            while request.token_ids and request.token_ids[-1] == PLACEHOLDER:
-                request.token_ids.pop()
-
-    def _step(self) -> tuple[bool, list[Request]]:
+        """(whether a step was launched, the requests whose token was read, in chunk order)."""
         out = self.scheduler.schedule()
         previous, self._inflight = self._inflight, None
         if out.is_empty:
@@ -214,29 +168,38 @@ class OverlapLoop:
             self.num_drains += 1
             return False, self._resolve(previous)
         try:
-            self._inflight = self._launch(out)
+            launched = self._launch(out)
         except BaseException:
             # Nothing of `out` was advanced: the scheduler plans it again, and the step still in
             # flight keeps its tokens.
             self._inflight = previous
             raise
-        if previous is None:
-            self._publish(out)
-            return True, []
-        self.num_overlapped_steps += 1
-        resolved = self._resolve(previous)
-        self._publish(out)
-        return True, resolved
-
-    def _publish(self, out: SchedulerOutput) -> None:
-        """Publish the blocks `out` fills to the prefix cache, as Scheduler.update does synchronously.
-
-        Every token below num_computed_tokens is known on the host by now (the in-flight token `out`
-        computes was resolved just before), and a request that hits these blocks runs in a later
-        step on the same stream, after `out` has written their K/V."""
-        for chunk in out.chunks:
+        resolved = []
+        if previous is not None:
+            self.num_overlapped_steps += 1
+            resolved = self._resolve(previous)
+        for chunk in out.chunks:  # every token below num_computed_tokens is known now
             if not chunk.request.is_finished:
                 self.scheduler.publish_filled(chunk)
+        if self.depth == 0:
+            return True, self._resolve(launched)
+        self._inflight = launched
+        return True, resolved
+
+    def drain(self) -> list[Request]:
+        """Read the in-flight step now, if any, and wait for the device (before the engine frees what
+        that step runs on: a step with no sampling row has no read-back to wait for)."""
+        previous, self._inflight = self._inflight, None
+        resolved = self._resolve(previous) if previous is not None else []
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return resolved
+
+    def finished(self, request: Request) -> None:
+        """A request the engine finished between steps (an abort, a stop string): its slot goes back
+        now, unless the step in flight samples for it (then reading that step releases it)."""
+        if self._inflight is None or request not in self._inflight.sampling:
+            self.slots.release(request)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -246,10 +209,16 @@ class OverlapLoop:
         gather_slots: list[int] = []
         row = 0
         for chunk in out.chunks:  # rows in the order ModelRunner flattens the chunks
-            position = self._pending.get(chunk.request)
-            if position is not None and chunk.start <= position < chunk.start + chunk.num_tokens:
-                gather_rows.append(row + position - chunk.start)
-                gather_slots.append(self.slots.slot(chunk.request))
+            request = chunk.request
+            known = request.num_tokens
+            if chunk.start + chunk.num_tokens > known:  # its input reaches a token still in flight
+                newest = request.num_planned_tokens - 1
+                if chunk.start + chunk.num_tokens - 1 != newest or known != newest:
+                    raise RuntimeError(f"request {request.request_id!r}: chunk [{chunk.start}, "
+                                       f"{chunk.start + chunk.num_tokens}) needs tokens from {known} on, but only "
+                                       f"the newest in-flight token ({newest}) is on the device")
+                gather_rows.append(row + newest - chunk.start)
+                gather_slots.append(self.slots.slot(request))
             row += chunk.num_tokens
         sampling = [c.request for c in out.chunks if c.samples]
         sample_slots = [self.slots.slot(r) for r in sampling]
@@ -277,29 +246,12 @@ class OverlapLoop:
                 host_tokens, host_logprobs, ready = self._read_back.copy(tokens, host_logprobs)
             else:
                 host_tokens = tokens
-        positions = self._advance(out)
-        return _InFlight(sampling, positions, host_tokens, ready, keep, logprob_rows, host_logprobs)
-
-    def _advance(self, out: SchedulerOutput) -> list[int]:
-        """What the synchronous loop's Scheduler.update does at once, minus the token values."""
-        positions = []
-        max_model_len = self.scheduler.max_model_len
-        for chunk in out.chunks:
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
-            if not chunk.samples:
-                continue  # a partial prefill chunk emits no token
-            positions.append(request.num_tokens)
-            self._pending[request] = request.num_tokens
-            request.token_ids.append(PLACEHOLDER)
-            at_length = (request.num_tokens - request.num_prompt_tokens >= request.params.max_tokens
-                         or request.num_tokens >= max_model_len)
-            if at_length and request in self.scheduler.running:
-                self.scheduler.running.remove(request)  # never scheduled past its length; finished when read
-        return positions
+        self.scheduler.advance(out)
+        return _InFlight(sampling, host_tokens, ready, keep, logprob_rows, host_logprobs)
 
     def _resolve(self, step: _InFlight) -> list[Request]:
-        """Read the step's tokens; fill placeholders, finish requests; the requests that got a token."""
+        """Read the step's tokens into their requests (the scheduler finishes those they end); the
+        requests that got a token."""
         if not step.sampling:
             return []
         if step.ready is not None:
@@ -311,20 +263,14 @@ class OverlapLoop:
                                                         step.sampling))
         now = time.perf_counter()
         resolved = []
-        for row, (request, position, token) in enumerate(zip(step.sampling, step.positions, tokens)):
-            if self._pending.get(request) == position:
-                del self._pending[request]
+        for row, (request, token) in enumerate(zip(step.sampling, tokens)):
             if request.is_finished:  # finished a step earlier (or aborted): sampled past its end
                 self.num_discarded_tokens += 1
-                self.forget(request)
+                self.slots.release(request)
                 continue
-            request.token_ids[position] = token
-            request.token_times.append(now)
             if row in logprobs:
                 request.logprobs.append(logprobs[row])
-            reason: FinishReason | None = self.scheduler._finish_reason(request, token, position + 1)
-            if reason is not None:
-                self.forget(request)  # the token its extra in-flight step samples is never emitted
-                self.scheduler.finish(request, reason)
+            if self.scheduler.resolve_token(request, token, now) is not None:
+                self.slots.release(request)  # a step still in flight may write it once more (TokenSlots.release)
             resolved.append(request)
         return resolved
