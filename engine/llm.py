@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.detokenizer import OutputTracker
+from engine.detokenizer import BatchDecoder, OutputTracker, update_all
 from engine.step_loop import StepLoop
 from engine.request import (
     FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
@@ -115,6 +115,7 @@ class LLM:
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output
+        self._decode = BatchDecoder(tokenizer) if tokenizer is not None else None  # one batch a step
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -163,7 +164,7 @@ class LLM:
 
     def _admit(self, request: Request) -> None:
         self.runtime.sampler.attach(request)
-        self._trackers[request.request_id] = OutputTracker(request, self.tokenizer)
+        self._trackers[request.request_id] = OutputTracker(request, self.tokenizer, self._decode)
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -243,13 +244,13 @@ class LLM:
         return out
 
     def _detokenize(self, requests: list[Request]) -> None:
-        """Advance each request's text; a stop string in it finishes the request (its blocks go back now)."""
-        for request in requests:
-            if self._trackers[request.request_id].update(request):
-                if request.is_finished:  # max_tokens / EOS in the same token: the stop string decides
-                    request.finish_reason = FinishReason.STOP
-                else:
-                    self._finish_between_steps(request, FinishReason.STOP)
+        """Advance each request's text (one batched decode for the step); a stop string in it
+        finishes the request (its blocks go back now)."""
+        for request in update_all([(self._trackers[r.request_id], r) for r in requests]):
+            if request.is_finished:  # max_tokens / EOS in the same token: the stop string decides
+                request.finish_reason = FinishReason.STOP
+            else:
+                self._finish_between_steps(request, FinishReason.STOP)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: it is not scheduled again, its KV blocks go back to the pool at once,

@@ -209,3 +209,34 @@ def test_abort_frees_blocks_at_once_is_idempotent_and_leaves_others_alone(llm):
     assert last[victim].finished and last[victim].finish_reason == "abort"
     assert last[keep].token_ids == expected.token_ids
     assert pool.num_free_blocks == free_before and not llm.has_unfinished_requests()
+
+
+def test_a_step_decodes_every_request_in_one_batch_with_the_texts_of_one_at_a_time(tokenizer):
+    """update_all: the windows of every request go to the tokenizer's batched decode once, and each
+    request's text is what updating it alone gives (the reference: the tokenizer's full decode)."""
+    from engine.detokenizer import BatchDecoder, update_all
+
+    class Counting(BatchDecoder):
+        calls = 0
+
+        def __call__(self, sequences):
+            Counting.calls += 1
+            return super().__call__(sequences)
+
+    texts = CORPUS[:5]
+    token_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    decode = Counting(tokenizer)
+    assert decode._batch is not None  # a fast tokenizer: the Rust batch path is the one under test
+    requests = [Request(str(i), [2], SamplingParams()) for i in range(len(texts))]
+    trackers = [OutputTracker(r, tokenizer, decode) for r in requests]
+    for n in range(max(map(len, token_lists))):
+        live = [(t, r) for t, r, ids in zip(trackers, requests, token_lists) if n < len(ids)]
+        for _, r in live:
+            r.token_ids.append(token_lists[int(r.request_id)][n])
+        before = Counting.calls
+        assert update_all(live) == []
+        assert Counting.calls == before + 1
+    for tracker, request, ids in zip(trackers, requests, token_lists):
+        request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+        tracker.update(request)
+        assert tracker.output(request).text == tokenizer.decode(ids, skip_special_tokens=True)
