@@ -41,7 +41,10 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--no-hybrid-kv-cache": _set("hybrid_kv_cache", False, "one KV pool where every layer keeps every block "
                                  "(default: a pool per layer kind, sliding-window blocks freed out of the window)"),
     "--no-cuda-graphs": _set("cuda_graphs", False, "no full-decode graphs"),
-    "--prefill-graphs": _set("prefill_graphs", True, "piecewise graphs for prefill / mixed steps"),
+    "--prefill-graphs": _set("prefill_graphs", True, "piecewise graphs for prefill / mixed steps (the default "
+                             "where CUDA and compile are)"),
+    "--no-prefill-graphs": _set("prefill_graphs", False, "no piecewise graphs: prefill / mixed steps run the "
+                                "compiled pieces without graphs"),
     "--decode-graph-sizes": ("decode_graph_sizes", dict(type=_sizes, help="e.g. 1,2,4,8,16")),
     "--prefill-graph-sizes": ("prefill_graph_sizes", dict(type=_sizes, help="e.g. 16,64,256")),
     "--no-compile": _set("compile", False, "eager model (implies no prefill graphs)"),
@@ -52,7 +55,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--full-graph-compile": ("full_graph_compile", dict(
         choices=("layered", "unsplit", "piecewise"),
         help="what the decode graphs record: one Inductor graph per layer with attention inside, one unsplit "
-             "Inductor graph, or the split pieces (default: the pieces with --prefill-graphs, else layered)")),
+             "Inductor graph, or the split pieces (default: the pieces with prefill graphs, else layered)")),
     "--decode-gemv": _set("decode_gemv", True, "batch-1 decode matmuls on the Triton GEMV where measured faster "
                           "than cuBLAS (custom_ops/gemv_table.py; the default)"),
     "--no-decode-gemv": _set("decode_gemv", False, "every matmul on cuBLAS / Inductor's choice"),

@@ -82,9 +82,9 @@ def test_batch_larger_than_the_largest_decode_graph_falls_back_and_stays_correct
     prompts = [[1] + [(5 * i + j) % 90 + 3 for j in range(6 + i)] for i in range(12)]
     # staggered lengths: the batch starts at 12 (over the largest graph) and shrinks into the buckets
     params = [SamplingParams(max_tokens=10 + 2 * i, ignore_eos=True) for i in range(12)]
-    with _engine(model_dirs["llama"], max_num_seqs=12, cuda_graphs=False) as llm:
+    with _engine(model_dirs["llama"], max_num_seqs=12, cuda_graphs=False, prefill_graphs=False) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
-    with _engine(model_dirs["llama"], max_num_seqs=12, decode_graph_sizes=(1, 2, 4, 8)) as llm:
+    with _engine(model_dirs["llama"], max_num_seqs=12, decode_graph_sizes=(1, 2, 4, 8), prefill_graphs=False) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.stats()
     assert got == expected

@@ -28,7 +28,7 @@ def _engine(path, **fields) -> LLM:
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_prefix_caching_with_decode_and_prefill_graphs_gives_the_outputs_of_no_caching(model_dirs, arch):
-    with _engine(model_dirs[arch], enable_prefix_caching=False, cuda_graphs=False) as llm:
+    with _engine(model_dirs[arch], enable_prefix_caching=False, cuda_graphs=False, prefill_graphs=False) as llm:
         expected, _ = run_workload(llm)
     with _engine(model_dirs[arch], cuda_graphs=True, prefill_graphs=True) as llm:
         got, hits = run_workload(llm)
@@ -41,7 +41,7 @@ def test_prefix_caching_with_decode_and_prefill_graphs_gives_the_outputs_of_no_c
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
 def test_prefix_caching_under_eviction_and_preemption_with_graphs(model_dirs, arch):
     small = dict(num_gpu_blocks=18)  # 17 usable blocks: one max_model_len request needs 16
-    with _engine(model_dirs[arch], enable_prefix_caching=False, cuda_graphs=False, **small) as llm:
+    with _engine(model_dirs[arch], enable_prefix_caching=False, cuda_graphs=False, prefill_graphs=False, **small) as llm:
         expected, _ = run_workload(llm)
     with _engine(model_dirs[arch], cuda_graphs=True, prefill_graphs=True, **small) as llm:
         got, _ = run_workload(llm)
