@@ -1,7 +1,7 @@
 """Graph coverage of a workload: which steps a set of capture sizes serves, at what padding cost.
 
 A step is a (token count, uniform decode?) pair. With decode graphs of batch sizes D and piecewise
-graphs of token counts P, the engine's own dispatcher (engine.dispatch.Dispatcher, the one place that
+graphs of token counts P, the engine's own dispatcher (engine.worker.dispatch.Dispatcher, the one place that
 decides a step's mode) says how each step runs: FULL (a decode graph), PIECEWISE or NONE, and its
 padded size. Padding waste is the share of the tokens computed under graphs that are padding.
 `suggest_sizes` picks the k sizes that minimise the padded tokens of a token-count histogram (exact
@@ -61,7 +61,7 @@ def bucket(n: int, sizes: Sequence[int]) -> int | None:
 
 def coverage(steps: Iterable[Step], decode_sizes: Sequence[int], piecewise_sizes: Sequence[int]) -> Coverage:
     from custom_ops import RuntimeMode
-    from engine.dispatch import BatchDescriptor, Dispatcher
+    from engine.worker.dispatch import BatchDescriptor, Dispatcher
     dispatcher = Dispatcher(tuple(decode_sizes), tuple(piecewise_sizes), decode_graphs_wanted=True,
                             piecewise_graphs_wanted=True)
     counts = Counter()
@@ -148,9 +148,9 @@ def simulate_steps(specs, max_num_seqs: int = 32, max_num_batched_tokens: int = 
     Time advances by `step_s(num_tokens, uniform)` per step (default: 8 ms + 20 us per token, about a
     3B model with graphs on an H100), so arrivals interleave with steps as in a real run.
     """
-    from engine.block_pool import BlockPool
+    from engine.kv.block_pool import BlockPool
     from engine.request import Request, SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
     step_s = step_s or (lambda n, uniform: 0.008 + 20e-6 * n)
     max_len = max(s.prompt_len + s.output_len for s in specs) + block_size

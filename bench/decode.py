@@ -3,7 +3,7 @@
 Ours, through the engine's own runner (its static buffers and its full-decode graphs):
   eager        the model as an nn.Module, attention op through the dispatcher;
   compiled     torch.compile with the infer_graphs backend, RuntimeMode.NONE (pieces, no graphs);
-  full_graph   the engine's native decode graph for the batch (engine.decode_graphs), replayed;
+  full_graph   the engine's native decode graph for the batch (engine.worker.decode_graphs), replayed;
                with --decode-gemv, from an engine with EngineConfig.decode_gemv=False (cuBLAS only);
   full_graph_gemv  (--decode-gemv) the same from a second engine with EngineConfig.decode_gemv=True
                (the default): the Triton GEMV at batch 1 where custom_ops/gemv_table.py has the shape.
@@ -62,7 +62,7 @@ def load_decode_step(runner, vocab_size: int, batch: int, context: int):
 
 
 def _window_group_step(runner, batch: int, context: int) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Slots and block tables of the engine's sliding-window KV groups (engine.kv_groups) for
+    """Slots and block tables of the engine's sliding-window KV groups (engine.kv.kv_groups) for
     load_decode_step: each sequence its own blocks for the window of its query at `context` (the
     scratch block before it, as the pool leaves them), ids wrapped into the group's pool."""
     from custom_ops import SCRATCH_BLOCK, get_attention_layer

@@ -50,10 +50,10 @@ def make_specs(num_requests: int, system_len: int, question_len: int, output_len
 
 def host_us_per_step(specs: list[RequestSpec], caching: bool, max_num_seqs: int, max_model_len: int) -> float:
     """Host microseconds per step of schedule + _prepare + update (no model, CPU buffers)."""
-    from engine.block_pool import BlockPool
-    from engine.model_runner import ModelRunner
+    from engine.kv.block_pool import BlockPool
+    from engine.worker.model_runner import ModelRunner
     from engine.request import Request, SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
     blocks = 1 + max_num_seqs * -(-max_model_len // BLOCK_SIZE)
     scheduler = Scheduler(BlockPool(blocks, BLOCK_SIZE, debug_checks=False), max_num_seqs, MAX_NUM_BATCHED_TOKENS,
@@ -75,7 +75,7 @@ def host_us_per_step(specs: list[RequestSpec], caching: bool, max_num_seqs: int,
 def bookkeeping_us_per_block(caching: bool, num_requests: int = 200, blocks_per_request: int = 64) -> float:
     """Host microseconds per block of admit + publish + release, every prompt unique (0% hits), the pool
     full of cached blocks (so with caching every new block also evicts one). Best of three, CPU time."""
-    from engine.block_pool import BlockPool
+    from engine.kv.block_pool import BlockPool
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(blocks_per_request * BLOCK_SIZE)] for _ in range(num_requests)]
@@ -97,10 +97,10 @@ def bookkeeping_us_per_block(caching: bool, num_requests: int = 200, blocks_per_
 
 def prepare_us(batch: int, context: int, steps: int = 200) -> float:
     """Host microseconds (median) of one decode step's _prepare at `batch` sequences of `context` tokens."""
-    from engine.block_pool import BlockPool
-    from engine.model_runner import ModelRunner
+    from engine.kv.block_pool import BlockPool
+    from engine.worker.model_runner import ModelRunner
     from engine.request import Request, SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
     max_model_len = context + steps + BLOCK_SIZE
     blocks = 1 + batch * -(-max_model_len // BLOCK_SIZE)

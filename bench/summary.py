@@ -17,7 +17,8 @@ ISSUES = {6: "benchmarks against the peers and the physical floor",
           10: "tensor parallelism (tp suite: 1 and 2 GPUs, graphs on)",
           11: "decode at the memory floor (e2e suite: what `LLM.generate` users see)",
           12: "engines that start in seconds (capture suite: start-up in a fresh process)",
-          13: "the OpenAI-compatible server (serving suite: workloads over HTTP)"}
+          13: "the OpenAI-compatible server (serving suite: workloads over HTTP)",
+          38: "benchmarks that run what users run (a real tokenizer and stop strings; host time per step)"}
 BENCH_MODELS = ("llama-3.2-3b", "qwen3-4b", "gemma-3-1b")
 
 # issue 6
@@ -40,6 +41,9 @@ STARTUP_PHASES_SHOWN = 3
 # issue 13
 SERVING_ITL_OVERHEAD_GOAL = 1.05  # HTTP baseline ITL P50 / in-process baseline ITL P50
 SERVING_TTFT_MS_GOAL, SERVING_TTFT_CONFIG = 12.0, "decode + prefill graphs"
+# issue 38: ITL with the tokenizer and 2 stop strings / the decode graph's replay, at each batch
+USERS_ITL_GOAL, USERS_ITL_MODELS, USERS_ITL_BATCHES = 1.03, ("gemma-3-1b", "llama-3.2-3b"), (1, 16, 64)
+HOST_BATCH = 64
 
 
 def _load(results: str, suite: str) -> dict[str, Report]:
@@ -167,10 +171,24 @@ def issue10_rows(results: str) -> list[Row]:
     return rows
 
 
+def _front_end(row: dict, tokenizer: str, stop_strings: int) -> bool:
+    """Whether an e2e / host row is that front-end variant (rows from before issue 38 had no tokenizer)."""
+    return row.get("tokenizer", "off") == tokenizer and row.get("stop_strings", 0) == stop_strings
+
+
+def _plain_rows(report: Report) -> list[dict]:
+    """The e2e rows without a tokenizer: what issue 11's goals were set on."""
+    return [r for r in report.rows if _front_end(r, "off", 0)]
+
+
+def _find_plain(report: Report, **match) -> dict | None:
+    return next((r for r in _plain_rows(report) if all(r.get(k) == v for k, v in match.items())), None)
+
+
 def _x_floor_row(goal: str, e2e: dict[str, Report], model: str, batch: int, key: str, limit: float) -> Row:
     """A goal on one e2e row's ratio to the floor; key "itl" (through LLM.generate) or "replay" (graph alone)."""
     target = f"<= {limit}x floor"
-    r = _find(e2e[model], batch=batch) if model in e2e else None
+    r = _find_plain(e2e[model], batch=batch) if model in e2e else None
     if r is None or r.get(f"{key}_x_floor") is None:
         return goal, target, "not run" if model not in e2e else f"no batch {batch} {key} ratio", "n/a"
     ms, ratio = r["itl_ms" if key == "itl" else "graph_replay_ms"], r[f"{key}_x_floor"]
@@ -183,19 +201,19 @@ def issue11_rows(results: str) -> list[Row]:
     for model in E2E_BS1_RATIO_MODELS:
         rows.append(_x_floor_row(f"graph replay, batch 1, {model}", e2e, model, 1, "replay", E2E_BS1_REPLAY_GOAL))
         rows.append(_x_floor_row(f"ITL through LLM.generate, batch 1, {model}", e2e, model, 1, "itl", E2E_BS1_ITL_GOAL))
-    gemma = _find(e2e["gemma-3-1b"], batch=1) if "gemma-3-1b" in e2e else None
+    gemma = _find_plain(e2e["gemma-3-1b"], batch=1) if "gemma-3-1b" in e2e else None
     goal, target = "ITL through LLM.generate, batch 1, gemma-3-1b", f"<= {E2E_GEMMA_ITL_MS_GOAL} ms"
     if gemma is None or gemma.get("itl_ms") is None:
         rows.append((goal, target, "not run" if gemma is None else "no ITL", "n/a"))
     else:
         floor_txt = f" (floor {gemma['floor_ms']:.3f} ms, {gemma['itl_x_floor']:.2f}x)" if gemma.get("itl_x_floor") else ""
         rows.append((goal, target, f"{gemma['itl_ms']:.3f} ms{floor_txt}", _status(gemma["itl_ms"] <= E2E_GEMMA_ITL_MS_GOAL)))
-    prompt = (_find(e2e["llama-3.2-3b"], batch=64) or {}).get("prompt_len") if "llama-3.2-3b" in e2e else None
+    prompt = (_find_plain(e2e["llama-3.2-3b"], batch=64) or {}).get("prompt_len") if "llama-3.2-3b" in e2e else None
     rows.append(_x_floor_row(f"ITL through LLM.generate, batch 64, {prompt or 512}-token prompts, llama-3.2-3b",
                              e2e, "llama-3.2-3b", 64, "itl", E2E_BS64_ITL_GOAL))
     for model in _models(e2e):
         goal, target = f"host overlap, {model}", f"ITL <= {HOST_OVERLAP_GOAL}x graph replay at every batch"
-        measured = [r for r in e2e[model].rows if r.get("itl_x_replay") is not None] if model in e2e else []
+        measured = [r for r in _plain_rows(e2e[model]) if r.get("itl_x_replay") is not None] if model in e2e else []
         if not measured:
             rows.append((goal, target, "not run" if model not in e2e else "no ITL / replay pair", "n/a"))
             continue
@@ -317,6 +335,40 @@ def issue13_rows(results: str) -> list[Row]:
     return rows
 
 
+def issue38_rows(results: str) -> list[Row]:
+    e2e, host = _load(results, "e2e"), _load(results, "host")
+    rows = []
+    target = f"ITL <= {USERS_ITL_GOAL}x graph replay at batches {', '.join(map(str, USERS_ITL_BATCHES))}"
+    for model in USERS_ITL_MODELS:
+        goal = f"ITL through LLM.generate with the tokenizer + 2 stop strings, {model}"
+        report = e2e.get(model)
+        users = {r["batch"]: r for r in report.rows if _front_end(r, "on", 2)} if report else {}
+        measured = [users[b] for b in USERS_ITL_BATCHES if users.get(b, {}).get("itl_x_replay") is not None]
+        if not measured:
+            why = "not run" if report is None else "no tokenizer + stop rows with a graph replay"
+            rows.append((goal, target, why, "n/a"))
+            continue
+        plain = {r["batch"]: r for r in _plain_rows(report)}
+        rows.append((goal, target, ", ".join(
+            f"batch {r['batch']}: {r['itl_ms']:.3f} vs {r['graph_replay_ms']:.3f} ms = {r['itl_x_replay']:.3f}x"
+            + (f" (no tokenizer {plain[r['batch']]['itl_ms']:.3f} ms)" if plain.get(r["batch"], {}).get("itl_ms") else "")
+            for r in measured),
+            _missed([f"batch {r['batch']}" for r in measured if r["itl_x_replay"] > USERS_ITL_GOAL]
+                    + [f"batch {b} not run" for b in USERS_ITL_BATCHES if b not in {r['batch'] for r in measured}])))
+    for model in _models(host, ("gemma-3-1b",)):
+        goal = f"host time per step, null forward, batch {HOST_BATCH}, {model}"
+        target = "<= 1/2 of the first measurement (issue 38)"
+        report = host.get(model)
+        measured = [r for r in report.rows if r["batch"] == HOST_BATCH] if report else []
+        if not measured:
+            rows.append((goal, target, "not run" if report is None else f"no batch {HOST_BATCH} rows", "n/a"))
+            continue
+        rows.append((goal, target, ", ".join(
+            f"{'no tokenizer' if r['tokenizer'] == 'off' else 'tokenizer'}{' + stops' if r['stop_strings'] else ''}: "
+            f"{r['ms_per_step']:.3f} ms ({r['us_per_request']:.1f} us a request)" for r in measured), "n/a"))
+    return rows
+
+
 KNOCKOUT_KINDS = ("attention", "norm", "rope")  # the knockout suite's single-kind rows, in this order
 
 
@@ -348,7 +400,8 @@ def knockout_lines(results: str) -> list[str]:
 
 def goal_rows(results: str) -> dict[int, list[Row]]:
     """The goal rows of each issue, by issue number."""
-    return {6: issue6_rows(results), 10: issue10_rows(results), 11: issue11_rows(results), 12: issue12_rows(results), 13: issue13_rows(results)}
+    return {6: issue6_rows(results), 10: issue10_rows(results), 11: issue11_rows(results), 12: issue12_rows(results),
+            13: issue13_rows(results), 38: issue38_rows(results)}
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ _live_graphs: weakref.WeakSet[torch.cuda.CUDAGraph] = weakref.WeakSet()
 def new_graph() -> torch.cuda.CUDAGraph:
     """A CUDA graph counted by `live_graphs()` until it is freed. Every graph this project captures
     is made here: NCCL cannot leave a communicator while a graph that captured one of its collectives
-    lives (engine.tp_channel.leave_process_group), so a closed engine must be seen to hold none."""
+    lives (engine.distributed.rank_loop.leave_process_group), so a closed engine must be seen to hold none."""
     graph = torch.cuda.CUDAGraph()
     _live_graphs.add(graph)
     return graph
@@ -105,7 +105,7 @@ def gc_frozen() -> Iterator[None]:
     Nestable: inside an outer freeze the collection only visits what was made since (a full one of a
     process that has traced a model costs ~0.15-0.2 s), and only the outermost exit unfreezes. An
     engine holds one from its first capture (or, without graphs, the end of its compile) until it
-    closes, so a serving step never pays for a collection over the compiled model (engine.runtime)."""
+    closes, so a serving step never pays for a collection over the compiled model (engine.worker.startup)."""
     global _frozen_depth
     gc.collect()
     gc.freeze()

@@ -8,7 +8,7 @@ kernel after it), an index_copy_ of the new table entries (1.8 us) and an index_
 overlapped loop's input ids (4.8 us), each hand-off a few microseconds more. Here that is one kernel:
 - each program copies BLOCK slab elements;
 - an input id below zero, in the ids region, is `-(slot + 1)`: the token waiting in `tokens[slot]` on
-  the device (engine.step_loop's token slots), resolved as it is copied (no element is written twice, so
+  the device (engine.core.step_loop's token slots), resolved as it is copied (no element is written twice, so
   the launch has no race);
 - table entry i goes to `tables[index[i]] = value[i]`, index and value read from the host slab.
 

@@ -1,7 +1,7 @@
 """The serving engine: paged KV cache, continuous batching with chunked prefill, full-decode CUDA
 graphs, piecewise prefill graphs (through the infer_graphs backend), GPU sampling, the LLM API."""
 from engine.config import ConfigError, EngineConfig
-from engine.llm import LLM
+from engine.core.llm import LLM
 from engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 
 __all__ = ["ConfigError", "EngineConfig", "LLM", "FinishReason", "InvalidRequestError", "RequestOutput", "TokenLogprobs",

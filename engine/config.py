@@ -55,7 +55,7 @@ class EngineConfig:
     block_size: int = 16                   # tokens per KV cache block
     kv_memory_fraction: float = 0.9        # of the GPU memory left after weights, warm-up peak and graphs
     num_gpu_blocks: int | None = None      # explicit KV pool size in blocks (incl. the scratch block)
-    # KV pool per layer kind (engine.kv_groups): sliding-window layers give back blocks out of their
+    # KV pool per layer kind (engine.kv.kv_groups): sliding-window layers give back blocks out of their
     # window; False: one pool, every layer keeps every block (num_gpu_blocks counts blocks of every layer)
     hybrid_kv_cache: bool = True
     compile: bool | None = None            # torch.compile with the infer_graphs backend; None: on for CUDA
@@ -66,7 +66,7 @@ class EngineConfig:
     prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: compile_backend's default_capture_sizes
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
-    async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/step_loop.py at depth 1; False: depth 0)
+    async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/core/step_loop.py at depth 1; False: depth 0)
     # what the decode graphs record when compiled, from the pieces' own trace: "piecewise" the split
     # pieces with the attention op called between them; "layered" one Inductor graph per decoder layer
     # with its attention op inside, identical layers compiled once (compile_backend/layered.py);
@@ -85,7 +85,7 @@ class EngineConfig:
     # code calls the kernel without the dispatcher (models.layers.Linear).
     decode_gemv: bool = True
     show_progress: bool = True             # tqdm bar during graph capture
-    tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.tp
+    tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.distributed.tp
 
     def __post_init__(self) -> None:
         self._validate()

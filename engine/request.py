@@ -168,7 +168,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # perf_counter at each generated token
     generator: torch.Generator | None = field(default=None, repr=False)
     logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)  # per generated token, if asked
-    # With penalties (engine.sampler): how often each vocabulary token has been generated, and which
+    # With penalties (engine.sample.sampler): how often each vocabulary token has been generated, and which
     # appear in the prompt, on the device; updated by every step that samples for the request.
     output_counts: torch.Tensor | None = field(default=None, repr=False)
     prompt_mask: torch.Tensor | None = field(default=None, repr=False)

@@ -1,7 +1,7 @@
 """The LM head's argmax keys: the skinny GEMM stores each N tile's best (value, index) key per row as it
 writes the logits (custom_ops.triton_skinny, KEYS), `argmax_of_keys` turns them into torch's
 `argmax(dim=-1)` of those logits, and the sampler takes its greedy tokens from them when a decode graph
-stored them (engine.decode_graphs -> StepResult.argmax_keys -> Sampler.sample).
+stored them (engine.worker.decode_graphs -> StepResult.argmax_keys -> Sampler.sample).
 
 CPU: the kernels in Triton's interpreter (both MMA layouts, ragged N, ties across tiles, NaNs), the
 named refusals, the sampler's choice. GPU (`gpu` mark): a model with gemma-3-1b's vocabulary and hidden
@@ -19,7 +19,7 @@ from custom_ops.triton_argmax import argmax_of_keys
 from custom_ops.triton_skinny import key_tiles, skinny_gemm
 from engine import LLM, SamplingParams
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sample.sampler import Sampler
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -144,17 +144,17 @@ def argmax_keys_naming(token: int, rows: int, tiles: int) -> torch.Tensor:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_decode_graphs_store_keys_and_the_sampler_reads_their_argmax(monkeypatch):
     from bench.configs import GEMMA_3_1B
-    import engine.sampler
+    import engine.sample.sampler
     config = {**GEMMA_3_1B, "num_hidden_layers": 2}  # the real LM head (262,144 x 1,152)
     net = models.from_config(config, dtype="bfloat16", device="cuda", seed=0)
     checked = []
-    real = engine.sampler.argmax_of_keys
+    real = engine.sample.sampler.argmax_of_keys
 
     def spy(keys, scatter=None):
         tokens = real(keys, scatter)
         checked.append(keys.shape)
         return tokens
-    monkeypatch.setattr(engine.sampler, "argmax_of_keys", spy)
+    monkeypatch.setattr(engine.sample.sampler, "argmax_of_keys", spy)
     real_sample = Sampler.sample
 
     def sample(self, logits, requests, argmax_keys=None, scatter=None):

@@ -122,10 +122,15 @@ def test_default_results_dir_is_named_for_the_gpu_model():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
-def test_serving_sends_the_workloads_over_http_and_every_request_completes():
+def test_serving_sends_the_workloads_over_http_and_every_request_completes(tmp_path):
     """The CPU smoke run: one server subprocess, two workloads over HTTP, sent == completed."""
     from bench import serving
-    report = serving.run("tiny-llama", requests=3, configs=["graphs off"], workloads="baseline,chunked_prefill")
+    from tests.tiny_tokenizer import save_tiny_tokenizer
+    save_tiny_tokenizer(tmp_path)  # a real tokenizer covering tiny-llama's ids: the server detokenizes
+    report = serving.run("tiny-llama", requests=3, configs=["graphs off"], workloads="baseline,chunked_prefill",
+                         tokenizer=str(tmp_path))
+    assert report.meta["tokenizer"] == str(tmp_path) and report.meta["stop"] and report.meta["stop_share"] > 0
+    assert not any("errors" in n for n in report.notes)  # text streamed, every stop-string request accepted
     assert f"max_num_batched_tokens={serving.MAX_NUM_BATCHED_TOKENS}" in report.notes[0]
     assert f"KV blocks of {serving.BLOCK_SIZE}" in report.notes[0]
     assert [(r["config"], r["workload"]) for r in report.rows] == [
@@ -349,20 +354,29 @@ def test_e2e_latencies_keep_only_the_intervals_where_every_request_decodes():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
-def test_e2e_suite_from_the_command_line_reports_each_batch(tmp_path):
+def test_e2e_suite_from_the_command_line_reports_each_batch_and_front_end_variant(tmp_path):
     from bench.__main__ import main
+    from tests.tiny_tokenizer import save_tiny_tokenizer
+    save_tiny_tokenizer(tmp_path / "tok")  # covers tiny-llama's 256 ids (the byte alphabet + specials)
     assert main(["e2e", "--model", "tiny-llama", "--batches", "1,3", "--prompt-len", "12", "--output-len", "5",
-                 "--peers", "none", "--time-budget", "60", "--out", str(tmp_path)]) == 0
+                 "--peers", "none", "--time-budget", "60", "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(tmp_path)]) == 0
     report = Report.load(str(tmp_path / "e2e-tiny-llama.json"))
-    assert [r["batch"] for r in report.rows] == [1, 3]
+    assert [(r["batch"], r["tokenizer"], r["stop_strings"]) for r in report.rows] == [
+        (b, tok, stops) for b in (1, 3) for tok, stops in (("off", 0), ("on", 0), ("on", 2))]
     for row in report.rows:
         assert row["prompt_len"] == 12 and row["context"] == 12 + 5 // 2
         assert row["ttft_ms"] > 0 and row["itl_ms"] > 0 and row["ttft_max_ms"] >= row["ttft_ms"]
+        assert row["output_tok_per_s"] > 0
         assert row["graph_replay_ms"] is None and row["floor_ms"] is None  # no graphs, no ceilings on the CPU
     assert any("decode graphs on CUDA only" in n for n in report.notes)
+    assert any("front-end variants" in n and "<bench-never-stop-a>" in n for n in report.notes)
     from bench.e2e import WARMUP_TOKENS
     repeats = report.meta["repeats"]
-    assert report.meta["engine_stats"]["generated_tokens"] == (1 + 3) * (WARMUP_TOKENS + repeats * 5)
+    per_variant = (1 + 3) * (WARMUP_TOKENS + repeats * 5)
+    stats = report.meta["engine_stats"]
+    assert stats["plain"]["generated_tokens"] == per_variant
+    assert stats["tokenizer"]["generated_tokens"] == 2 * per_variant  # the tokenizer and stop variants
 
 
 def test_paged_kv_hands_out_blocks_scrambled_or_in_order_and_never_the_scratch_block():

@@ -33,6 +33,31 @@ def test_issue11_goals_from_the_e2e_reports(tmp_path):
         assert rows[absent][1:] == ("not run", "n/a"), absent
 
 
+def test_issue38_goals_read_the_tokenizer_and_stop_rows_and_issue11_the_plain_ones(tmp_path):
+    gemma = Report("e2e", "gemma-3-1b", "dev", ["tokenizer", "stop_strings", *E2E_COLUMNS])
+    for b, replay, plain, users in ((1, 1.20, 1.21, 1.22), (16, 1.50, 1.515, 1.508), (64, 1.81, 1.852, 2.385)):
+        for tok, stops, itl in (("off", 0, plain), ("on", 0, users + 0.3), ("on", 2, users)):
+            gemma.add(tokenizer=tok, stop_strings=stops, batch=b, prompt_len=512, itl_ms=itl, graph_replay_ms=replay,
+                      floor_ms=1.0, itl_x_floor=itl, replay_x_floor=replay, itl_x_replay=itl / replay)
+    gemma.write(str(tmp_path))
+    host = Report("host", "gemma-3-1b", "dev", ["batch", "tokenizer", "stop_strings", "ms_per_step", "us_per_request"])
+    host.add(batch=64, tokenizer="off", stop_strings=0, ms_per_step=0.9, us_per_request=14.1)
+    host.add(batch=64, tokenizer="on", stop_strings=2, ms_per_step=1.8, us_per_request=28.1)
+    host.write(str(tmp_path))
+    rows = goal_rows(str(tmp_path))
+    r38 = _by_goal(rows[38])
+    users = r38["ITL through LLM.generate with the tokenizer + 2 stop strings, gemma-3-1b"]
+    assert users[1].startswith("batch 1: 1.220 vs 1.200 ms = 1.017x (no tokenizer 1.210 ms), batch 16: ")
+    assert users[1].endswith("batch 64: 2.385 vs 1.810 ms = 1.318x (no tokenizer 1.852 ms)")
+    assert users[2] == "**missed** (batch 64)"  # 1.22 / 1.20 = 1.017 and 1.508 / 1.5 met at 1 and 16
+    assert r38["ITL through LLM.generate with the tokenizer + 2 stop strings, llama-3.2-3b"][1:] == ("not run", "n/a")
+    host_row = r38["host time per step, null forward, batch 64, gemma-3-1b"]
+    assert host_row[1] == "no tokenizer: 0.900 ms (14.1 us a request), tokenizer + stops: 1.800 ms (28.1 us a request)"
+    r11 = _by_goal(rows[11])  # issue 11's goals were set without a tokenizer: they read the plain rows only
+    assert r11["host overlap, gemma-3-1b"][1].count("batch 64") == 1
+    assert r11["ITL through LLM.generate, batch 1, gemma-3-1b"][1].startswith("1.210 ms")
+
+
 def test_issue12_goals_from_the_capture_report_with_its_largest_startup_phases(tmp_path):
     report = Report("capture", "llama-3.2-3b", "dev", ["cache", "kind", "size", "capture_s", "graph_mib", "note"])
     for cache, phases, ready_s in (("warm", {"setup": 4.0, "compile": 5.0, "decode capture": 0.5, "kv pool": 0.1}, 11.0),
@@ -94,8 +119,8 @@ def test_issue10_goals_from_the_tp_report_and_its_per_rank_engine_stats(tmp_path
 def test_summary_of_an_empty_directory_lists_every_issue_goal_as_not_run(tmp_path):
     main([str(tmp_path)])
     text = (tmp_path / "SUMMARY.md").read_text()
-    assert text.startswith("# Benchmark summary: goals of issues 6, 10, 11, 12, 13 vs measured")
-    for issue in (6, 10, 11, 12, 13):
+    assert text.startswith("# Benchmark summary: goals of issues 6, 10, 11, 12, 13, 38 vs measured")
+    for issue in (6, 10, 11, 12, 13, 38):
         assert f"\n## Issue {issue}: " in text
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| goal ")]
     assert len(table_rows) >= 15 and all(line.endswith("| not run | n/a |") for line in table_rows)

@@ -19,7 +19,7 @@ from custom_ops import (
 )
 from custom_ops.linear import act_and_mul_plain
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
-from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
 from models.layers import Linear
 from models.parallel import TensorParallel
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer, OutputTracker
+from engine.core.detokenizer import IncrementalDetokenizer, OutputTracker
 from engine.request import FinishReason, Request, RequestStatus
 from tests.tiny_tokenizer import CORPUS, save_tiny_llama_with_tokenizer
 
@@ -214,7 +214,7 @@ def test_abort_frees_blocks_at_once_is_idempotent_and_leaves_others_alone(llm):
 def test_a_step_decodes_every_request_in_one_batch_with_the_texts_of_one_at_a_time(tokenizer):
     """update_all: the windows of every request go to the tokenizer's batched decode once, and each
     request's text is what updating it alone gives (the reference: the tokenizer's full decode)."""
-    from engine.detokenizer import BatchDecoder, update_all
+    from engine.core.detokenizer import BatchDecoder, update_all
 
     class Counting(BatchDecoder):
         calls = 0

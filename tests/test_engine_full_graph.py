@@ -17,8 +17,8 @@ import torch
 
 from custom_ops import RuntimeMode
 from engine import LLM, ConfigError, SamplingParams
-from engine.compile import compile_model
-from engine.dispatch import Dispatcher
+from engine.worker.compile import compile_model
+from engine.worker.dispatch import Dispatcher
 from tests.hf_helpers import random_hf_model
 from tests.test_engine_generate import ARCHS, COMMON, PROMPTS, SMALL, _EagerDecodeGraphs
 

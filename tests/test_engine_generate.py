@@ -17,9 +17,9 @@ import transformers
 import models
 from custom_ops import SCRATCH_BLOCK, RuntimeMode
 from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
-from engine.dispatch import Dispatcher
-from engine.runtime import _dummy_seqs, _warm_up
-from engine.__main__ import main as cli_main
+from engine.worker.dispatch import Dispatcher
+from engine.worker.startup import _dummy_seqs, _warm_up
+from engine.entrypoints.cli import main as cli_main
 from tests.hf_helpers import random_hf_model
 
 COMMON = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0,
@@ -117,7 +117,7 @@ def test_compiled_model_generates_the_same_with_one_trace(saved_models):
 
 
 class _EagerDecodeGraphs:
-    """Stands in for engine.decode_graphs.DecodeGraphs on the CPU: runs, eagerly, exactly what a
+    """Stands in for engine.worker.decode_graphs.DecodeGraphs on the CPU: runs, eagerly, exactly what a
     captured decode graph runs (the FULL forward over the bucket's static buffer slices), so the
     padded FULL metadata (padding rows on the scratch block) is checked without CUDA."""
 

@@ -197,7 +197,7 @@ def test_seeded_sampling_is_the_same_alone_in_any_batch_and_across_preemption(sa
 
 def test_ptxas_is_pinned_to_torchs_own_before_anything_compiles(tmp_path, monkeypatch):
     """Triton's cache key hashes the ptxas version: a process must use the one Inductor would switch
-    to, from its start, or warm starts miss the cache (engine.compile_cache)."""
+    to, from its start, or warm starts miss the cache (engine.worker.compile_cache)."""
     from engine import compile_cache
     monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
     assert compile_cache.pin_ptxas(tmp_path) is None and "TRITON_PTXAS_PATH" not in os.environ  # none bundled

@@ -1,4 +1,4 @@
-"""Async scheduling (engine/step_loop.py at depth 1) gives exactly the synchronous loop's tokens.
+"""Async scheduling (engine/core/step_loop.py at depth 1) gives exactly the synchronous loop's tokens.
 
 The host runs one step ahead: tokens stay on the device and reach the next step's input ids there,
 stop conditions are applied one step late and the token a finished request sampled after its end is
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.dispatch import Dispatcher
-from engine.step_loop import TokenSlots
+from engine.worker.dispatch import Dispatcher
+from engine.core.step_loop import TokenSlots
 from engine.request import FinishReason, Request
 from tests.hf_helpers import random_hf_model
 from tests.test_engine_generate import ARCHS, COMMON, PROMPTS, SMALL, _EagerDecodeGraphs

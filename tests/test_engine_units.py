@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from custom_ops import SCRATCH_BLOCK, RuntimeMode
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, default_decode_graph_sizes
-from engine.dispatch import BatchDescriptor, Dispatcher
-from engine.model_runner import StaticBuffers
+from engine.worker.dispatch import BatchDescriptor, Dispatcher
+from engine.worker.input_buffers import StaticBuffers
 from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler
+from engine.sample.sampler import Sampler
+from engine.core.scheduler import Scheduler
 
 EOS = 2
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from custom_ops import SCRATCH_BLOCK
-from engine.block_pool import BlockPool
-from engine.model_runner import ModelRunner
+from engine.kv.block_pool import BlockPool
+from engine.worker.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 
 
 def _scheduler(num_blocks: int = 200, block_size: int = 16, budget: int = 256, max_model_len: int = 1200,

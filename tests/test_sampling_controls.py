@@ -95,7 +95,7 @@ def test_penalized_logits_equal_transformers_repetition_processor_and_openai_for
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     from engine.request import Request
-    from engine.sampler import Sampler
+    from engine.sample.sampler import Sampler
 
     vocab, gen = 50, torch.Generator().manual_seed(0)
     prompts = [[3, 4, 4, 9], [7, 8], [1, 2, 3]]
@@ -143,7 +143,7 @@ def test_min_p_keeps_what_transformers_min_p_warper_keeps():
     from transformers.generation.logits_process import MinPLogitsWarper
 
     from engine.request import Request
-    from engine.sampler import Sampler
+    from engine.sample.sampler import Sampler
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 64, generator=gen) * 2.5
@@ -211,7 +211,7 @@ def _tied_and_random_rows(n: int, vocab: int, dtype: torch.dtype, device: str, s
 def test_chunked_argmax_is_argmax_with_its_tie_and_nan_rules(vocab, chunks):
     """The greedy token of the chunked reduction is torch's argmax, row by row: the lowest index among
     equal maxima, and a NaN if there is one (CPU here; the GPU test below runs the CUDA kernels)."""
-    from engine.argmax import chunked_argmax
+    from engine.sample.argmax import chunked_argmax
     for n in (1, 5):
         for dtype in (torch.float32, torch.bfloat16):
             for x in _tied_and_random_rows(n, vocab, dtype, "cpu", seed=vocab + n):
@@ -223,7 +223,7 @@ def test_chunked_argmax_is_argmax_with_its_tie_and_nan_rules(vocab, chunks):
 
 def test_row_argmax_keeps_torchs_argmax_off_cuda():
     """Nothing to time on the CPU: the choice stays torch's argmax, and the rows' tokens are its."""
-    from engine.argmax import RowArgmax
+    from engine.sample.argmax import RowArgmax
     argmax = RowArgmax()
     x = _tied_and_random_rows(3, 4096, torch.float32, "cpu", seed=1)[1]
     assert argmax.choose(x) is False
@@ -235,7 +235,7 @@ def test_row_argmax_keeps_torchs_argmax_off_cuda():
 @pytest.mark.parametrize("vocab", [128256, 151936, 262144])
 def test_gpu_chunked_argmax_is_argmax_on_cuda(vocab):
     """Either method the timing picks gives torch's argmax on the device, at every batch size."""
-    from engine.argmax import RowArgmax, chunked_argmax
+    from engine.sample.argmax import RowArgmax, chunked_argmax
     argmax = RowArgmax()
     argmax.choose(torch.randn(4, vocab, device="cuda", dtype=torch.bfloat16))
     for n in (1, 8, 64):

@@ -24,10 +24,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams, TokenLogprobs
-from engine.__main__ import main as cli_main
-from engine.cli_args import ENGINE_OPTIONS
+from engine.entrypoints.cli import main as cli_main
+from engine.entrypoints.cli_args import ENGINE_OPTIONS
 from engine.config import EngineConfig
-from engine.server.logprobs import LogprobsFormatter, TokenText
+from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
 from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

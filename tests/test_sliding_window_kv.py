@@ -1,4 +1,4 @@
-"""Sliding-window layers in their own KV pool (engine.kv_groups, engine.sliding_pool), on the CPU.
+"""Sliding-window layers in their own KV pool (engine.kv.kv_groups, engine.kv.sliding_pool), on the CPU.
 
 A tiny Gemma-3-like model (window 8, two sliding layers and one global layer, blocks of 4 tokens)
 generates far past its window; the reference is transformers' greedy generate, one prompt at a time.
@@ -14,9 +14,9 @@ import transformers
 
 from custom_ops import SCRATCH_BLOCK
 from engine import LLM, SamplingParams
-from engine.block_pool import BlockPool
-from engine.kv_groups import GroupedBlockPool, split_memory
-from engine.sliding_pool import SlidingBlockPool
+from engine.kv.block_pool import BlockPool
+from engine.kv.kv_groups import GroupedBlockPool, split_memory
+from engine.kv.sliding_pool import SlidingBlockPool
 from tests.hf_helpers import random_hf_model
 
 WINDOW, BLOCK = 8, 4
@@ -83,7 +83,7 @@ def test_gemma_generation_with_a_window_pool_equals_transformers(gemma, async_sc
 
 
 class _EagerDecodeGraphs:
-    """Stands in for engine.decode_graphs.DecodeGraphs where there is no CUDA: a replay runs the
+    """Stands in for engine.worker.decode_graphs.DecodeGraphs where there is no CUDA: a replay runs the
     forward under the metadata a capture at that batch size records (every row real, max_seq_len =
     max_model_len, the static buffers' addresses) and writes the static logits through
     compute_logits(out=), over whatever the step staged: what a CUDA graph replay computes."""
@@ -122,7 +122,7 @@ def test_full_decode_steps_with_a_window_pool_run_the_triton_kernels_as_a_graph_
     sliding group's pool by its own slot mapping, v a strided view of the fused projection. Async
     loop, prefix caching, chunked prefill; tokens equal transformers'."""
     from custom_ops import reference, triton_attention
-    from engine.dispatch import Dispatcher
+    from engine.worker.dispatch import Dispatcher
 
     def triton_paged(q, k, v, out, layer, kv_cache, meta):
         assert v.shape[0] == 1 or v.stride(0) > v.shape[1] * v.shape[2]  # the model's v: a view of the fused rows
@@ -314,7 +314,7 @@ def test_every_key_a_query_reads_was_computed_from_its_own_prefix_under_sharing_
     import random
 
     from engine.request import Request
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
     rng = random.Random(seed)
     window = 6  # not a multiple of the block size
     pool = GroupedBlockPool(BlockPool(24, BLOCK, debug_checks=True), [SlidingBlockPool(12, BLOCK, window)])

@@ -1,4 +1,4 @@
-"""engine.staging: the pinned ring never hands out bytes whose copy may still be in flight, waits only
+"""engine.sample.staging: the pinned ring never hands out bytes whose copy may still be in flight, waits only
 when the copies in flight fill it, and (on a GPU) stages values behind queued work without waiting."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from engine.staging import PinnedRing, host_to_device
+from engine.sample.staging import PinnedRing, host_to_device
 
 
 class FakeEvent:
@@ -93,7 +93,7 @@ def test_host_to_device_off_cuda_is_a_plain_tensor():
 def test_gpu_values_staged_behind_queued_work_arrive_and_the_host_never_waits():
     device = torch.device("cuda", torch.cuda.current_device())
     host_to_device([0], torch.int64, device)  # the ring exists before the measured part
-    from engine.staging import ring_for
+    from engine.sample.staging import ring_for
     ring = ring_for(device)
     waits = ring.waits
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of every copy below

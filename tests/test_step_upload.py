@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from custom_ops.step_upload import BLOCK, upload_step
-from engine.model_runner import DeviceIds, StaticBuffers
+from engine.worker.input_buffers import DeviceIds, StaticBuffers
 
 CUDA = torch.cuda.is_available()
 

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 from engine import LLM, ConfigError, SamplingParams
-from engine.tp import TensorParallelError
+from engine.distributed.tp import TensorParallelError
 from tests.hf_helpers import random_hf_model
 
 COMMON = dict(max_position_embeddings=128, initializer_range=0.5, pad_token_id=0, bos_token_id=1,
@@ -85,7 +85,7 @@ def _check_rank_stats(stats: dict) -> None:
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["modes"] == ranks[1]["modes"] == stats["modes"]  # every rank ran every step alike
     # the same pool on every rank: num_gpu_blocks for one KV group; with a pool per layer kind
-    # (Gemma 3, engine.kv_groups) the same budget split alike, the full group getting at least as many
+    # (Gemma 3, engine.kv.kv_groups) the same budget split alike, the full group getting at least as many
     assert ranks[0]["kv_blocks_by_group"] == ranks[1]["kv_blocks_by_group"] == stats["kv_blocks_by_group"]
     assert ranks[0]["kv_blocks"] == ranks[1]["kv_blocks"] >= SMALL["num_gpu_blocks"]
     assert len(stats["kv_blocks_by_group"]) > 1 or stats["kv_blocks"] == SMALL["num_gpu_blocks"]
@@ -146,7 +146,7 @@ def test_gemma3_on_two_ranks_matches_and_a_worker_that_dies_makes_the_engine_rai
 def test_a_worker_that_raises_makes_the_engine_raise_with_its_traceback(saved):
     """Ranks whose graph sizes disagree would run different collectives and hang; the follower
     checks the dispatch rank 0 sent, raises, and rank 0 reports that traceback."""
-    from engine.dispatch import Dispatcher
+    from engine.worker.dispatch import Dispatcher
     llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2)
     try:
         # rank 0 now pads a 3-token step to a piece size of 8; rank 1 still runs it unpadded
@@ -315,7 +315,7 @@ def test_leaving_by_abort_lets_the_next_engine_of_the_process_make_its_group():
     leave, the process has no group, and the next start-up's group and control group work."""
     import datetime
     import torch.distributed as dist
-    from engine.tp_channel import leave_process_group
+    from engine.distributed.rank_loop import leave_process_group
     for _ in range(3):
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
         dist.init_process_group("gloo", rank=0, world_size=1, store=store)

@@ -136,7 +136,7 @@ def test_row_argmax_names_what_it_cannot_read(bad, match):
 def test_row_argmax_keeps_torchs_argmax_for_cpu_tensors(monkeypatch):
     """The Triton kernel is only a CUDA candidate: on CPU nothing is timed and nothing reaches it,
     even for a (vocabulary, dtype) whose method was chosen on a GPU."""
-    import engine.argmax as engine_argmax
+    import engine.sample.argmax as engine_argmax
 
     def refuse(x):
         raise AssertionError("the Triton argmax ran on a CPU tensor")
@@ -183,7 +183,7 @@ def test_gpu_row_argmax_in_a_cuda_graph_replayed_with_new_logits(vocab, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_gpu_row_argmax_chosen_method_gives_torchs_tokens(vocab):
-    from engine.argmax import RowArgmax
+    from engine.sample.argmax import RowArgmax
     argmax = RowArgmax()
     argmax.choose(torch.randn(4, vocab, device="cuda", dtype=torch.bfloat16))
     for n in (1, 7, 64):

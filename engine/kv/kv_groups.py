@@ -6,7 +6,7 @@ every 6 layers) gets group 0 for the full layers (a BlockPool: every block of a 
 with the prefix cache's chained keys) and one group per window size (a SlidingBlockPool: blocks
 given back once out of the window). Each group's tensors hold only its own layers, so a block of a
 group costs only its layers' bytes, and each sequence has one block table per group (the attention
-op finds its layer's table through the forward context's group metadata, engine.model_runner).
+op finds its layer's table through the forward context's group metadata, engine.worker.model_runner).
 
 `GroupedBlockPool` presents the groups to the scheduler with BlockPool's interface: admission and
 growth succeed only if every group has the blocks (and then change every group), preemption frees
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from custom_ops import get_attention_layer
-from engine.block_pool import BlockPool, debug_checks_from_env
-from engine.sliding_pool import SlidingBlockPool
+from engine.kv.block_pool import BlockPool, debug_checks_from_env
+from engine.kv.sliding_pool import SlidingBlockPool
 
 
 @dataclass(frozen=True)

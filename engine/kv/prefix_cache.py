@@ -18,7 +18,7 @@ Invariant (no copy-on-write): only full blocks whose K/V are all computed are pu
 request writes only at positions >= its computed tokens, which lie past its full blocks. So a
 published block is never written again, and sharing it needs no copy. BlockPool.check_writable checks
 this under debug checks. A published block holds its tokens' K/V for every layer: sliding-window
-layers of a model with full-attention layers too have their own pool (engine.sliding_pool), whose
+layers of a model with full-attention layers too have their own pool (engine.kv.sliding_pool), whose
 blocks are published under the full block at the same index; with one pool (one kind of layer), every
 layer keeps all of a sequence's blocks, so sharing is safe for them.
 

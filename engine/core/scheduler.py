@@ -12,12 +12,12 @@ queue. Its token list (prompt + everything generated so far) is kept, so on read
 list is recomputed as a prefill and generation continues where it stopped: nothing is lost.
 
 With prefix caching, admission takes the longest run of cached full blocks matching the request's
-tokens (engine.prefix_cache) and starts its computed count there, so only the rest is prefilled (an
+tokens (engine.kv.prefix_cache) and starts its computed count there, so only the rest is prefilled (an
 extend); a preempted request readmitted hits the blocks it published itself. Full blocks are
 published after the step that computed them, and finishing, aborting (`finish`) or preempting drops
 the request's references.
 
-With sliding-window layers in their own pool (engine.kv_groups), a scheduled request first gives back
+With sliding-window layers in their own pool (engine.kv.kv_groups), a scheduled request first gives back
 the sliding blocks its chunk and every later query cannot see, and admission and growth need blocks
 in every group.
 """
@@ -27,7 +27,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 from engine.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("engine")
@@ -137,7 +137,7 @@ class Scheduler:
         start = request.num_computed_tokens
         if self.pool.holds(request.request_id, start + num_new, start):
             return True  # most decode steps: 15 of 16 tokens land in a block the request already has
-        # Sliding-window blocks no query from the chunk's start on can see go back first (engine.kv_groups).
+        # Sliding-window blocks no query from the chunk's start on can see go back first (engine.kv.kv_groups).
         self.pool.release_before(request.request_id, start)
         while not self.pool.grow(request.request_id, start + num_new):
             victim = self.running.pop()
@@ -158,7 +158,7 @@ class Scheduler:
 
     # -- after a step: the one update, in two halves ------------------------------------------------
     # `advance` runs when a step is launched, `resolve_token` when its tokens are read: at once in
-    # the synchronous loop (`update`), one step later in the overlapped one (engine.step_loop). Both
+    # the synchronous loop (`update`), one step later in the overlapped one (engine.core.step_loop). Both
     # loops go through these, so every rule about finishing lives here.
 
     def advance(self, out: SchedulerOutput) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from custom_ops import RuntimeMode
 from engine.config import EngineConfig
-from engine.dispatch import BatchDescriptor
+from engine.worker.dispatch import BatchDescriptor
 
 logger = logging.getLogger("engine")
 
@@ -64,7 +64,7 @@ class StepChannel:
 
     def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int, table_width: int) -> list[torch.Tensor]:
         b = self.runtime.runner.buffers
-        groups = [t for (slots, _), tables in zip(b.group_slot_mappings, b.group_tables)  # engine.kv_groups
+        groups = [t for (slots, _), tables in zip(b.group_slot_mappings, b.group_tables)  # engine.kv.kv_groups
                   for t in (slots[:num_tokens], tables.table[:num_seqs, :table_width])]
         return [b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
                 b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs, :table_width],
@@ -117,7 +117,7 @@ class StepChannel:
 
 def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -> None:
     """A rank other than 0: build the same runtime as rank 0, then run each step it sends."""
-    from engine.runtime import build_runtime
+    from engine.worker.startup import build_runtime
     group = StepChannel(config)
     model = group.load_model(model_path)
     config = config.resolve(model.config.max_position_embeddings)

@@ -13,12 +13,12 @@ and the CPU reference gathers only the window (custom_ops.reference.paged_attent
 
 Prefix caching: a sliding block has no prefix chain of its own (its ancestors are released while it
 lives), so it is published under the full-attention block at the same table index, which names the
-whole prefix (engine.prefix_cache's chained keys). An entry remembers that block's cache node; it is
+whole prefix (engine.kv.prefix_cache's chained keys). An entry remembers that block's cache node; it is
 valid only while the full cache still holds that very node, so a full block evicted and reused for
 another prefix never hands out stale sliding K/V (checked on lookup, no callback needed). Any
 unreferenced cached sliding block can be evicted (least recently released first): unlike the full
 cache there is no tree to keep, since a hit asks only for the blocks of the last W tokens
-(engine.kv_groups shortens a hit that lacks them).
+(engine.kv.kv_groups shortens a hit that lacks them).
 
 Every usable block is exactly one of: free, cached and unreferenced (evictable), or referenced.
 """

@@ -12,7 +12,7 @@ Host work per step is O(rows + new entries), independent of context length.
 What it relies on: a table is identified by its list object (BlockPool.block_table), which the pool
 only appends to while a request holds it; a preempted request gets a new list when readmitted, so a
 row holding the old one is rewritten. The one in-place change: a sliding-window pool
-(engine.sliding_pool) replaces entries out of the window by the scratch block; the device row may keep
+(engine.kv.sliding_pool) replaces entries out of the window by the scratch block; the device row may keep
 the old id, which is still in bounds and never read (the kernels load no entry below the window). Entries past a row's table length are stale, never read: the
 kernels read entry p // block_size only for positions p < seq_len. A row with an empty table (graph
 padding, dummy steps) gets the scratch block in entry 0, all that a one-token padding sequence reads;

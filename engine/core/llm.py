@@ -10,9 +10,9 @@ InvalidRequestError naming it and leaves the requests in flight untouched.
 
 Lifecycle: `close()`, leaving `with LLM(...) as llm:`, or dropping the last reference releases
 everything the engine made (KV pool, graphs and their pool, compiled code and its Dynamo entries,
-worker processes; engine/runtime.py). close() is idempotent; a closed engine refuses to step, and
+worker processes; engine/worker/startup.py). close() is idempotent; a closed engine refuses to step, and
 its model (if it was handed in) can be given to a new engine. `stats()["startup"]` is the start-up
-timeline (engine/startup.py).
+timeline (engine/worker/timeline.py).
 """
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.detokenizer import BatchDecoder, OutputTracker, update_all
-from engine.step_loop import StepLoop
+from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
+from engine.core.step_loop import StepLoop
 from engine.request import (
     FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
 )
-from engine.runtime import build_runtime
-from engine.scheduler import Scheduler
-from engine.startup import StartupTimeline
+from engine.worker.startup import build_runtime
+from engine.core.scheduler import Scheduler
+from engine.worker.timeline import StartupTimeline
 
 logger = logging.getLogger("engine")
 
@@ -61,9 +61,9 @@ class LLM:
             config_fields.setdefault("dtype", str(weight.dtype).removeprefix("torch."))
             config_fields.setdefault("device", str(weight.device))
         config = EngineConfig.from_kwargs(name, **config_fields)
-        self.tp = None  # engine.tp.Leader under tensor parallelism (this process is rank 0)
+        self.tp = None  # engine.distributed.tp.Leader under tensor parallelism (this process is rank 0)
         if config.tensor_parallel_size > 1:
-            from engine.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
+            from engine.distributed.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
             self.tp, config = launch(config, model)
         try:
             self._start(model, tokenizer, config, timeline, name, model_dir)
@@ -110,7 +110,7 @@ class LLM:
             self.runtime.close()  # a refused configuration leaves nothing behind
             self.runtime = None
             raise
-        # async scheduling: the host runs one step ahead of the device (engine/step_loop.py)
+        # async scheduling: the host runs one step ahead of the device (engine/core/step_loop.py)
         self._loop = StepLoop(self.scheduler, self.runtime, depth=1 if self.config.async_scheduling else 0)
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
@@ -332,7 +332,7 @@ class LLM:
 
     def __del__(self) -> None:
         # Dropping the last reference releases what close() releases; the Dynamo entries in
-        # particular would otherwise outlive the engine (engine/compile.py says why).
+        # particular would otherwise outlive the engine (engine/worker/compile.py says why).
         if not getattr(self, "_closed", True):
             try:
                 self.close()

@@ -22,7 +22,7 @@ key, in a process that won the race the other key, and a warm start recompiled a
 H100, gemma-3-1b's prefill kernels alone: 12-18 s). `configure_compile_cache` sets the variable as
 Inductor would, once, before anything compiles, unless the user set it.
 
-Clear it with `python -m engine.compile_cache --clear` (or delete the directory).
+Clear it with `python -m engine.worker.compile_cache --clear` (or delete the directory).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def clear_compile_cache() -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.compile_cache", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.worker.compile_cache", description=__doc__.split("\n")[0])
     parser.add_argument("--clear", action="store_true", help="delete the compile cache directory")
     args = parser.parse_args(argv)
     if args.clear:

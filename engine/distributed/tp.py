@@ -10,7 +10,7 @@ the KV pool size (the minimum over ranks: block tables are shared). Rank 0 retur
 every other rank follows steps until told to stop (a torchrun rank then exits its process).
 
 One step. Rank 0's ModelRunner stages the step into its static buffers, then `Leader.send_step`
-sends it through the StepChannel (engine.tp_channel) and every other rank runs the same
+sends it through the StepChannel (engine.distributed.rank_loop) and every other rank runs the same
 `ModelRunner.run_staged`. Logits are gathered on every rank; only rank 0 samples.
 
 Errors, not hangs. Collectives on the compute group time out after COLLECTIVE_TIMEOUT_S; the control
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError, EngineConfig
-from engine.dispatch import BatchDescriptor, Dispatch
-from engine.tp_channel import (MODES, STATS, STEP, StepChannel, TensorParallelError, abort_process_groups,
+from engine.worker.dispatch import BatchDescriptor, Dispatch
+from engine.distributed.rank_loop import (MODES, STATS, STEP, StepChannel, TensorParallelError, abort_process_groups,
                                 follow, leave_process_group)
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "Leader", "TensorParallelError", "check_model_fits", "launch"]
@@ -216,7 +216,7 @@ class Leader:
         return self._group().min_over_ranks(value)
 
     def attach(self, runtime: Any) -> None:
-        """Start sending rank 0's staged steps (runtime: engine.runtime.Runtime, built on every rank)."""
+        """Start sending rank 0's staged steps (runtime: engine.worker.startup.Runtime, built on every rank)."""
         self._group().runtime = runtime
         runtime.runner.on_staged = self.send_step
 
@@ -306,7 +306,7 @@ class Leader:
 
     def leave_group(self) -> None:
         """Leave the process group this engine made (a torchrun script's own group is left alone),
-        after this rank's CUDA graphs are freed (engine.tp_channel.leave_process_group says how)."""
+        after this rank's CUDA graphs are freed (engine.distributed.rank_loop.leave_process_group says how)."""
         if not self.owns_group or not dist.is_initialized():
             return
         self.owns_group = False

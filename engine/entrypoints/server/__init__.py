@@ -15,12 +15,12 @@ from typing import Any
 
 from engine.config import ConfigError
 
-logger = logging.getLogger("engine.server")
+logger = logging.getLogger("engine.entrypoints.server")
 
 
 def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
     """`python -m engine serve`: build the engine from the command line, then serve it."""
-    from engine.llm import LLM
+    from engine.core.llm import LLM
 
     return serve_llm(LLM(args.model, **config_fields), args.served_model_name or args.model, args.host, args.port,
                      api_key=args.api_key, max_request_bytes=args.max_request_bytes)
@@ -31,8 +31,8 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
     """Serve a built LLM until SIGINT / SIGTERM (the benchmarks serve models built from a config)."""
     import uvicorn
 
-    from engine.server.app import build_app
-    from engine.server.engine_loop import EngineLoop
+    from engine.entrypoints.server.app import build_app
+    from engine.entrypoints.server.engine_loop import EngineLoop
 
     if llm.tokenizer is None:
         logger.warning("model %s has no tokenizer: prompts must be token ids, texts are empty, no chat", name)

@@ -12,7 +12,7 @@ depend only on its seed and its logits, never on the batch around it; requests w
 the engine's generator.
 
 `sample` returns the tokens as a device tensor and never blocks the host: the per-row parameters
-travel through engine.staging's pinned ring with non_blocking copies (a pageable copy to CUDA
+travel through engine.sample.staging's pinned ring with non_blocking copies (a pageable copy to CUDA
 synchronizes the stream, so the host would wait for the step's forward), and no Python scalar is
 assigned into a device tensor by indexing (index_put_ copies it to the device the pageable way).
 `__call__` is `sample` read back to a list (the synchronous loop's one host sync per step).
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from custom_ops.triton_argmax import argmax_of_keys
-from engine.argmax import RowArgmax
+from engine.sample.argmax import RowArgmax
 from engine.request import Request, TokenLogprobs
-from engine.staging import host_to_device
+from engine.sample.staging import host_to_device
 
 
 class Sampler:
@@ -35,7 +35,7 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._one = torch.ones(1, dtype=torch.int32, device=device)  # the count a sampled token adds
         self._no_prompt: torch.Tensor | None = None  # the prompt mask of every request without a repetition penalty
-        self.argmax = RowArgmax()  # engine.runtime's warm-up picks its method per vocabulary (choose)
+        self.argmax = RowArgmax()  # engine.worker.startup's warm-up picks its method per vocabulary (choose)
 
     def attach(self, request: Request) -> None:
         """Give a seeded sampling request its own generator (once; it survives preemption)."""
@@ -51,7 +51,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request], argmax_keys: torch.Tensor | None = None,
                scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """logits [N, V] (row i belongs to requests[i]) -> [N] int64 token ids on the logits' device.
-        `argmax_keys`: the LM head's per-tile argmax keys of these logits (engine.model_runner.StepResult),
+        `argmax_keys`: the LM head's per-tile argmax keys of these logits (engine.worker.model_runner.StepResult),
         which give the greedy tokens of unadjusted logits from a few KB a row. `scatter` (dest, index):
         the tokens are also written to dest[index] (by the keys' own launch where it serves)."""
         if logits.shape[0] != len(requests):
@@ -68,7 +68,7 @@ class Sampler:
         """Launch, on `logits` [N, V], each kernel a step sampling N rows can run outside a graph: the
         argmax in the logits' dtype (greedy rows) and in float32 (sampled and mixed batches), and with
         `key_tiles` (the argmax keys a row the LM head stores at N rows) the keys' reduction, alone and
-        with its scatter. Their Triton variants depend on N (engine.runtime's warm-up calls this for
+        with its scatter. Their Triton variants depend on N (engine.worker.startup's warm-up calls this for
         every N a step can sample), and one first met in a serving step compiles there."""
         self.argmax(logits)
         self.argmax(logits.float())

@@ -18,10 +18,10 @@ import queue
 import threading
 from typing import Any
 
-from engine.llm import LLM
+from engine.core.llm import LLM
 from engine.request import InvalidRequestError, SamplingParams
 
-logger = logging.getLogger("engine.server")
+logger = logging.getLogger("engine.entrypoints.server")
 
 ACCEPTED = object()
 
@@ -33,7 +33,7 @@ class EngineUnavailable(RuntimeError):
 class Stream:
     """Where one engine request's outputs go, on the asyncio side: (index, item) pairs on `queue`. The n
     engine requests of one API request share one queue, each with its choice's index
-    (engine.server.choices)."""
+    (engine.entrypoints.server.choices)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, into: asyncio.Queue,
                  index: int = 0) -> None:

@@ -27,7 +27,7 @@ import dataclasses
 from typing import Any
 
 from engine.request import RequestOutput, SamplingParams
-from engine.server.engine_loop import ACCEPTED, EngineLoop
+from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop
 
 
 class Choices:

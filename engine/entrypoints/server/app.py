@@ -1,14 +1,14 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 Handlers never call the model: they submit to the EngineLoop the n engine requests of a request's
-`n` choices (engine.server.choices) and read their outputs as the engine produces them. Every exit
+`n` choices (engine.entrypoints.server.choices) and read their outputs as the engine produces them. Every exit
 of a handler or of a stream (finished, client gone mid-prefill or mid-stream, server shutting down)
 ends in a `finally` that aborts every choice, so their KV blocks go back to the pool whatever
 happened; abort is idempotent, so aborting a finished request is free.
 Prompts are tokenized (and chat templates rendered) on one tokenizer thread, never on the event loop
 that streams every client's tokens nor on the engine loop's thread, whose host time is every running
 request's inter-token latency. The same thread turns a request's logprobs into token strings
-(engine.server.logprobs). Prompts are never logged.
+(engine.entrypoints.server.logprobs). Prompts are never logged.
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.request import InvalidRequestError
-from engine.server.choices import Choices
-from engine.server.engine_loop import EngineLoop, EngineUnavailable
-from engine.server.logprobs import LogprobsFormatter, TokenText
-from engine.server.metrics import ServerMetrics
-from engine.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
+from engine.entrypoints.server.choices import Choices
+from engine.entrypoints.server.engine_loop import EngineLoop, EngineUnavailable
+from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
+from engine.entrypoints.server.metrics import ServerMetrics
+from engine.entrypoints.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
 
-logger = logging.getLogger("engine.server")
+logger = logging.getLogger("engine.entrypoints.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATS_TIMEOUT_S = 60.0  # a scrape waits for the step in progress, never for ever
@@ -57,7 +57,7 @@ def _format_all(formatters: list[LogprobsFormatter], outs: list[Any]) -> list[di
 
 def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20) -> FastAPI:
-    llm = engine.llm
+    llm = engine.core.llm
     # The tokenizer thread's own copy: the engine thread detokenizes with llm.tokenizer meanwhile
     # (LLM.encode says why two threads must not share one).
     tokenizer = copy.deepcopy(llm.tokenizer)

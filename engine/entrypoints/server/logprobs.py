@@ -20,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from engine.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS
+from engine.core.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS
 from engine.request import TokenLogprobs
 
 # JSON has no -inf (a logit the model masked) and no NaN; vLLM clamps to the same value

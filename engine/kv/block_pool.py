@@ -6,7 +6,7 @@ K/V there and read only it, so a captured scatter can never touch a live sequenc
 
 Every other block is exactly one of: free; cached and unreferenced (published in the prefix cache,
 evictable); or referenced by >= 1 request (held in its block table; published or not). Reference
-counts let requests share published blocks (engine.prefix_cache); with prefix caching off nothing is
+counts let requests share published blocks (engine.kv.prefix_cache); with prefix caching off nothing is
 published, so every block is free or held by one request.
 
 A request's published blocks are always a prefix of its block table (the blocks it hit on admission,
@@ -25,7 +25,7 @@ from collections import deque
 from typing import Sequence
 
 from custom_ops import SCRATCH_BLOCK
-from engine.prefix_cache import ROOT, PrefixCache
+from engine.kv.prefix_cache import ROOT, PrefixCache
 
 _STOPPED = -1  # a request whose next block's prefix was published by another request: it publishes no more
 
@@ -73,11 +73,11 @@ class BlockPool:
         return self._owned.get(request_id, [])
 
     def tables(self, request_id: str) -> list[list[int]]:
-        """The request's block table per KV group (one group here; engine.kv_groups has more)."""
+        """The request's block table per KV group (one group here; engine.kv.kv_groups has more)."""
         return [self._owned.get(request_id, [])]
 
     def release_before(self, request_id: str, next_position: int) -> int:
-        """Every layer sees every earlier position: nothing falls out of a window (engine.kv_groups)."""
+        """Every layer sees every earlier position: nothing falls out of a window (engine.kv.kv_groups)."""
         return 0
 
     def holds(self, request_id: str, num_tokens: int, next_position: int) -> bool:

@@ -12,7 +12,7 @@ On CUDA:
 5. the KV pool takes kv_memory_fraction of what is left (or num_gpu_blocks, checked to fit);
 6. the decode graphs are captured against the final pool, largest first, into the engine's pool.
 On CPU: compile (optional), a pool of num_gpu_blocks (or kv_cache.CPU_KV_BYTES worth), no graphs.
-Every step is a phase of the start-up timeline (engine/startup.py: seconds and memory, logged).
+Every step is a phase of the start-up timeline (engine/worker/timeline.py: seconds and memory, logged).
 
 Graph memory follows compile_backend/pool.py's one rule: the engine owns ONE GraphPool, hands it to
 its backend (piecewise graphs) and captures its decode graphs into it; `Runtime.close()` drops it.
@@ -20,7 +20,7 @@ its backend (piecewise graphs) and captures its decode graphs into it; `Runtime.
 Ownership: everything built here belongs to this engine alone and `Runtime.close()` releases it:
 the KV tensors (handed to attention through the forward context, never a process-wide registry),
 the decode and piecewise graphs, the pool, the compiled code with its Dynamo cache entries
-(engine/compile.py). Tensor-parallel worker processes belong to the LLM (engine/tp.py), which stops
+(engine/worker/compile.py). Tensor-parallel worker processes belong to the LLM (engine/distributed/tp.py), which stops
 them before it closes its runtime. Two engines over one model therefore never share state, and a closed engine's
 model can be handed to a new one.
 """
@@ -36,20 +36,20 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from custom_ops import RuntimeMode
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig
-from engine.decode_graphs import DecodeGraphs, free_memory_gib
-from engine.dispatch import Dispatcher
-from engine.kv_cache import CPU_KV_BYTES, KVCache
-from engine.kv_groups import GroupedBlockPool, blocks_per_group, group_stats, make_block_pool
-from engine.model_runner import ModelRunner
+from engine.worker.decode_graphs import DecodeGraphs, free_memory_gib
+from engine.worker.dispatch import Dispatcher
+from engine.kv.kv_cache import CPU_KV_BYTES, KVCache
+from engine.kv.kv_groups import GroupedBlockPool, blocks_per_group, group_stats, make_block_pool
+from engine.worker.model_runner import ModelRunner
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler
-from engine.startup import StartupTimeline
+from engine.sample.sampler import Sampler
+from engine.worker.timeline import StartupTimeline
 
 if TYPE_CHECKING:
     from compile_backend import InferGraphsBackend
-    from engine.compile import CompiledModel
+    from engine.worker.compile import CompiledModel
 
 logger = logging.getLogger("engine")
 GRAPH_OVERHEAD_BYTES = 8 * 2**20  # per decode graph, outside the caching allocator (a margin)
@@ -119,8 +119,8 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
                         type(model).__name__)
         forward, mark_dynamic, backend, compiled = model, None, None, None
         if config.compile:
-            from engine.compile import compile_model
-            from engine.compile_cache import configure_compile_cache
+            from engine.worker.compile import compile_model
+            from engine.worker.compile_cache import configure_compile_cache
             configure_compile_cache()
             compiled, mark_dynamic, backend = compile_model(model, config, pool)
             forward = compiled
@@ -233,7 +233,7 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
 
 def _allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_bytes: int | None = None) -> None:
     """The KV tensors and block pool for a budget of num_blocks blocks of every layer. With several KV
-    groups (engine.kv_groups) the budget's bytes are split so that every group holds the same number
+    groups (engine.kv.kv_groups) the budget's bytes are split so that every group holds the same number
     of max_model_len sequences; a group's block costs only its own layers' bytes."""
     kv_cache = rt.kv_cache
     blocks = blocks_per_group(kv_cache.groups, kv_cache.group_bytes_per_block, num_blocks * kv_cache.bytes_per_block,
