@@ -1,4 +1,7 @@
-"""`python -m bench SUITE --model NAME_OR_DIR [--out DIR]`: run one benchmark suite, write JSON + Markdown."""
+"""`python -m bench SUITE --model NAME_OR_DIR [--out DIR]`: run one benchmark suite, write JSON + Markdown.
+
+`python -m bench tokenizer [--out DIR] [--source PATH]` writes the tokenizer directory that e2e, host and
+serving run with (bench/tokenizer.py; default bench/.tokenizer)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +12,7 @@ import os
 import sys
 
 SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity", "kernels",
-          "gemm", "knockout", "gemv_graph")
+          "gemm", "knockout", "gemv_graph", "host", "tokenizer")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -31,16 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("suite", choices=SUITES)
     parser.add_argument("--model", default="llama-3.2-3b",
                         help="llama-3.2-3b, qwen3-4b, gemma-3-1b (real configs, random weights) or a model dir")
-    parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>)")
+    parser.add_argument("--out", default=None, help="output directory (default bench/results/<gpu>-<date>; "
+                        "tokenizer: where to write it, default bench/.tokenizer)")
+    parser.add_argument("--tokenizer", help="e2e, host, serving: the tokenizer directory the engine holds (default "
+                        "bench/.tokenizer, written by `python -m bench tokenizer`), or 'none' for no tokenizer")
+    parser.add_argument("--variants", help="e2e, host: front-end variants, comma-separated, of plain (no tokenizer), "
+                        "tokenizer, stop (tokenizer + 2 stop strings) (default all three)")
+    parser.add_argument("--source", help="tokenizer: a tokenizer directory or .gguf file to read (default the "
+                        "default model's GGUF)")
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
-                        "e2e: default 1,16,64; kernels, gemm: 1,8")
+                        "e2e: default 1,16,64; host: 64 (CPU: 4); kernels, gemm: 1,8")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768; "
                         "kernels: one context (default 512); knockout, gemv_graph: one context (default 576)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")
-    parser.add_argument("--prompt-len", type=int, help="e2e: prompt tokens per request (default 512)")
-    parser.add_argument("--output-len", type=int, help="e2e: generated tokens per request (default 128)")
+    parser.add_argument("--prompt-len", type=int, help="e2e, host: prompt tokens per request (default 512)")
+    parser.add_argument("--output-len", type=int, help="e2e, host: generated tokens per request (default 128)")
     parser.add_argument("--peer-batches", help="e2e: batch sizes with the transformers static + compile peer "
                         "(default 1; each is one compile)")
     parser.add_argument("--requests", type=int, help="serving, prefix: number of requests")
@@ -70,9 +80,17 @@ def main(argv: list[str] | None = None) -> int:
                              "candidates are skipped (noted in the report)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.suite == "tokenizer":
+        from bench.tokenizer import main as write_tokenizer
+        return write_tokenizer(args.out, args.source)
+    from bench.frontend import TokenizerMissing
     suite = importlib.import_module(f"bench.{args.suite}")
-    options = {k: v for k, v in vars(args).items() if k not in ("suite", "model", "out") and v is not None}
-    report = suite.run(args.model, **options)
+    options = {k: v for k, v in vars(args).items() if k not in ("suite", "model", "out", "source") and v is not None}
+    try:
+        report = suite.run(args.model, **options)
+    except TokenizerMissing as exc:
+        print(f"python -m bench {args.suite}: {exc}", file=sys.stderr)
+        return 2
     paths = report.write(args.out or default_out_dir())
     print(report.markdown())
     print("wrote", *paths, file=sys.stderr)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|serving-tokenizer|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
 set -u
@@ -24,11 +24,19 @@ suite() {  # suite SECONDS ARGS...
   echo "=== rc=$? in $(( $(date +%s) - start ))s" | tee -a "$LOG"
   tar czf "$OUT/res.tgz" -C /tmp/bench_res res  # after every suite: a call cut short still returns what ran
 }
+tokenizer_check() {  # the suites with a tokenizer fail at once without it (rc 2, a message saying how to make it)
+  if [ -f bench/.tokenizer/tokenizer.json ]; then
+    echo "=== tokenizer: $(cat bench/.tokenizer/bench_tokenizer.json 2>/dev/null | tr -d '\n' | cut -c1-300)" | tee -a "$LOG"
+  else
+    echo "=== NO bench/.tokenizer: run 'python -m bench tokenizer' on the CPU machine and carry bench/.tokenizer" | tee -a "$LOG"
+  fi
+}
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 python3 -c "import matplotlib; print('matplotlib', matplotlib.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
 case "${1:-smoke}" in
   smoke)
+    tokenizer_check  # e2e and serving run with bench/.tokenizer (issue 38)
     suite 60 floor --model gemma-3-1b
     suite 170 decode --model gemma-3-1b --batches 1,8 --contexts 512 --peers all
     suite 100 prefill --model gemma-3-1b --tokens 64,256
@@ -43,10 +51,26 @@ case "${1:-smoke}" in
     suite 60 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers none
     ;;
   e2e)  # what a user sees through LLM.generate; each run ~3-4 min on an H100 (cold compile cache)
+    tokenizer_check  # e2e and serving run with bench/.tokenizer (issue 38)
     suite 280 e2e --model llama-3.2-3b --time-budget 200
     suite 280 e2e --model qwen3-4b --time-budget 200
     ;;
+  e2e-tokenizer)  # issue 38, what users run: the engine holds the Gemma 3 tokenizer, plain / tokenizer / + 2 stop
+    # strings at batch 1/16/64, and the host time per step with a null forward. Needs bench/.tokenizer (written on
+    # the CPU by `python -m bench tokenizer`, ~32 MiB: carry it); ~2 min a model for e2e, ~1 min for host
+    tokenizer_check
+    suite 120 host --model gemma-3-1b
+    suite 200 e2e --model gemma-3-1b --peers none
+    suite 230 e2e --model llama-3.2-3b --peers none
+    ;;
+  serving-tokenizer)  # issue 38: the server holds the tokenizer, half the requests carry 2 stop strings; the
+    # in-process row of each configuration is the reference (goal: HTTP within 5%); needs bench/.tokenizer
+    tokenizer_check
+    suite 280 serving --model gemma-3-1b --requests 64 --configs decode,prefill
+    suite 280 serving --model llama-3.2-3b --requests 64 --configs decode,prefill
+    ;;
   peers)  # the decode suite again with transformers eager measured through generate(); then gemma's e2e
+    tokenizer_check  # e2e and serving run with bench/.tokenizer (issue 38)
     suite 330 decode --model llama-3.2-3b --time-budget 290
     suite 250 e2e --model gemma-3-1b --time-budget 180
     ;;
@@ -85,6 +109,7 @@ case "${1:-smoke}" in
     gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"
     ;;
   rest)
+    tokenizer_check  # e2e and serving run with bench/.tokenizer (issue 38)
     bash bench/notebooks/run_gpu.sh 140 >>"$LOG" 2>&1
     suite 170 capture --model llama-3.2-3b
     suite 170 serving --model llama-3.2-3b --requests 64

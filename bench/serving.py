@@ -1,10 +1,14 @@
 """Suite `serving`: the seed's server workloads over real HTTP, graphs off / decode graphs / decode + prefill graphs.
 
 For each configuration the suite starts `python -m bench.serving --serve MODEL ...` (the engine's own
-server, `engine.server.serve_llm`, over the benchmark model with random weights: they time like real
+server, `engine.entrypoints.server.serve_llm`, over the benchmark model with random weights: they time like real
 ones) on 127.0.0.1, or uses a running server given by `--url`. An async HTTP client (httpx) sends each
 workload as streamed /v1/completions with token-id prompts and ignore_eos, so every run generates the
 same tokens; requests arrive on a seeded Poisson clock, except `baseline` (one request at a time).
+As users run it, the server holds a real tokenizer (the Gemma 3 one, bench.frontend; `--tokenizer DIR`,
+default bench/.tokenizer written by `python -m bench tokenizer`; `--tokenizer none` for none), so it
+detokenizes and streams text, and STOP_SHARE of each workload's requests carry the two stop strings
+bench.frontend.STOP_STRINGS (never matched by random text: lengths stay fixed, the scan runs every step).
 
 Workloads (the phase-9 design's benchmark plan):
 - baseline:            one request at a time (the per-request latency floor of the server)
@@ -35,8 +39,9 @@ from pathlib import Path
 
 import torch
 
+from bench.frontend import STOP_STRINGS, load_tokenizer, tokenizer_dir
 from bench.measure import Report
-from bench.workload import RequestSpec, make_workload, percentile
+from bench.workload import RequestSpec, make_workload, percentile, with_stops
 
 CONFIGS = {
     "graphs off": ["--no-cuda-graphs"],
@@ -49,6 +54,7 @@ BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every server, so the 
 COLUMNS = ["config", "workload", "sent", "completed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s"]
 READY_TIMEOUT_S = 1800
+STOP_SHARE = 0.5  # of each workload's requests, with the stop strings (when the server has a tokenizer)
 
 
 @dataclass
@@ -73,12 +79,19 @@ def sizes_for(on_cuda: bool, requests: int | None, rate: float | None) -> Sizes:
     return Sizes(requests or 6, rate or 50.0, (8, 24), (4, 10), (48, 64), 32, 4)
 
 
-def make(workload: str, s: Sizes, vocab_size: int, warm_up: bool = False) -> tuple[list[RequestSpec], int | None]:
-    """The requests of a workload and its concurrency limit (None: arrivals decide).
+def make(workload: str, s: Sizes, vocab_size: int, warm_up: bool = False,
+         stop: tuple[str, ...] = ()) -> tuple[list[RequestSpec], int | None]:
+    """The requests of a workload and its concurrency limit (None: arrivals decide); STOP_SHARE of them
+    carry the `stop` strings.
 
     `warm_up`: the same shapes with other random prompts (the shared system prompt stays the same), so
     a prefix cache warmed by the warm-up run holds what a long-running server would, not the measured
     run's own prompts."""
+    specs, concurrency = _make(workload, s, vocab_size, warm_up)
+    return with_stops(specs, stop, STOP_SHARE, seed=len(specs)), concurrency
+
+
+def _make(workload: str, s: Sizes, vocab_size: int, warm_up: bool) -> tuple[list[RequestSpec], int | None]:
     shift = 100 if warm_up else 0
     if workload == "baseline":
         n = max(2, s.requests // 8)
@@ -108,6 +121,7 @@ class Result:
     sent_s: float
     token_times: list[tuple[float, int]] = field(default_factory=list)  # (arrival of a chunk, its tokens)
     tokens: int = 0
+    text_chars: int = 0  # streamed text (none without a tokenizer)
     error: str | None = None
 
 
@@ -115,6 +129,8 @@ async def _one(client, url: str, model: str, spec: RequestSpec) -> Result:
     result = Result(time.perf_counter())
     body = {"model": model, "prompt": list(spec.prompt_ids), "max_tokens": spec.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if spec.stop:
+        body["stop"] = list(spec.stop)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -128,6 +144,7 @@ async def _one(client, url: str, model: str, spec: RequestSpec) -> Result:
                     result.error = chunk["error"]["message"]
                     continue
                 k = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+                result.text_chars += sum(len(c.get("text") or "") for c in chunk["choices"])
                 if k:
                     result.token_times.append((time.perf_counter(), k))
                     result.tokens += k
@@ -202,13 +219,19 @@ class ServerProcess:
 
 
 def run(model: str, requests: int | None = None, rate: float | None = None, configs=None, workloads=None,
-        url: str | None = None, **_: object) -> Report:
+        url: str | None = None, tokenizer: str | None = None, **_: object) -> Report:
+    """tokenizer: the directory of the tokenizer the servers hold (default bench/.tokenizer; "none": none,
+    and no stop strings). With `url`, the running server's own tokenizer is whatever it was given."""
     from bench.configs import load_config
-    from engine.cli_args import ENGINE_OPTIONS
+    from engine.entrypoints.cli_args import ENGINE_OPTIONS
 
     on_cuda = torch.cuda.is_available()
     s = sizes_for(on_cuda, requests, rate)
     vocab = load_config(model)["vocab_size"]
+    tok_dir = tokenizer_dir(tokenizer)  # fails early, with how to make it, when the directory is missing
+    if tok_dir is not None:
+        load_tokenizer(tok_dir, vocab)  # checks it covers the vocabulary before any server starts
+    stop = STOP_STRINGS if tok_dir is not None else ()
     chosen = [w.strip() for w in workloads.split(",")] if isinstance(workloads, str) else list(workloads or WORKLOADS)
     blocks = 1 + s.max_num_seqs * -(-s.max_model_len // BLOCK_SIZE)
     engine_flags = ["--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
@@ -221,6 +244,13 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
         f"long prompts {s.long_prompt[0]}-{s.long_prompt[1]}, shared system prompt {s.system_prompt} tokens; "
         f"max_num_seqs={s.max_num_seqs}, max_num_batched_tokens={MAX_NUM_BATCHED_TOKENS}, {blocks} KV blocks of "
         f"{BLOCK_SIZE}; each measured run follows a warm-up run of the same shapes with other prompts (the same system prompt)")
+    report.notes.append(
+        f"front end: the engine holds the tokenizer in {tok_dir} (it detokenizes and streams text); {STOP_SHARE:.0%} of "
+        f"each workload's requests carry the stop strings {list(stop)} (never in random text, so lengths stay fixed)"
+        if tok_dir is not None else "front end: NO tokenizer (--tokenizer none): no text, no stop strings (not what "
+                                    "users run)")
+    report.meta.update(tokenizer=str(tok_dir) if tok_dir else None, stop=list(stop), stop_share=STOP_SHARE)
+    tok_flags = ["--tokenizer", str(tok_dir)] if tok_dir is not None else []
     prefix_flag = "--enable-prefix-caching" in ENGINE_OPTIONS
     if "prefix_caching" in chosen and not prefix_flag:
         report.notes.append("prefix_caching ran WITHOUT a prefix cache: this engine has no --enable-prefix-caching")
@@ -233,17 +263,18 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
         for group, extra in zip(groups, (no_cache, ["--enable-prefix-caching"] if prefix_flag else [])):
             if not group:
                 continue
-            server = None if url else ServerProcess(model, [*engine_flags, *flags, *extra])
+            server = None if url else ServerProcess(model, [*engine_flags, *flags, *extra, *tok_flags])
             try:
                 for workload in group:
-                    _measure(report, name, workload, url or server.url, *make(workload, s, vocab),
-                             warm_up=make(workload, s, vocab, warm_up=True)[0])
+                    _measure(report, name, workload, url or server.url, *make(workload, s, vocab, stop=stop),
+                             warm_up=make(workload, s, vocab, warm_up=True, stop=stop)[0])
             finally:
                 if server is not None:
                     server.stop()
         if not url and "baseline" in chosen:
-            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache], make("baseline", s, vocab)[0],
-                                make("baseline", s, vocab, warm_up=True)[0])
+            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache],
+                                make("baseline", s, vocab, stop=stop)[0],
+                                make("baseline", s, vocab, warm_up=True, stop=stop)[0], tok_dir)
     return report
 
 
@@ -272,6 +303,8 @@ def _measure(report: Report, config: str, workload: str, url: str, specs: list[R
     graph_bytes = _metric(url, "infer_graphs_decode_graph_bytes") + _metric(url, "infer_graphs_piecewise_graph_bytes")
     row = summarize(specs, results, makespan)
     errors = row.pop("errors")
+    if report.meta.get("tokenizer") and not any(r.text_chars for r in results):
+        errors = [*errors, "no text streamed: the server did not detokenize"]
     report.add(config=config, workload=workload, graph_mib=graph_bytes / 2**20, **row)
     _progress(report.rows[-1])
     if errors:
@@ -279,21 +312,27 @@ def _measure(report: Report, config: str, workload: str, url: str, specs: list[R
 
 
 def _measure_in_process(report: Report, config: str, model: str, flags: list[str], specs: list[RequestSpec],
-                        warm_up: list[RequestSpec]) -> None:
-    """The baseline through LLM.add_request / step in this process, the same engine options: the
-    reference the HTTP rows are compared with (what HTTP, JSON and the engine loop thread add)."""
+                        warm_up: list[RequestSpec], tok_dir: Path | None = None) -> None:
+    """The baseline through LLM.add_request / step in this process, the same engine options and
+    tokenizer: the reference the HTTP rows are compared with (what HTTP, JSON, SSE and the engine loop
+    thread add)."""
     from bench.common import build_model, free_device_memory
     from engine import LLM, SamplingParams
-    from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+    from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
 
     parser = OneLineErrorParser(prog="bench.serving")
     add_engine_args(parser)
-    llm = LLM(build_model(model), **engine_config_fields(parser.parse_args(flags)))
+    net = build_model(model)
+    tok = load_tokenizer(tok_dir, net.config.vocab_size) if tok_dir is not None else None
+    fields = engine_config_fields(parser.parse_args(flags))
+    fields.pop("tokenizer", None)  # the tokenizer object is passed itself
+    llm = LLM(net, tokenizer=tok, **fields)
     try:
         def one_at_a_time(specs):
             outs, start = [], time.perf_counter()
             for spec in specs:
-                rid = llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True))
+                rid = llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True,
+                                                                           stop=spec.stop))
                 while llm.has_unfinished_requests():
                     outs += [o for o in llm.step() if o.finished and o.request_id == rid]
             return outs, time.perf_counter() - start
@@ -301,7 +340,7 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
         outs, makespan = one_at_a_time(specs)
     finally:
         llm.close()
-        del llm
+        del llm, net
         torch._dynamo.reset()
         free_device_memory()
     ttfts = [o.ttft_s for o in outs]
@@ -320,9 +359,9 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
 def _serve_main(argv: list[str]) -> int:
     """The server child: the benchmark model (random weights) built in-process, served by the engine."""
     from bench.common import build_model
-    from engine.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
-    from engine.llm import LLM
-    from engine.server import serve_llm
+    from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+    from engine import LLM
+    from engine.entrypoints.server import serve_llm
     import logging
 
     parser = OneLineErrorParser(prog="python -m bench.serving --serve")
@@ -330,7 +369,13 @@ def _serve_main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return serve_llm(LLM(build_model(args.model), **engine_config_fields(args)), args.model, port=args.port)
+    net = build_model(args.model)
+    # --tokenizer is a directory bench/tokenizer.py wrote (no config.json): loaded here and handed to the
+    # engine as an object, LLM(..., tokenizer=...), as the in-process reference does
+    tok = load_tokenizer(args.tokenizer, net.config.vocab_size) if getattr(args, "tokenizer", None) else None
+    fields = engine_config_fields(args)
+    fields.pop("tokenizer", None)
+    return serve_llm(LLM(net, tokenizer=tok, **fields), args.model, port=args.port)
 
 
 if __name__ == "__main__":

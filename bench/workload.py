@@ -1,6 +1,7 @@
 """A seeded serving workload and the latency statistics of its run (pure Python: tested on CPU)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ class RequestSpec:
     prompt_len: int
     output_len: int
     prompt_ids: tuple[int, ...]
+    stop: tuple[str, ...] = ()  # stop strings (SamplingParams.stop / the OpenAI body's "stop")
 
 
 def make_workload(num_requests: int, rate_per_s: float, prompt_len: tuple[int, int], output_len: tuple[int, int],
@@ -32,6 +34,16 @@ def make_workload(num_requests: int, rate_per_s: float, prompt_len: tuple[int, i
         if not math.isinf(rate_per_s):
             t += rng.expovariate(rate_per_s)
     return specs
+
+
+def with_stops(specs: list[RequestSpec], stop: tuple[str, ...], share: float, seed: int = 0) -> list[RequestSpec]:
+    """The same requests, round(share * n) of them (chosen by a seeded draw) carrying the stop strings."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"share must be in [0, 1], got {share}")
+    if not stop or share == 0:
+        return list(specs)
+    chosen = set(random.Random(seed).sample(range(len(specs)), round(share * len(specs))))
+    return [dataclasses.replace(s, stop=tuple(stop)) if i in chosen else s for i, s in enumerate(specs)]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -78,7 +90,8 @@ def drive(llm, specs: list[RequestSpec]) -> dict:
         now = time.perf_counter() - start
         while next_index < len(specs) and specs[next_index].arrival_s <= now:
             spec = specs[next_index]
-            llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
+            llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True,
+                                                                  stop=spec.stop),
                             request_id=f"r{next_index}")
             next_index += 1
         if not llm.has_unfinished_requests():
