@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.config import ConfigError
 
-logger = logging.getLogger("engine.entrypoints.server")
+logger = logging.getLogger("engine.server")
 
 
 def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:

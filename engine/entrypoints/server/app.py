@@ -35,7 +35,7 @@ from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
 from engine.entrypoints.server.metrics import ServerMetrics
 from engine.entrypoints.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
 
-logger = logging.getLogger("engine.entrypoints.server")
+logger = logging.getLogger("engine.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATS_TIMEOUT_S = 60.0  # a scrape waits for the step in progress, never for ever
@@ -57,7 +57,7 @@ def _format_all(formatters: list[LogprobsFormatter], outs: list[Any]) -> list[di
 
 def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20) -> FastAPI:
-    llm = engine.core.llm
+    llm = engine.llm
     # The tokenizer thread's own copy: the engine thread detokenizes with llm.tokenizer meanwhile
     # (LLM.encode says why two threads must not share one).
     tokenizer = copy.deepcopy(llm.tokenizer)

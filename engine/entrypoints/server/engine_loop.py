@@ -21,7 +21,7 @@ from typing import Any
 from engine.core.llm import LLM
 from engine.request import InvalidRequestError, SamplingParams
 
-logger = logging.getLogger("engine.entrypoints.server")
+logger = logging.getLogger("engine.server")
 
 ACCEPTED = object()
 
