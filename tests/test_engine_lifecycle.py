@@ -198,7 +198,7 @@ def test_seeded_sampling_is_the_same_alone_in_any_batch_and_across_preemption(sa
 def test_ptxas_is_pinned_to_torchs_own_before_anything_compiles(tmp_path, monkeypatch):
     """Triton's cache key hashes the ptxas version: a process must use the one Inductor would switch
     to, from its start, or warm starts miss the cache (engine.worker.compile_cache)."""
-    from engine import compile_cache
+    from engine.worker import compile_cache
     monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
     assert compile_cache.pin_ptxas(tmp_path) is None and "TRITON_PTXAS_PATH" not in os.environ  # none bundled
     ptxas = tmp_path / "bin" / "ptxas"
@@ -212,7 +212,7 @@ def test_ptxas_is_pinned_to_torchs_own_before_anything_compiles(tmp_path, monkey
 
 
 def test_compile_cache_directory_respects_the_users_choice_and_clears_only_itself(tmp_path, monkeypatch):
-    from engine import compile_cache
+    from engine.worker import compile_cache
     monkeypatch.setenv("INFER_GRAPHS_CACHE_DIR", str(tmp_path / "ours"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users_triton"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
