@@ -1,5 +1,7 @@
 """Suite `prefill`: latency of one prompt of T tokens (forward + last token's logits), one sequence.
 
+Harness rows: bench's own bare infer_graphs backend (BackendConfig defaults, capture sizes = the measured
+token counts) over bench/paged.py's metadata builder, the model called directly, no engine around it:
   eager             our model as an nn.Module (attention op through the dispatcher)
   compiled          infer_graphs backend, RuntimeMode.NONE: Inductor pieces, no graphs
   piecewise         infer_graphs backend, RuntimeMode.PIECEWISE: one graph per piece at T tokens;
@@ -11,11 +13,30 @@
   full_graph_eager  the un-compiled forward captured as one graph: launches gone, kernels unfused
   hf_eager          transformers, same config, one forward with logits_to_keep=1
 Attention writes the prompt's K/V into a paged cache (as the engine's prefill does).
+Engine row: what users run, through the public API only (engine.LLM, SamplingParams, llm.stats()):
+  engine            LLM(model) over the same random-weight model with the engine's defaults (on CUDA:
+                    compile, decode graphs, piecewise prefill graphs at the default token buckets, a
+                    step budget of max_num_batched_tokens that chunks longer prompts) and prefix caching
+                    off; one prompt of T fresh random tokens, SamplingParams(max_tokens=1) (greedy):
+                    median_ms    the engine's step time for the prefill: add_request, then the wall time
+                                 from the step() that launches it to the step() that returns its token
+                                 (schedule, input staging, forward, sampling, read-back, the output)
+                    ttft_ms      median RequestOutput.ttft_s of LLM.generate([prompt]) (arrival to token)
+                    gpu_ms       the GPU's busy time in one such prefill (kernels and copies of a
+                                 torch.profiler trace, the gaps between them left out; CUDA only): well
+                                 under median_ms, the engine row is host-bound
+                    engine_steps steps per prefill and the dispatcher's modes (from llm.stats())
 Floor = max(weight bytes / copy bandwidth, (2 * matmul params * T + logits) / matmul rate).
+
+Cost on an H100 (expected, qwen3-4b, --tokens 64,128,512): the harness ~1.5-2 min (one compile, captures
+per T), transformers' eager peer ~20 s, the engine ~1-1.5 min (its start-up: compile, the default prefill
+and decode graph captures; then a few seconds of prefills): about 3-4 minutes.
 """
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 import torch
 
@@ -26,7 +47,12 @@ from bench.measure import Report, gpu_ms_host_ahead, measure_ceilings, median_ms
 from bench.paged import PagedKV, blocks_per_seq, step_inputs, step_metadata
 
 TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-COLUMNS = ["variant", "tokens", "median_ms", "gpu_ms", "floor_ms", "x_floor", "x_full_graph", "tokens_per_s"]
+COLUMNS = ["variant", "tokens", "median_ms", "gpu_ms", "ttft_ms", "floor_ms", "x_floor", "x_full_graph", "tokens_per_s",
+           "engine_steps"]
+HARNESS_VARIANTS = ("eager", "compiled", "piecewise", "full_graph", "full_graph_eager")
+ENGINE_WARMUP = 3     # LLM.generate calls per T before the engine row's timed ones
+ENGINE_PROFILED = 5   # prefills per T in the torch.profiler trace that gives the engine row's gpu_ms
+ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len is min(the model's limit, this)
 logger = logging.getLogger("bench")
 
 
@@ -104,9 +130,14 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
     report.meta["backend_stats"] = {k: v for k, v in vars(backend.stats).items() if k != "capture_seconds"}
     graphs.clear()
     kv.release()
-    del compiled, backend, net
+    del compiled, backend  # the model stays: the engine row runs it
     torch._dynamo.reset()
     free_device_memory()
+    report.notes.append(
+        f"harness rows ({', '.join(HARNESS_VARIANTS)}): bench's own bare infer_graphs backend (BackendConfig "
+        f"defaults, capture sizes {list(tokens)}) over bench/paged.py's metadata builder, the model called "
+        "directly: no scheduler, input staging, sampling or read-back; not what the engine runs (the engine "
+        "row is)")
 
     if peers in ("all", "eager"):
         from bench import hf_peers
@@ -117,6 +148,14 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
                 add("hf_eager", t, median_ms(hf_peers.prefill_eager_step(hf, t), iters=iters))
         del hf
         free_device_memory()
+
+    engine = engine_prefill(net, tokens, iters, report)
+    del net
+    torch._dynamo.reset()
+    free_device_memory()
+    for t, m in sorted(engine.items()):
+        add("engine", t, m["step_ms"])
+        report.rows[-1].update({k: m[k] for k in ("gpu_ms", "ttft_ms", "engine_steps") if m[k] is not None})
     for row in report.rows:
         full = results.get(("full_graph", row["tokens"]))
         row["x_full_graph"] = ratio(row["median_ms"], full)
@@ -127,6 +166,122 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
     report.rows.sort(key=lambda r: (r["tokens"], r["variant"]))
     report.plots.append(("latency", plot_prefill))
     return report
+
+
+def engine_prefill(net, tokens, iters: int, report: Report) -> dict[int, dict]:
+    """The engine row per token count (see the module docstring): an LLM over `net` with the engine's
+    defaults and prefix caching off, through its public API only; closed before this returns. Token
+    counts the engine refuses are left out, with a note."""
+    from engine import LLM, InvalidRequestError, SamplingParams
+
+    on_cuda = torch.cuda.is_available()
+    vocab = net.config.vocab_size
+    generator = torch.Generator().manual_seed(0x5EED)
+    params = SamplingParams(max_tokens=1)  # greedy, one token: the prefill's own
+
+    def prompt(t: int) -> list[int]:
+        # fresh every call (and prefix caching off): no prefill is served from another's blocks
+        return torch.randint(0, vocab, (t,), generator=generator).tolist()
+
+    def one_prefill(ids: list[int]) -> float:
+        """Seconds from the step() that launches the request's prefill to the one that returns its token."""
+        request_id = llm.add_request(ids, params)
+        start = time.perf_counter()
+        while True:
+            outputs = llm.step()
+            if any(o.request_id == request_id and o.finished for o in outputs):
+                return time.perf_counter() - start
+            if not llm.has_unfinished_requests():
+                raise RuntimeError(f"engine row: request {request_id} ended without an output")
+
+    fields = dict(enable_prefix_caching=False, show_progress=False)  # the rest: the engine's defaults
+    if max(tokens) > ENGINE_MAX_MODEL_LEN:
+        fields["max_model_len"] = max(tokens)
+    llm = LLM(net, **fields)
+    results: dict[int, dict] = {}
+    skipped = []
+    try:
+        for t in sorted(tokens):
+            try:
+                for _ in range(ENGINE_WARMUP):
+                    llm.generate([prompt(t)], params)
+            except InvalidRequestError as exc:
+                skipped.append(f"{t} tokens ({exc})")
+                continue
+            ttfts = []
+            for _ in range(iters):
+                (out,) = llm.generate([prompt(t)], params)
+                if len(out.token_ids) != 1 or out.ttft_s is None:
+                    raise RuntimeError(f"engine row: a {t}-token prompt gave {len(out.token_ids)} tokens, "
+                                       f"ttft_s {out.ttft_s}; expected one token and its TTFT")
+                ttfts.append(out.ttft_s)
+            before = llm.stats()
+            step_s = [one_prefill(prompt(t)) for _ in range(iters)]
+            after = llm.stats()
+            steps = (after["steps"] - before["steps"]) / iters
+            modes = {mode: (n - before["modes"].get(mode, 0)) / iters for mode, n in after["modes"].items()
+                     if n != before["modes"].get(mode, 0)}
+            results[t] = {"step_ms": statistics.median(step_s) * 1e3, "ttft_ms": statistics.median(ttfts) * 1e3,
+                          "gpu_ms": None, "engine_steps": _steps_text(steps, modes)}
+        if on_cuda and results:
+            # after every timed call: the profiler must not sit under another measurement
+            for t in results:
+                results[t]["gpu_ms"] = _engine_gpu_ms(lambda: one_prefill(prompt(t)))
+            if any(r["gpu_ms"] is None for r in results.values()):
+                report.notes.append("engine gpu_ms missing where the profiler recorded no device activity")
+        stats = llm.stats()
+        config = getattr(llm, "config", None)  # read for the note only; the rows need none of it
+    finally:
+        llm.close()
+        del llm
+    report.meta["engine_stats"] = {k: v for k, v in stats.items() if k != "backend"}
+
+    def cfg(name: str):
+        return getattr(config, name, "?")
+    sizes = cfg("prefill_graph_sizes")
+    report.notes.append(
+        f"engine rows: engine.LLM over the same random-weight model, the engine's defaults (compile "
+        f"{cfg('compile')}, decode graphs {cfg('cuda_graphs')}, prefill graphs {cfg('prefill_graphs')}"
+        + (f" at {len(sizes)} token buckets up to {max(sizes)}" if isinstance(sizes, (tuple, list)) and sizes
+           and cfg("prefill_graphs") else "")
+        + f", max_num_batched_tokens {cfg('max_num_batched_tokens')}: longer prompts are chunked over several "
+        f"steps, async scheduling {cfg('async_scheduling')}), prefix caching off, no tokenizer; one prompt of T "
+        f"fresh random tokens, max_tokens=1, greedy; {ENGINE_WARMUP} warm-up generate calls per T, then "
+        f"{iters} timed ones for ttft_ms (RequestOutput.ttft_s) and {iters} add_request + step() prefills for "
+        "median_ms (launching step to token on the host)"
+        + (f"; gpu_ms: the GPU's busy time in one prefill (kernels and copies of a torch.profiler trace of "
+           f"{ENGINE_PROFILED} prefills, gaps left out, so it reads a little under the harness rows' "
+           "back-to-back gpu_ms): far under median_ms, the engine's step is host-bound" if on_cuda else
+           "; no gpu_ms on the CPU")
+        + "; engine_steps: steps per prefill and the dispatcher's modes (llm.stats())")
+    if skipped:
+        report.notes.append("engine rows skipped: " + "; ".join(skipped))
+    return results
+
+
+def _steps_text(steps: float, modes: dict[str, float]) -> str:
+    """'1 piecewise', '2 piecewise', '1 none': steps per prefill and the modes they ran in."""
+    def num(x: float) -> str:
+        return f"{x:g}" if x == int(x) else f"{x:.2f}"
+    parts = [f"{num(n)} {mode}" for mode, n in sorted(modes.items())]
+    if not parts or sum(modes.values()) != steps:
+        parts.insert(0, f"{num(steps)} step{'' if steps == 1 else 's'}")
+    return ", ".join(parts)
+
+
+def _engine_gpu_ms(prefill) -> float | None:
+    """Milliseconds the GPU is busy (kernels, copies; union of their intervals) per call of prefill, from
+    a torch.profiler trace of ENGINE_PROFILED calls; None if the trace holds no device activity."""
+    from bench.profiling import kernel_intervals, merge_intervals
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(ENGINE_PROFILED):
+            prefill()
+        torch.cuda.synchronize()
+    busy = merge_intervals(kernel_intervals(prof))
+    if not busy:
+        return None
+    return sum(end - start for start, end in busy) / 1e3 / ENGINE_PROFILED
 
 
 def plot_prefill(report: Report):

@@ -191,12 +191,34 @@ def test_gpu_time_with_the_host_ahead_leaves_out_the_host_time_a_caller_waits_fo
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
-def test_prefill_report_on_cpu_has_no_graph_rows():
+def test_prefill_report_on_cpu_has_no_graph_rows_and_an_engine_row():
     from bench import prefill
-    report = prefill.run("tiny-llama", tokens="16", peers="none", iters=1)
-    assert [r["variant"] for r in report.rows] == ["compiled", "eager"]  # sorted by (tokens, variant)
-    assert "gpu_ms" in report.columns and all("gpu_ms" not in r for r in report.rows)  # piecewise rows only
-    assert "graphs are captured on CUDA only" in report.notes[-1]
+    report = prefill.run("tiny-llama", tokens="16,24", peers="none", iters=2)
+    # sorted by (tokens, variant); the engine row next to the harness rows at every token count
+    assert [(r["tokens"], r["variant"]) for r in report.rows] == [
+        (16, "compiled"), (16, "eager"), (16, "engine"), (24, "compiled"), (24, "eager"), (24, "engine")]
+    assert "gpu_ms" in report.columns and all("gpu_ms" not in r for r in report.rows)  # CUDA only
+    assert "graphs are captured on CUDA only" in report.notes[0]
+    assert any(n.startswith("harness rows (eager, compiled, piecewise") for n in report.notes)
+    engine_note = next(n for n in report.notes if n.startswith("engine rows:"))
+    assert "prefix caching off" in engine_note and "no gpu_ms on the CPU" in engine_note
+    for row in (r for r in report.rows if r["variant"] == "engine"):
+        assert row["median_ms"] > 0 and row["ttft_ms"] > 0
+        assert row["engine_steps"] == "1 none"  # one step per prompt; on the CPU the engine runs no graphs
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["median_ms"] * 1e3)
+    stats = report.meta["engine_stats"]
+    assert stats["prefix_cache"] is not None and "backend" not in stats
+    assert stats["steps"] == 2 * (prefill.ENGINE_WARMUP + 2 * 2)  # warm-ups, generate calls, step() prefills
+    assert "| engine |" in report.markdown()
+
+
+def test_engine_steps_text():
+    from bench.prefill import _steps_text
+    assert _steps_text(1.0, {"piecewise": 1.0}) == "1 piecewise"
+    assert _steps_text(2.0, {"piecewise": 2.0}) == "2 piecewise"
+    assert _steps_text(2.0, {"none": 1.0, "piecewise": 1.0}) == "1 none, 1 piecewise"
+    assert _steps_text(1.0, {}) == "1 step"
+    assert _steps_text(2.0, {"piecewise": 1.0}) == "2 steps, 1 piecewise"
 
 
 def test_workload_is_seeded_and_within_bounds():
