@@ -39,14 +39,14 @@ case "${1:-smoke}" in
     tokenizer_check  # e2e and serving run with bench/.tokenizer (issue 38)
     suite 60 floor --model gemma-3-1b
     suite 170 decode --model gemma-3-1b --batches 1,8 --contexts 512 --peers all
-    suite 100 prefill --model gemma-3-1b --tokens 64,256
+    suite 200 prefill --model gemma-3-1b --tokens 64,256
     suite 100 serving --model gemma-3-1b --requests 16
     suite 150 capture --model gemma-3-1b
     ;;
   full)
     suite 30 floor --model llama-3.2-3b
     suite 270 decode --model llama-3.2-3b --time-budget 250
-    suite 130 prefill --model llama-3.2-3b
+    suite 300 prefill --model llama-3.2-3b
     suite 75 decode --model qwen3-4b --batches 1,64 --contexts 512 --peers none
     suite 60 decode --model gemma-3-1b --batches 1,64 --contexts 512 --peers none
     ;;
