@@ -214,7 +214,7 @@ def test_abort_frees_blocks_at_once_is_idempotent_and_leaves_others_alone(llm):
 def test_a_step_decodes_every_request_in_one_batch_with_the_texts_of_one_at_a_time(tokenizer):
     """update_all: the windows of every request go to the tokenizer's batched decode once, and each
     request's text is what updating it alone gives (the reference: the tokenizer's full decode)."""
-    from engine.core.detokenizer import BatchDecoder, Snapshot, update_all
+    from engine.core.detokenizer import BatchDecoder, update_all
 
     class Counting(BatchDecoder):
         calls = 0
@@ -234,7 +234,7 @@ def test_a_step_decodes_every_request_in_one_batch_with_the_texts_of_one_at_a_ti
         for _, r in live:
             r.token_ids.append(token_lists[int(r.request_id)][n])
         before = Counting.calls
-        assert update_all([(t, r, Snapshot.of(r)) for t, r in live]) == []
+        assert update_all(live) == []
         assert Counting.calls == before + 1
     for tracker, request, ids in zip(trackers, requests, token_lists):
         request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH

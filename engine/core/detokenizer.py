@@ -16,7 +16,6 @@ The cost of one step is proportional to the tokens it adds, never to the tokens 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from engine.request import FinishReason, Request, RequestOutput, TextHistory
@@ -111,43 +110,39 @@ class OutputTracker:
         self.done = False             # the text is final (finished, or a stop string matched)
         self.num_reported_tokens = 0  # cursors of the previous RequestOutput
         self.num_reported_pieces = 0
-        # Output tokens up to the one whose text completed a stop string. The request is finished by
-        # the engine when the match is applied, which a front end on its own thread does a step or
-        # two later (engine.core.frontend): the tokens sampled meanwhile are never reported.
-        self.stopped_at: int | None = None
 
     def update(self, request: Request) -> bool:
         """Detokenize the tokens the request got since the last call; True if a stop string matched
         (the caller then finishes the request with FinishReason.STOP)."""
-        return bool(update_all([(self, request, Snapshot.of(request))]))
+        return bool(update_all([(self, request)]))
 
-    def _begin(self, request: Request, now: Snapshot) -> tuple[list[int], list[int]] | None:
-        """The first half of an update up to `now`: take the new tokens; the windows to decode (both
-        empty when no token waits to be decoded), or None when there is nothing to do (no tokenizer,
-        or the text is final)."""
+    def _begin(self, request: Request) -> tuple[list[int], list[int]] | None:
+        """The first half of an update: take the new tokens; the windows to decode (both empty when
+        no token waits to be decoded), or None when there is nothing to do (no tokenizer, or the text
+        is final)."""
         if self.done:
             return None
         start = request.num_prompt_tokens + self.num_seen
-        new = request.token_ids[start:now.num_tokens]  # only the tail: O(new tokens)
+        new = request.token_ids[start:]  # only the tail: O(new tokens)
         self.num_seen += len(new)
-        if now.finished and new and not self.include_stop and now.finish_reason in (
+        finished = request.is_finished
+        if finished and new and not self.include_stop and request.finish_reason in (
                 FinishReason.EOS, FinishReason.STOP):
             new = new[:-1]  # the stop / EOS token ended the request: its text is not part of the output
         if self.detokenizer is None:
-            self.done = now.finished
+            self.done = finished
             return None
         return self.detokenizer.extend(new) or ((), ())
 
-    def _end(self, request: Request, now: Snapshot, texts: tuple[str, str] | None) -> bool:
+    def _end(self, request: Request, texts: tuple[str, str] | None) -> bool:
         """The second half: the windows' texts (None: nothing was decoded); True if a stop string matched."""
-        new_text = "" if texts is None else self.detokenizer.settle(*texts, final=now.finished)
+        finished = request.is_finished
+        new_text = "" if texts is None else self.detokenizer.settle(*texts, final=finished)
         text = self.pending + new_text
         # before min_tokens tokens are out, a stop string does not end the request (vLLM's rule)
-        can_stop = now.num_tokens - request.num_prompt_tokens >= request.params.min_tokens
-        matched = self._emit(text, now.finished, can_stop)
-        if matched:
-            self.stopped_at = self.num_seen
-        self.done = now.finished or matched
+        can_stop = request.num_tokens - request.num_prompt_tokens >= request.params.min_tokens
+        matched = self._emit(text, finished, can_stop)
+        self.done = finished or matched
         return matched
 
     def _emit(self, text: str, finished: bool, can_stop: bool) -> bool:
@@ -172,9 +167,6 @@ class OutputTracker:
         if request.is_finished and not self.done:  # aborted, or finished between updates
             self.update(request)
         num_tokens = request.num_tokens - request.num_prompt_tokens
-        finished, reason = request.is_finished, request.finish_reason
-        if self.stopped_at is not None:
-            num_tokens, finished, reason = min(num_tokens, self.stopped_at), True, FinishReason.STOP
         start = request.num_prompt_tokens + self.num_reported_tokens
         new_text = "".join(self.pieces[self.num_reported_pieces:])
         times = request.token_times
@@ -182,10 +174,10 @@ class OutputTracker:
         out = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            new_token_ids=request.token_ids[start:request.num_prompt_tokens + num_tokens],
+            new_token_ids=request.token_ids[start:],
             new_text=new_text,
-            finished=finished,
-            finish_reason=reason.value if reason else None,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
             ttft_s=times[0] - request.arrival_time if times else None,
             num_preemptions=request.num_preemptions,
             history=TextHistory(request.token_ids, request.num_prompt_tokens, num_tokens, self.pieces,
@@ -208,31 +200,18 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """A request's state as the step thread left it after a step: a front end on another thread
-    reads the token list only up to `num_tokens` (the list only grows) and the end as it was then."""
-    num_tokens: int
-    finished: bool
-    finish_reason: FinishReason | None
-
-    @classmethod
-    def of(cls, request: Request) -> Snapshot:
-        return cls(request.num_tokens, request.is_finished, request.finish_reason)
-
-
-def update_all(updates: list[tuple[OutputTracker, Request, Snapshot]]) -> list[Request]:
+def update_all(pairs: list[tuple[OutputTracker, Request]]) -> list[Request]:
     """Update every tracker with its request's new tokens, decoding all windows in one batch (the
     trackers of one engine share one BatchDecoder); the requests whose stop string matched."""
-    plans = [(tracker, request, now, tracker._begin(request, now)) for tracker, request, now in updates]
-    sequences = [seq for *_, windows in plans if windows and windows[1] for seq in windows]
-    decode = next((t.detokenizer.decode for t, *_, windows in plans if windows and windows[1]), None)
+    plans = [(tracker, request, tracker._begin(request)) for tracker, request in pairs]
+    sequences = [seq for _, _, windows in plans if windows and windows[1] for seq in windows]
+    decode = next((t.detokenizer.decode for t, _, windows in plans if windows and windows[1]), None)
     texts = iter(decode(sequences) if sequences else ())
     matched = []
-    for tracker, request, now, windows in plans:
+    for tracker, request, windows in plans:
         if windows is None:
             continue
         decoded = (next(texts), next(texts)) if windows[1] else None
-        if tracker._end(request, now, decoded):
+        if tracker._end(request, decoded):
             matched.append(request)
     return matched

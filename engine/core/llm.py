@@ -27,8 +27,7 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.core.detokenizer import BatchDecoder, OutputTracker
-from engine.core.frontend import FrontEnd, snapshot_updates
+from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
 from engine.core.step_loop import StepLoop
 from engine.request import (
     FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
@@ -117,8 +116,6 @@ class LLM:
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output
         self._decode = BatchDecoder(tokenizer) if tokenizer is not None else None  # one batch a step
-        # the text side on its own thread where the host runs ahead of the device (engine/core/frontend.py)
-        self._front = FrontEnd(threaded=tokenizer is not None and self._loop.depth == 1)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -186,8 +183,6 @@ class LLM:
         """
         self._check_open()
         sampled = self._step()
-        self._front.flush()  # outputs are built from the trackers: every step's text applied first
-        self._apply_stops(self._front.take_stopped())
         got_token = set(sampled)
         late = [r for r in self._unreported.values() if r not in got_token]
         self._unreported.clear()
@@ -202,16 +197,15 @@ class LLM:
         The engine's device is current meanwhile: Triton launches its kernels on the current device,
         and an engine on cuda:1 is stepped by callers whose current device is cuda:0.
         """
-        self._apply_stops(self._front.take_stopped())  # found by the front end's thread since the last step
         device = self.runtime.runner.device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             launched, sampling = self._loop.step()
+        self._detokenize(sampling)
         self.num_steps += launched
         self.num_generated_tokens += len(sampling)
         for request in sampling:
             if request.is_finished:
-                self._requests.pop(request.request_id, None)
-        self._apply_stops(self._front.hand_over(snapshot_updates(sampling, self._trackers.__getitem__)))
+                del self._requests[request.request_id]
         return sampling
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -240,10 +234,6 @@ class LLM:
             for request in self._step():
                 if request not in own:
                     self._unreported[request.request_id] = request
-        self._front.flush()
-        self._apply_stops(self._front.take_stopped())
-        for request in requests:  # reported here, not by a later step()
-            self._unreported.pop(request.request_id, None)
         return [self._output(r) for r in requests]
 
     def _output(self, request: Request) -> RequestOutput:
@@ -253,13 +243,14 @@ class LLM:
             del self._trackers[request.request_id]
         return out
 
-    def _apply_stops(self, requests: list[Request]) -> None:
-        """Finish the requests whose text reached a stop string (their blocks go back now); one that
-        ended meanwhile keeps its end, and its output still says "stop" (OutputTracker.stopped_at)."""
-        for request in requests:
-            if not request.is_finished:
+    def _detokenize(self, requests: list[Request]) -> None:
+        """Advance each request's text (one batched decode for the step); a stop string in it
+        finishes the request (its blocks go back now)."""
+        for request in update_all([(self._trackers[r.request_id], r) for r in requests]):
+            if request.is_finished:  # max_tokens / EOS in the same token: the stop string decides
+                request.finish_reason = FinishReason.STOP
+            else:
                 self._finish_between_steps(request, FinishReason.STOP)
-                self._unreported[request.request_id] = request  # its final output: at the next step()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: it is not scheduled again, its KV blocks go back to the pool at once,
@@ -278,7 +269,6 @@ class LLM:
         does its device token slot under async scheduling (once no step in flight samples for it)."""
         self.scheduler.finish(request, reason)
         self._loop.finished(request)
-        self._requests.pop(request.request_id, None)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -300,7 +290,6 @@ class LLM:
                 errors.append(exc)
 
         attempt(self._loop.drain)  # no graph or pool is freed under a step still running
-        attempt(self._front.close)
         try:  # this rank's figures only: gathering the other ranks' could wait on a failed group
             self._final_stats = self._collect_stats(gather_ranks=False)
         except Exception as exc:
