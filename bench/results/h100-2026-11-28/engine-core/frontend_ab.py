@@ -4,7 +4,7 @@ tokenizer, with the Gemma tokenizer, and with the tokenizer + 2 stop strings tha
 per step with a null forward (a 1-layer, hidden-64 model of the same vocabulary: the step is then the
 host's). Public API only, so the same file runs over the baseline tree and this one:
 
-    PYTHONPATH=<tree> python frontend_ab.py LABEL MODEL TOKENIZER_DIR OUT.json
+    PYTHONPATH=<tree> [NULL_ONLY=1] python frontend_ab.py LABEL MODEL TOKENIZER_DIR OUT.json
 """
 import json
 import statistics
@@ -53,8 +53,10 @@ def measure(net, vocab, batches, with_replay):
 
 config = load_config(model)
 vocab = config["vocab_size"]
+import os  # noqa: E402
+
 result = {"label": label, "model": model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-          "rows": measure(build_model(model), vocab, BATCHES, True)}
+          "rows": [] if os.environ.get("NULL_ONLY") else measure(build_model(model), vocab, BATCHES, True)}
 # null forward: the model's family and vocabulary, one layer of hidden 64
 import models  # noqa: E402
 
