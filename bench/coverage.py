@@ -149,7 +149,8 @@ def simulate_steps(specs, max_num_seqs: int = 32, max_num_batched_tokens: int = 
     3B model with graphs on an H100), so arrivals interleave with steps as in a real run.
     """
     from engine.kv.block_pool import BlockPool
-    from engine.request import Request, SamplingParams
+    from engine.params import SamplingParams
+    from engine.request import Request
     from engine.core.scheduler import Scheduler
 
     step_s = step_s or (lambda n, uniform: 0.008 + 20e-6 * n)

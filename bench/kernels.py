@@ -50,7 +50,8 @@ def profile_steps(step, num_steps: int = STEPS, warmup: int = 3) -> list[tuple[s
 
 
 def sampling_requests(batch: int, temperature: float, top_p: float = 1.0) -> list:
-    from engine.request import Request, SamplingParams
+    from engine.params import SamplingParams
+    from engine.request import Request
     params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p)
     return [Request(f"census-{i}", [0], params) for i in range(batch)]
 

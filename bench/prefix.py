@@ -52,7 +52,8 @@ def host_us_per_step(specs: list[RequestSpec], caching: bool, max_num_seqs: int,
     """Host microseconds per step of schedule + _prepare + update (no model, CPU buffers)."""
     from engine.kv.block_pool import BlockPool
     from engine.worker.model_runner import ModelRunner
-    from engine.request import Request, SamplingParams
+    from engine.params import SamplingParams
+    from engine.request import Request
     from engine.core.scheduler import Scheduler
 
     blocks = 1 + max_num_seqs * -(-max_model_len // BLOCK_SIZE)
@@ -99,7 +100,8 @@ def prepare_us(batch: int, context: int, steps: int = 200) -> float:
     """Host microseconds (median) of one decode step's _prepare at `batch` sequences of `context` tokens."""
     from engine.kv.block_pool import BlockPool
     from engine.worker.model_runner import ModelRunner
-    from engine.request import Request, SamplingParams
+    from engine.params import SamplingParams
+    from engine.request import Request
     from engine.core.scheduler import Scheduler
 
     max_model_len = context + steps + BLOCK_SIZE

@@ -2,7 +2,9 @@
 graphs, piecewise prefill graphs (through the infer_graphs backend), GPU sampling, the LLM API."""
 from engine.config import ConfigError, EngineConfig
 from engine.core.llm import LLM
-from engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from engine.outputs import RequestOutput
+from engine.params import InvalidRequestError, SamplingParams
+from engine.request import FinishReason, TokenLogprobs
 
 __all__ = ["ConfigError", "EngineConfig", "LLM", "FinishReason", "InvalidRequestError", "RequestOutput", "TokenLogprobs",
            "SamplingParams"]

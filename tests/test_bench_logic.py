@@ -357,7 +357,7 @@ def test_decode_hf_eager_row_comes_from_transformers_generate(monkeypatch):
 
 def test_e2e_latencies_keep_only_the_intervals_where_every_request_decodes():
     from bench.e2e import latencies
-    from engine.request import RequestOutput
+    from engine.outputs import RequestOutput
 
     def out(ttft_s, gaps):
         output = RequestOutput("r", [1], [5] * (len(gaps) + 1), "", True, "length", ttft_s=ttft_s)

@@ -12,7 +12,8 @@ from engine.kv.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, default_decode_graph_sizes
 from engine.worker.dispatch import BatchDescriptor, Dispatcher
 from engine.worker.input_buffers import StaticBuffers
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from engine.params import InvalidRequestError, SamplingParams
+from engine.request import FinishReason, Request
 from engine.sample.sampler import Sampler
 from engine.core.scheduler import Scheduler
 

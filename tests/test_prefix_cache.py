@@ -11,7 +11,8 @@ import torch
 from custom_ops import SCRATCH_BLOCK
 from engine.kv.block_pool import BlockPool
 from engine.worker.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.params import SamplingParams
+from engine.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler import Scheduler
 
 

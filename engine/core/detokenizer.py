@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine.request import FinishReason, Request, RequestOutput, TextHistory
+from engine.outputs import RequestOutput, TextHistory
+from engine.request import FinishReason, Request
 
 logger = logging.getLogger("engine")
 

@@ -29,9 +29,9 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
 from engine.core.step_loop import StepLoop
-from engine.request import (
-    FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, check_prompt,
-)
+from engine.outputs import RequestOutput
+from engine.params import InvalidRequestError, SamplingParams, check_prompt
+from engine.request import FinishReason, Request
 from engine.worker.startup import build_runtime
 from engine.core.scheduler import Scheduler
 from engine.worker.timeline import StartupTimeline

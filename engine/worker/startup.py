@@ -43,7 +43,8 @@ from engine.worker.dispatch import Dispatcher
 from engine.kv.kv_cache import CPU_KV_BYTES, KVCache
 from engine.kv.kv_groups import GroupedBlockPool, blocks_per_group, group_stats, make_block_pool
 from engine.worker.model_runner import ModelRunner
-from engine.request import Request, SamplingParams
+from engine.params import SamplingParams
+from engine.request import Request
 from engine.sample.sampler import Sampler
 from engine.worker.timeline import StartupTimeline
 

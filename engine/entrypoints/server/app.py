@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.request import InvalidRequestError
+from engine.params import InvalidRequestError
 from engine.entrypoints.server.choices import Choices
 from engine.entrypoints.server.engine_loop import EngineLoop, EngineUnavailable
 from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText

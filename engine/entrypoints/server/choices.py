@@ -26,7 +26,8 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from engine.request import RequestOutput, SamplingParams
+from engine.outputs import RequestOutput
+from engine.params import SamplingParams
 from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop
 
 

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from engine.core.llm import LLM
-from engine.request import InvalidRequestError, SamplingParams
+from engine.params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("engine.server")
 

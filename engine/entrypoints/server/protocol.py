@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from engine.request import SamplingParams
+from engine.params import SamplingParams
 
 MAX_N = 16  # choices per request: each is an engine request, so n is bounded like a batch is
 SEED_LIMIT = 2**63  # SamplingParams.check's bound: choice i samples with seed + i, which must stay below it
