@@ -240,3 +240,21 @@ def test_a_step_decodes_every_request_in_one_batch_with_the_texts_of_one_at_a_ti
         request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
         tracker.update(request)
         assert tracker.output(request).text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_held_back_suffix_is_the_longest_that_could_start_a_stop_string():
+    """_stop_prefix_len against its definition, on random texts over a small alphabet (so partial
+    matches are frequent), stop strings of several lengths, repeated characters included."""
+    import random
+
+    from engine.core.detokenizer import _stop_prefix_len
+
+    def reference(text, stops):
+        return max([n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1)
+                    if text.endswith(stop[:n])], default=0)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 12)))
+        stops = tuple("".join(rng.choice("abc") for _ in range(rng.randrange(1, 7))) for _ in range(rng.randrange(1, 4)))
+        assert _stop_prefix_len(text, stops) == reference(text, stops), (text, stops)

@@ -194,10 +194,15 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of a stop string."""
     best = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
+        longest = min(len(stop) - 1, len(text))
+        # A suffix that starts a stop string starts with its first character: where that character
+        # is absent from the text's last `longest` characters (nearly every step), nothing is held.
+        at = text.find(stop[0], len(text) - longest) if longest > best else -1
+        while at >= 0 and len(text) - at > best:
+            if stop.startswith(text[at:]):
+                best = len(text) - at
                 break
+            at = text.find(stop[0], at + 1)
     return best
 
 
