@@ -148,10 +148,10 @@ def simulate_steps(specs, max_num_seqs: int = 32, max_num_batched_tokens: int = 
     Time advances by `step_s(num_tokens, uniform)` per step (default: 8 ms + 20 us per token, about a
     3B model with graphs on an H100), so arrivals interleave with steps as in a real run.
     """
+    from engine.core.scheduler import Scheduler
     from engine.kv.block_pool import BlockPool
     from engine.params import SamplingParams
     from engine.request import Request
-    from engine.core.scheduler import Scheduler
 
     step_s = step_s or (lambda n, uniform: 0.008 + 20e-6 * n)
     max_len = max(s.prompt_len + s.output_len for s in specs) + block_size

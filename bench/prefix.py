@@ -50,11 +50,11 @@ def make_specs(num_requests: int, system_len: int, question_len: int, output_len
 
 def host_us_per_step(specs: list[RequestSpec], caching: bool, max_num_seqs: int, max_model_len: int) -> float:
     """Host microseconds per step of schedule + _prepare + update (no model, CPU buffers)."""
+    from engine.core.scheduler import Scheduler
     from engine.kv.block_pool import BlockPool
-    from engine.worker.model_runner import ModelRunner
     from engine.params import SamplingParams
     from engine.request import Request
-    from engine.core.scheduler import Scheduler
+    from engine.worker.model_runner import ModelRunner
 
     blocks = 1 + max_num_seqs * -(-max_model_len // BLOCK_SIZE)
     scheduler = Scheduler(BlockPool(blocks, BLOCK_SIZE, debug_checks=False), max_num_seqs, MAX_NUM_BATCHED_TOKENS,
@@ -98,11 +98,11 @@ def bookkeeping_us_per_block(caching: bool, num_requests: int = 200, blocks_per_
 
 def prepare_us(batch: int, context: int, steps: int = 200) -> float:
     """Host microseconds (median) of one decode step's _prepare at `batch` sequences of `context` tokens."""
+    from engine.core.scheduler import Scheduler
     from engine.kv.block_pool import BlockPool
-    from engine.worker.model_runner import ModelRunner
     from engine.params import SamplingParams
     from engine.request import Request
-    from engine.core.scheduler import Scheduler
+    from engine.worker.model_runner import ModelRunner
 
     max_model_len = context + steps + BLOCK_SIZE
     blocks = 1 + batch * -(-max_model_len // BLOCK_SIZE)

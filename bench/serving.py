@@ -359,8 +359,8 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
 def _serve_main(argv: list[str]) -> int:
     """The server child: the benchmark model (random weights) built in-process, served by the engine."""
     from bench.common import build_model
-    from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
     from engine import LLM
+    from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
     from engine.entrypoints.server import serve_llm
     import logging
 

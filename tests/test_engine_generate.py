@@ -17,9 +17,9 @@ import transformers
 import models
 from custom_ops import SCRATCH_BLOCK, RuntimeMode
 from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
+from engine.entrypoints.cli import main as cli_main
 from engine.worker.dispatch import Dispatcher
 from engine.worker.startup import _dummy_seqs, _warm_up
-from engine.entrypoints.cli import main as cli_main
 from tests.hf_helpers import random_hf_model
 
 COMMON = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.5, pad_token_id=0,

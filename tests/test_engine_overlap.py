@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker.dispatch import Dispatcher
 from engine.core.step_loop import TokenSlots
 from engine.request import FinishReason, Request
+from engine.worker.dispatch import Dispatcher
 from tests.hf_helpers import random_hf_model
 from tests.test_engine_generate import ARCHS, COMMON, PROMPTS, SMALL, _EagerDecodeGraphs
 

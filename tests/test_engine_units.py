@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from custom_ops import SCRATCH_BLOCK, RuntimeMode
-from engine.kv.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, default_decode_graph_sizes
-from engine.worker.dispatch import BatchDescriptor, Dispatcher
-from engine.worker.input_buffers import StaticBuffers
+from engine.core.scheduler import Scheduler
+from engine.kv.block_pool import BlockPool
 from engine.params import InvalidRequestError, SamplingParams
 from engine.request import FinishReason, Request
 from engine.sample.sampler import Sampler
-from engine.core.scheduler import Scheduler
+from engine.worker.dispatch import BatchDescriptor, Dispatcher
+from engine.worker.input_buffers import StaticBuffers
 
 EOS = 2
 

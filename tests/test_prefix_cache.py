@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from custom_ops import SCRATCH_BLOCK
+from engine.core.scheduler import Scheduler
 from engine.kv.block_pool import BlockPool
-from engine.worker.model_runner import ModelRunner
 from engine.params import SamplingParams
 from engine.request import FinishReason, Request, RequestStatus
-from engine.core.scheduler import Scheduler
+from engine.worker.model_runner import ModelRunner
 
 
 def _scheduler(num_blocks: int = 200, block_size: int = 16, budget: int = 256, max_model_len: int = 1200,

@@ -24,9 +24,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams, TokenLogprobs
+from engine.config import EngineConfig
 from engine.entrypoints.cli import main as cli_main
 from engine.entrypoints.cli_args import ENGINE_OPTIONS
-from engine.config import EngineConfig
 from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
 from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
 

@@ -313,8 +313,8 @@ def test_every_key_a_query_reads_was_computed_from_its_own_prefix_under_sharing_
     prefix hits, shortened hits, evictions and preemptions; debug checks run every step."""
     import random
 
-    from engine.request import Request
     from engine.core.scheduler import Scheduler
+    from engine.request import Request
     rng = random.Random(seed)
     window = 6  # not a multiple of the block size
     pool = GroupedBlockPool(BlockPool(24, BLOCK, debug_checks=True), [SlidingBlockPool(12, BLOCK, window)])

@@ -1,6 +1,6 @@
 """LLM: the user-facing engine. `generate` for a batch, `add_request` / `step` / `abort` for streaming.
 
-    llm = LLM("default", max_num_seqs=8, prefill_graphs=True)
+    llm = LLM("default", max_num_seqs=8)
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
 
 Each step: schedule (decodes + prefill chunks under the token budget) -> run the model (the
@@ -28,12 +28,12 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
+from engine.core.scheduler import Scheduler
 from engine.core.step_loop import StepLoop
 from engine.outputs import RequestOutput
 from engine.params import InvalidRequestError, SamplingParams, check_prompt
 from engine.request import FinishReason, Request
 from engine.worker.startup import build_runtime
-from engine.core.scheduler import Scheduler
 from engine.worker.timeline import StartupTimeline
 
 logger = logging.getLogger("engine")

@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.worker.input_buffers import DeviceIds
-from engine.request import Request
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.request import Request
+from engine.worker.input_buffers import DeviceIds
 
 if TYPE_CHECKING:
     from engine.worker.startup import Runtime

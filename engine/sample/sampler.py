@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from custom_ops.triton_argmax import argmax_of_keys
-from engine.sample.argmax import RowArgmax
 from engine.request import Request, TokenLogprobs
+from engine.sample.argmax import RowArgmax
 from engine.sample.staging import host_to_device
 
 

@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from custom_ops import RuntimeMode
-from engine.kv.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig
-from engine.worker.decode_graphs import DecodeGraphs, free_memory_gib
-from engine.worker.dispatch import Dispatcher
+from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache import CPU_KV_BYTES, KVCache
 from engine.kv.kv_groups import GroupedBlockPool, blocks_per_group, group_stats, make_block_pool
-from engine.worker.model_runner import ModelRunner
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.sample.sampler import Sampler
+from engine.worker.decode_graphs import DecodeGraphs, free_memory_gib
+from engine.worker.dispatch import Dispatcher
+from engine.worker.model_runner import ModelRunner
 from engine.worker.timeline import StartupTimeline
 
 if TYPE_CHECKING:

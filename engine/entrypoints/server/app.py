@@ -28,12 +28,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.params import InvalidRequestError
 from engine.entrypoints.server.choices import Choices
 from engine.entrypoints.server.engine_loop import EngineLoop, EngineUnavailable
 from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
 from engine.entrypoints.server.metrics import ServerMetrics
 from engine.entrypoints.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
+from engine.params import InvalidRequestError
 
 logger = logging.getLogger("engine.server")
 

@@ -26,9 +26,9 @@ import asyncio
 import dataclasses
 from typing import Any
 
+from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop
 from engine.outputs import RequestOutput
 from engine.params import SamplingParams
-from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop
 
 
 class Choices:
