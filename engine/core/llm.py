@@ -245,7 +245,10 @@ class LLM:
 
     def _detokenize(self, requests: list[Request]) -> None:
         """Advance each request's text (one batched decode for the step); a stop string in it
-        finishes the request (its blocks go back now)."""
+        finishes the request (its blocks go back now). Without a tokenizer there is no text and no
+        stop string: an output's tracker catches up when it is built (OutputTracker.output)."""
+        if self._decode is None:
+            return
         for request in update_all([(self._trackers[r.request_id], r) for r in requests]):
             if request.is_finished:  # max_tokens / EOS in the same token: the stop string decides
                 request.finish_reason = FinishReason.STOP
