@@ -1,9 +1,9 @@
 """Suite `capacity`: sequences of a context length that one KV memory budget holds, with one pool (every
-layer keeps every block) next to a pool per layer kind (engine.kv.kv_groups: sliding-window blocks go back
+layer keeps every block) next to a pool per layer kind (engine.kv.groups: sliding-window blocks go back
 once out of the window).
 
 The figures are the allocator's own: the real block pools (engine.kv.block_pool, engine.kv.sliding_pool)
-sized as the engine sizes them (engine.kv.kv_groups.blocks_per_group) from the model's config, then
+sized as the engine sizes them (engine.kv.groups.blocks_per_group) from the model's config, then
 filled with sequences (chunked prefill of max_num_batched_tokens, then one decode token) until one no
 longer fits. Nothing runs on a device, so the CPU output is the result. On CUDA the suite also builds
 the engine (random weights, no compile, no graphs) with that budget and reports what its
@@ -19,7 +19,8 @@ from bench.common import parse_ints
 from bench.configs import load_config
 from bench.measure import Report
 from engine.kv.block_pool import BlockPool
-from engine.kv.kv_groups import GroupedBlockPool, KVGroup, blocks_per_group, group_by_window, make_block_pool
+from engine.kv.grouped_pool import GroupedBlockPool, make_block_pool
+from engine.kv.groups import KVGroup, blocks_per_group, group_by_window
 
 KV_BUDGET_GIB = 16        # fixed KV memory for every row: about what an 80 GB GPU leaves a 1B model
 BLOCK_SIZE = 16           # the engine's default
@@ -94,7 +95,7 @@ def run(model: str, contexts: str | None = None, **_: object) -> Report:
         f"{CHUNK_TOKENS}; a sequence of `context` tokens prefills context - 1 of them and decodes the last "
         "(max_model_len = context)")
     report.notes.append("one_pool: every layer keeps every block (hybrid_kv_cache=False); per_kind: a pool per "
-                        "layer kind, sliding blocks freed out of the window (engine.kv.kv_groups, the default)")
+                        "layer kind, sliding blocks freed out of the window (engine.kv.groups, the default)")
     report.notes.append("engine_* columns (CUDA only): LLM.stats()['kv_groups'] max_len_sequences of the "
                         "engine built with that budget (its binding group)")
     return report

@@ -52,7 +52,7 @@ TINY_LLAMA = {
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
 }
 
-# A tiny Gemma 3: sliding-window layers (their own KV group, engine.kv.kv_groups) next to a full one.
+# A tiny Gemma 3: sliding-window layers (their own KV group, engine.kv.groups) next to a full one.
 TINY_GEMMA3 = {
     **{k: v for k, v in GEMMA_3_1B.items() if k not in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                         "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -62,7 +62,7 @@ def load_decode_step(runner, vocab_size: int, batch: int, context: int):
 
 
 def _window_group_step(runner, batch: int, context: int) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Slots and block tables of the engine's sliding-window KV groups (engine.kv.kv_groups) for
+    """Slots and block tables of the engine's sliding-window KV groups (engine.kv.groups) for
     load_decode_step: each sequence its own blocks for the window of its query at `context` (the
     scratch block before it, as the pool leaves them), ids wrapped into the group's pool."""
     from custom_ops import SCRATCH_BLOCK, get_attention_layer

@@ -61,7 +61,7 @@ def load_prefill_step(runner, vocab_size: int, num_tokens: int):
     the metadata viewing them (as bench.decode.load_decode_step does for a decode step)."""
     meta = step_metadata(1, 0, num_tokens, "cpu")
     ids = torch.randint(0, vocab_size, (num_tokens,)).tolist()
-    # sliding-window KV groups (engine.kv.kv_groups) get tables of their own, in their own pools
+    # sliding-window KV groups (engine.kv.groups) get tables of their own, in their own pools
     size, group_slots, group_tables = runner.block_size, [], []
     for names in runner.group_layers:
         usable = runner.kv_caches[names[0]].shape[1] - 1  # blocks past the scratch block

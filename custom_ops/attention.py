@@ -80,7 +80,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         else:
             out.copy_(reference.causal_attention(q, k, v, layer).to(out.dtype))
         return
-    if context.group_metadata is not None:  # the layer's KV group has its own block tables (engine.kv.kv_groups)
+    if context.group_metadata is not None:  # the layer's KV group has its own block tables (engine.kv.groups)
         meta = context.group_metadata.get(layer_name, meta)
     kv_cache = context.kv_caches.get(layer_name) if context.kv_caches is not None else None
     if kv_cache is None:

@@ -32,7 +32,7 @@ class ForwardContext:
     num_tokens: int  # the (padded) token count the forward runs with
     kv_caches: Mapping[str, torch.Tensor] | None = None  # layer name -> its paged KV cache
     # layer name -> the metadata of its KV group, for layers whose group has its own block tables and
-    # slot mapping (sliding-window layers with their own pool, engine.kv.kv_groups); others use attn_metadata
+    # slot mapping (sliding-window layers with their own pool, engine.kv.groups); others use attn_metadata
     group_metadata: Mapping[str, AttentionMetadata] | None = None
 
 

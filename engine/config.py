@@ -55,7 +55,7 @@ class EngineConfig:
     block_size: int = 16                   # tokens per KV cache block
     kv_memory_fraction: float = 0.9        # of the GPU memory left after weights, warm-up peak and graphs
     num_gpu_blocks: int | None = None      # explicit KV pool size in blocks (incl. the scratch block)
-    # KV pool per layer kind (engine.kv.kv_groups): sliding-window layers give back blocks out of their
+    # KV pool per layer kind (engine.kv.groups): sliding-window layers give back blocks out of their
     # window; False: one pool, every layer keeps every block (num_gpu_blocks counts blocks of every layer)
     hybrid_kv_cache: bool = True
     compile: bool | None = None            # torch.compile with the infer_graphs backend; None: on for CUDA

@@ -1,4 +1,4 @@
-"""Sliding-window layers in their own KV pool (engine.kv.kv_groups, engine.kv.sliding_pool), on the CPU.
+"""Sliding-window layers in their own KV pool (engine.kv.groups, engine.kv.sliding_pool), on the CPU.
 
 A tiny Gemma-3-like model (window 8, two sliding layers and one global layer, blocks of 4 tokens)
 generates far past its window; the reference is transformers' greedy generate, one prompt at a time.
@@ -15,7 +15,8 @@ import transformers
 from custom_ops import SCRATCH_BLOCK
 from engine import LLM, SamplingParams
 from engine.kv.block_pool import BlockPool
-from engine.kv.kv_groups import GroupedBlockPool, split_memory
+from engine.kv.grouped_pool import GroupedBlockPool
+from engine.kv.groups import split_memory
 from engine.kv.sliding_pool import SlidingBlockPool
 from tests.hf_helpers import random_hf_model
 

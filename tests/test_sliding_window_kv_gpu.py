@@ -1,4 +1,4 @@
-"""Sliding-window KV pool (engine.kv.kv_groups) on CUDA: decode graphs and prefill graphs read the sliding
+"""Sliding-window KV pool (engine.kv.groups) on CUDA: decode graphs and prefill graphs read the sliding
 group's own block tables, whose entries out of the window point at the scratch block, and change
 nothing: greedy output equals transformers' (uncached forward) with graphs, prefix caching, both
 step loops and preemption, and equals the one-pool engine.
@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.kv.kv_groups import GroupedBlockPool
+from engine.kv.grouped_pool import GroupedBlockPool
 from tests.hf_helpers import random_hf_model
 from tests.test_sliding_window_kv import greedy_without_cache
 

@@ -85,7 +85,7 @@ def _check_rank_stats(stats: dict) -> None:
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["modes"] == ranks[1]["modes"] == stats["modes"]  # every rank ran every step alike
     # the same pool on every rank: num_gpu_blocks for one KV group; with a pool per layer kind
-    # (Gemma 3, engine.kv.kv_groups) the same budget split alike, the full group getting at least as many
+    # (Gemma 3, engine.kv.groups) the same budget split alike, the full group getting at least as many
     assert ranks[0]["kv_blocks_by_group"] == ranks[1]["kv_blocks_by_group"] == stats["kv_blocks_by_group"]
     assert ranks[0]["kv_blocks"] == ranks[1]["kv_blocks"] >= SMALL["num_gpu_blocks"]
     assert len(stats["kv_blocks_by_group"]) > 1 or stats["kv_blocks"] == SMALL["num_gpu_blocks"]

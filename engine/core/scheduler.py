@@ -17,7 +17,7 @@ extend); a preempted request readmitted hits the blocks it published itself. Ful
 published after the step that computed them, and finishing, aborting (`finish`) or preempting drops
 the request's references.
 
-With sliding-window layers in their own pool (engine.kv.kv_groups), a scheduled request first gives back
+With sliding-window layers in their own pool (engine.kv.groups), a scheduled request first gives back
 the sliding blocks its chunk and every later query cannot see, and admission and growth need blocks
 in every group.
 """
@@ -137,7 +137,7 @@ class Scheduler:
         start = request.num_computed_tokens
         if self.pool.holds(request.request_id, start + num_new, start):
             return True  # most decode steps: 15 of 16 tokens land in a block the request already has
-        # Sliding-window blocks no query from the chunk's start on can see go back first (engine.kv.kv_groups).
+        # Sliding-window blocks no query from the chunk's start on can see go back first (engine.kv.groups).
         self.pool.release_before(request.request_id, start)
         while not self.pool.grow(request.request_id, start + num_new):
             victim = self.running.pop()

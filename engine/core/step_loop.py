@@ -25,7 +25,7 @@ Invariants:
   are freed, and the token its extra in-flight step samples is dropped, never emitted. Freeing
   blocks while a step that writes them is in flight is safe: all device work is ordered on one
   stream, so whoever gets the blocks next writes them in a later step. The same holds for the
-  sliding-window blocks the scheduler gives back when it plans step N+1 (engine.kv.kv_groups).
+  sliding-window blocks the scheduler gives back when it plans step N+1 (engine.kv.groups).
 - A preempted request keeps its in-flight token (that step ran on its blocks before they were
   freed); if it is readmitted before the token is read, the gather fills its prefill input.
 - Blocks a step fills are published to the prefix cache after the step before it is resolved (every

@@ -64,7 +64,7 @@ class StepChannel:
 
     def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int, table_width: int) -> list[torch.Tensor]:
         b = self.runtime.runner.buffers
-        groups = [t for (slots, _), tables in zip(b.group_slot_mappings, b.group_tables)  # engine.kv.kv_groups
+        groups = [t for (slots, _), tables in zip(b.group_slot_mappings, b.group_tables)  # engine.kv.groups
                   for t in (slots[:num_tokens], tables.table[:num_seqs, :table_width])]
         return [b.input_ids[:num_tokens], b.positions[:num_tokens], b.slot_mapping[:num_tokens],
                 b.query_start_loc[:num_seqs + 1], b.seq_lens[:num_seqs], b.block_tables[:num_seqs, :table_width],

@@ -73,11 +73,11 @@ class BlockPool:
         return self._owned.get(request_id, [])
 
     def tables(self, request_id: str) -> list[list[int]]:
-        """The request's block table per KV group (one group here; engine.kv.kv_groups has more)."""
+        """The request's block table per KV group (one group here; engine.kv.groups has more)."""
         return [self._owned.get(request_id, [])]
 
     def release_before(self, request_id: str, next_position: int) -> int:
-        """Every layer sees every earlier position: nothing falls out of a window (engine.kv.kv_groups)."""
+        """Every layer sees every earlier position: nothing falls out of a window (engine.kv.groups)."""
         return 0
 
     def holds(self, request_id: str, num_tokens: int, next_position: int) -> bool:

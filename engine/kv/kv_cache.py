@@ -11,7 +11,7 @@ do not record the KV address because attention runs between pieces) are resident
 warm-up step's measured activation peak and the measured memory of the largest full-decode graph
 (those graphs record the pool's address, so they are captured after it, into memory reserved here).
 On CPU there is no free-memory probe: an explicit `num_gpu_blocks`, else `CPU_KV_BYTES` worth.
-Both are counted in blocks of every layer (one pool's unit); with several KV groups (engine.kv.kv_groups)
+Both are counted in blocks of every layer (one pool's unit); with several KV groups (engine.kv.groups)
 that budget is split per group, each group's block costing only its own layers' bytes.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 
 from custom_ops import allocate_kv_cache, check_kv_cache, get_attention_layer
-from engine.kv.kv_groups import group_layers
+from engine.kv.groups import group_layers
 
 CPU_KV_BYTES = 512 * 2**20  # default CPU pool: enough for tests and `make run`, small beside the weights
 
 
 class KVCache:
-    """`groups` (engine.kv.kv_groups): the layers by kind, each group with its own number of blocks; with
+    """`groups` (engine.kv.groups): the layers by kind, each group with its own number of blocks; with
     by_kind=False, or a model of one kind, one group of every layer (as before groups existed)."""
 
     def __init__(self, layer_names: list[str], block_size: int, dtype: torch.dtype, device: torch.device,
@@ -57,7 +57,7 @@ class KVCache:
         return [self.by_layer[name] for name in self.layer_names if name in self.by_layer]
 
     def blocks_for_memory(self, available_bytes: int) -> int:
-        """Blocks of every layer (the one-pool unit) that fit; engine.kv.kv_groups splits them per group."""
+        """Blocks of every layer (the one-pool unit) that fit; engine.kv.groups splits them per group."""
         return max(0, int(available_bytes) // self.bytes_per_block)
 
     def allocate(self, num_blocks: int | list[int]) -> None:

@@ -18,7 +18,7 @@ valid only while the full cache still holds that very node, so a full block evic
 another prefix never hands out stale sliding K/V (checked on lookup, no callback needed). Any
 unreferenced cached sliding block can be evicted (least recently released first): unlike the full
 cache there is no tree to keep, since a hit asks only for the blocks of the last W tokens
-(engine.kv.kv_groups shortens a hit that lacks them).
+(engine.kv.groups shortens a hit that lacks them).
 
 Every usable block is exactly one of: free, cached and unreferenced (evictable), or referenced.
 """

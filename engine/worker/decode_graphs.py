@@ -6,7 +6,7 @@ graph's intermediates and every smaller graph reuses the memory of the largest: 
 largest-first into the engine's graph pool (shared with its piecewise graphs), with garbage collection
 frozen and paused (a collection during capture could free a tensor the graph records). The model
 runs under a FULL forward context carrying the engine's own KV caches (and, with a KV pool per layer
-kind, each group's slot mapping and block tables: engine.kv.kv_groups, ModelRunner.forward_context), so
+kind, each group's slot mapping and block tables: engine.kv.groups, ModelRunner.forward_context), so
 the backend's pieces pass straight through and this capture records everything, attention kernels
 and KV addresses included.
 

@@ -94,7 +94,7 @@ class StaticBuffers:
         # a per-sequence index list of the caller's (engine.core.step_loop: the slots its sampled tokens go to)
         self.step_indices, self._step_indices = views.pop("step_indices")
         self._table_value, self._table_value_host = (v.view(torch.int32) for v in views.pop("table_value"))
-        # KV groups after the first (engine.kv.kv_groups): each its own slot mapping (and block tables)
+        # KV groups after the first (engine.kv.groups): each its own slot mapping (and block tables)
         self.group_slot_mappings = [views.pop(f"group_slots_{g}") for g in range(1, num_groups)]
 
     def set_num_groups(self, num_groups: int) -> None:
@@ -117,7 +117,7 @@ class StaticBuffers:
 
         `tables[i]` is the block table of sequence i: the pool's own list (only new entries are copied,
         see PersistentBlockTables), or an empty one for a padding row. `group_slots[g]` and
-        `group_tables[g]`: the same for KV group g + 1 (one entry per extra group, engine.kv.kv_groups).
+        `group_tables[g]`: the same for KV group g + 1 (one entry per extra group, engine.kv.groups).
         `step_indices`: up to max_seqs ints the caller reads from `self.step_indices` (same copy).
         `device_ids`: input ids that are on the device, not in `ids` (DeviceIds).
 

@@ -47,7 +47,7 @@ class ModelRunner:
         self.dispatcher = Dispatcher()
         self.decode_graphs = None  # engine.worker.decode_graphs.DecodeGraphs, once captured
         self.kv_caches: dict[str, torch.Tensor] = {}  # layer name -> this engine's cache (engine.kv.kv_cache)
-        self.group_layers: list[tuple[str, ...]] = []  # layers of KV groups 1.. (engine.kv.kv_groups)
+        self.group_layers: list[tuple[str, ...]] = []  # layers of KV groups 1.. (engine.kv.groups)
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
         # Tensor parallelism (engine.distributed.tp): on rank 0, called with each staged step so the other ranks
         # stage the same buffers and run the same forward.
@@ -84,7 +84,7 @@ class ModelRunner:
         return StepResult(self.model.compute_logits(hidden[rows]), dispatch)
 
     def set_kv_groups(self, groups: list) -> None:
-        """The engine's KV groups (engine.kv.kv_groups.KVGroup, group 0 first): groups after the first get
+        """The engine's KV groups (engine.kv.groups.KVGroup, group 0 first): groups after the first get
         their own slot mapping and block tables, which their layers' attention reads."""
         self.group_layers = [tuple(g.layer_names) for g in groups[1:]]
         self.buffers.set_num_groups(len(groups))

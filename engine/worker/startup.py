@@ -38,8 +38,9 @@ import torch
 from custom_ops import RuntimeMode
 from engine.config import ConfigError, EngineConfig
 from engine.kv.block_pool import BlockPool
+from engine.kv.grouped_pool import GroupedBlockPool, group_stats, make_block_pool
+from engine.kv.groups import blocks_per_group
 from engine.kv.kv_cache import CPU_KV_BYTES, KVCache
-from engine.kv.kv_groups import GroupedBlockPool, blocks_per_group, group_stats, make_block_pool
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.sample.sampler import Sampler
@@ -234,7 +235,7 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
 
 def _allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_bytes: int | None = None) -> None:
     """The KV tensors and block pool for a budget of num_blocks blocks of every layer. With several KV
-    groups (engine.kv.kv_groups) the budget's bytes are split so that every group holds the same number
+    groups (engine.kv.groups) the budget's bytes are split so that every group holds the same number
     of max_model_len sequences; a group's block costs only its own layers' bytes."""
     kv_cache = rt.kv_cache
     blocks = blocks_per_group(kv_cache.groups, kv_cache.group_bytes_per_block, num_blocks * kv_cache.bytes_per_block,
