@@ -17,7 +17,6 @@ timeline (engine/worker/timeline.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 import logging
@@ -29,6 +28,7 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
 from engine.core.scheduler import Scheduler
+from engine.core.stats import collect_stats
 from engine.core.step_loop import StepLoop
 from engine.outputs import RequestOutput
 from engine.params import InvalidRequestError, SamplingParams, check_prompt
@@ -250,10 +250,8 @@ class LLM:
         if self._decode is None:
             return
         for request in update_all([(self._trackers[r.request_id], r) for r in requests]):
-            if request.is_finished:  # max_tokens / EOS in the same token: the stop string decides
-                request.finish_reason = FinishReason.STOP
-            else:
-                self._finish_between_steps(request, FinishReason.STOP)
+            self.scheduler.stop_string_matched(request)
+            self._loop.finished(request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: it is not scheduled again, its KV blocks go back to the pool at once,
@@ -294,7 +292,7 @@ class LLM:
 
         attempt(self._loop.drain)  # no graph or pool is freed under a step still running
         try:  # this rank's figures only: gathering the other ranks' could wait on a failed group
-            self._final_stats = self._collect_stats(gather_ranks=False)
+            self._final_stats = collect_stats(self, gather_ranks=False)
         except Exception as exc:
             errors.append(exc)
             self._final_stats = {}
@@ -347,49 +345,7 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         if self._final_stats is not None:
             return dict(self._final_stats)
-        return self._collect_stats(gather_ranks=True)
-
-    def _collect_stats(self, gather_ranks: bool) -> dict[str, Any]:
-        runner = self.runtime.runner
-        graphs = runner.decode_graphs
-        stats: dict[str, Any] = {
-            "steps": self.num_steps,
-            "generated_tokens": self.num_generated_tokens,
-            "modes": dict(runner.dispatcher.mode_counts),
-            "fallbacks": runner.dispatcher.fallbacks,
-            "fallback_reasons": dict(runner.dispatcher.fallback_counts),
-            "preemptions": self.scheduler.num_preemptions,
-            "requests_running": len(self.scheduler.running),
-            "requests_waiting": len(self.scheduler.waiting),
-            "kv_blocks": self.runtime.block_pool.num_blocks,
-            "prefix_cache": self.runtime.block_pool.prefix_cache_stats(),
-            "kv_blocks_free": self.runtime.block_pool.num_free_blocks,
-            "kv_blocks_by_group": list(self.runtime.kv_cache.num_blocks_by_group),
-            "kv_groups": self.runtime.kv_group_stats(self.config.max_model_len),
-            "decode_graphs": len(graphs.sizes) if graphs else 0,
-            "decode_graph_replays": graphs.replays if graphs else 0,
-            "decode_graph_replays_by_size": dict(graphs.replays_by_size) if graphs else {},
-            "decode_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
-            "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
-            "piecewise_capture_seconds": self.runtime.piecewise_capture_seconds,
-            "async_scheduling": self._loop.depth == 1,
-            # steps the host could not run ahead of: it read the in-flight tokens with the device idle
-            "async_drains": self._loop.num_drains,
-            "async_overlapped_steps": self._loop.num_overlapped_steps,
-            "async_discarded_tokens": self._loop.num_discarded_tokens,
-            **self.runtime.memory,
-            "startup": self.startup.as_dict(),
-        }
-        if self.runtime.backend is not None:
-            stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
-        # what the decode graphs recorded: "layered" / "unsplit" code, or the split pieces (None: no graphs)
-        backend = self.runtime.backend
-        stats["full_graph_compile"] = (backend.config.full_graph_compile if backend is not None and graphs
-                                       else "piecewise" if graphs else None)
-        if self.tp is not None and gather_ranks:
-            # graph counts and fallbacks of every rank; a failed group can only report its failure
-            stats["ranks"] = self.tp.rank_stats() if self.tp.failure is None else self.tp.failure
-        return stats
+        return collect_stats(self, gather_ranks=True)
 
 
 def _check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:

@@ -225,6 +225,15 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def stop_string_matched(self, request: Request) -> None:
+        """The request's text reached one of its stop strings (engine.core.detokenizer): it ends with
+        FinishReason.STOP, also if the token that completed the string ended it otherwise (max_tokens,
+        EOS): the stop string decides."""
+        if request.is_finished:
+            request.finish_reason = FinishReason.STOP
+        else:
+            self.finish(request, FinishReason.STOP)
+
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (its stop condition, or an abort): out of the queues, its block references dropped."""
         if request.is_finished:

@@ -1,0 +1,55 @@
+"""LLM.stats(): the engine's counters in one dict (steps, graph modes and fallbacks, scheduler, KV
+pool and prefix cache, decode graphs, the step loop, start-up memory and timeline, the backend's
+counters, and under tensor parallelism every rank's)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.core.llm import LLM
+
+
+def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
+    """`gather_ranks`: ask the other tensor-parallel ranks for theirs (not while closing: a failed
+    group could keep the caller waiting)."""
+    runner = llm.runtime.runner
+    graphs = runner.decode_graphs
+    stats: dict[str, Any] = {
+        "steps": llm.num_steps,
+        "generated_tokens": llm.num_generated_tokens,
+        "modes": dict(runner.dispatcher.mode_counts),
+        "fallbacks": runner.dispatcher.fallbacks,
+        "fallback_reasons": dict(runner.dispatcher.fallback_counts),
+        "preemptions": llm.scheduler.num_preemptions,
+        "requests_running": len(llm.scheduler.running),
+        "requests_waiting": len(llm.scheduler.waiting),
+        "kv_blocks": llm.runtime.block_pool.num_blocks,
+        "prefix_cache": llm.runtime.block_pool.prefix_cache_stats(),
+        "kv_blocks_free": llm.runtime.block_pool.num_free_blocks,
+        "kv_blocks_by_group": list(llm.runtime.kv_cache.num_blocks_by_group),
+        "kv_groups": llm.runtime.kv_group_stats(llm.config.max_model_len),
+        "decode_graphs": len(graphs.sizes) if graphs else 0,
+        "decode_graph_replays": graphs.replays if graphs else 0,
+        "decode_graph_replays_by_size": dict(graphs.replays_by_size) if graphs else {},
+        "decode_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
+        "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
+        "piecewise_capture_seconds": llm.runtime.piecewise_capture_seconds,
+        "async_scheduling": llm._loop.depth == 1,
+        # steps the host could not run ahead of: it read the in-flight tokens with the device idle
+        "async_drains": llm._loop.num_drains,
+        "async_overlapped_steps": llm._loop.num_overlapped_steps,
+        "async_discarded_tokens": llm._loop.num_discarded_tokens,
+        **llm.runtime.memory,
+        "startup": llm.startup.as_dict(),
+    }
+    if llm.runtime.backend is not None:
+        stats["backend"] = dataclasses.asdict(llm.runtime.backend.stats)
+    # what the decode graphs recorded: "layered" / "unsplit" code, or the split pieces (None: no graphs)
+    backend = llm.runtime.backend
+    stats["full_graph_compile"] = (backend.config.full_graph_compile if backend is not None and graphs
+                                   else "piecewise" if graphs else None)
+    if llm.tp is not None and gather_ranks:
+        # graph counts and fallbacks of every rank; a failed group can only report its failure
+        stats["ranks"] = llm.tp.rank_stats() if llm.tp.failure is None else llm.tp.failure
+    return stats
