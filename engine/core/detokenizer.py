@@ -10,8 +10,8 @@ The cost of one step is proportional to the tokens it adds, never to the tokens 
   a suffix that could still become a stop string, and builds each `RequestOutput` from cursors into
   the request's own lists (the cumulative fields are materialized only when read).
 - `update_all` advances every request of a step with ONE batched decode (`BatchDecoder`: the fast
-  tokenizer's Rust `decode_batch`, which releases the GIL) instead of two Python-level decodes per
-  request: at batch 64 those were most of the ~0.9 ms a step the front end cost the step thread.
+  tokenizer's Rust `decode_batch`) instead of two Python-level decodes per request: at batch 64 those
+  were most of the ~0.9 ms a step the front end cost the step thread.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ MAX_HELD_TOKENS = 8
 class BatchDecoder:
     """Many token lists decoded at once, exactly as `tokenizer.decode(ids, skip_special_tokens=True)`.
 
-    A fast tokenizer's backend decodes the whole batch in one call (in Rust, without the GIL). Where
+    A fast tokenizer's backend decodes the whole batch in one call (in Rust). Where
     transformers' decode would post-process the text (clean_up_tokenization_spaces), or the backend
     is missing, or the first batch's first text differs from `tokenizer.decode` (a check made once),
     it decodes one list at a time through `tokenizer.decode`, and says so once in the log."""

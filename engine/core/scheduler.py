@@ -165,16 +165,13 @@ class Scheduler:
         """A launched step: its chunks are computed, and each sampling chunk has one token in flight.
         A request whose in-flight token reaches max_tokens or max_model_len leaves the running list
         now, so it is never scheduled past its length (it finishes when that token is read)."""
-        max_model_len = self.max_model_len
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue  # a partial prefill chunk emits no token
             request.num_inflight_tokens += 1
-            planned = request.num_planned_tokens
-            if (planned - request.num_prompt_tokens >= request.params.max_tokens or planned >= max_model_len) \
-                    and request in self.running:
+            if self._at_length(request, request.num_planned_tokens) and request in self.running:
                 self.running.remove(request)
 
     def resolve_token(self, request: Request, token: int, now: float) -> FinishReason | None:
@@ -214,16 +211,17 @@ class Scheduler:
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why `token`, the request's newest known token, ends it, or None."""
         params = request.params
-        num_tokens = request.num_tokens
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.EOS
         if token in params.stop_token_ids:
             return FinishReason.STOP
-        if num_tokens - request.num_prompt_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if num_tokens >= self.max_model_len:
+        if self._at_length(request, request.num_tokens):
             return FinishReason.LENGTH
         return None
+
+    def _at_length(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request of num_tokens tokens has reached max_tokens or max_model_len."""
+        return num_tokens - request.num_prompt_tokens >= request.params.max_tokens or num_tokens >= self.max_model_len
 
     def stop_string_matched(self, request: Request) -> None:
         """The request's text reached one of its stop strings (engine.core.detokenizer): it ends with
