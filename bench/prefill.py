@@ -26,6 +26,12 @@ Engine row: what users run, through the public API only (engine.LLM, SamplingPar
                                  torch.profiler trace, the gaps between them left out; CUDA only): well
                                  under median_ms, the engine row is host-bound
                     engine_steps steps per prefill and the dispatcher's modes (from llm.stats())
+                    host_ms      the host time of the step() that launches the prefill, with the GPU
+                                 asleep (schedule, staging, every launch of the forward and of
+                                 sampling): under gpu_ms, the step can run at the GPU's speed;
+                                 host_us_per_layer is it over the decoder layers
+  engine_full       the same with cudagraph_mode FULL: the prefill replays one graph of the whole
+                    forward (engine.worker.mixed_graphs), no launch between pieces
 Floor = max(weight bytes / copy bandwidth, (2 * matmul params * T + logits) / matmul rate).
 
 Cost on an H100 (expected, qwen3-4b, --tokens 64,128,512): the harness ~1.5-2 min (one compile, captures
@@ -47,9 +53,11 @@ from bench.measure import Report, gpu_ms_host_ahead, measure_ceilings, median_ms
 from bench.paged import PagedKV, blocks_per_seq, step_inputs, step_metadata
 
 TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-COLUMNS = ["variant", "tokens", "median_ms", "gpu_ms", "ttft_ms", "floor_ms", "x_floor", "x_full_graph", "tokens_per_s",
-           "engine_steps"]
+COLUMNS = ["variant", "tokens", "median_ms", "gpu_ms", "host_ms", "host_us_per_layer", "ttft_ms", "floor_ms",
+           "x_floor", "x_full_graph", "tokens_per_s", "engine_steps"]
 HARNESS_VARIANTS = ("eager", "compiled", "piecewise", "full_graph", "full_graph_eager")
+# engine rows: the engine's default graph mode (FULL_AND_PIECEWISE on CUDA), and FULL (mixed-step graphs)
+ENGINE_VARIANTS = {"engine": None, "engine_full": "FULL"}
 ENGINE_WARMUP = 3     # LLM.generate calls per T before the engine row's timed ones
 ENGINE_PROFILED = 5   # prefills per T in the torch.profiler trace that gives the engine row's gpu_ms
 ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len is min(the model's limit, this)
@@ -102,7 +110,11 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
             ms_piece = gpu_ms_piece = ms_full = ms_full_eager = None
             if on_cuda:  # on the CPU nothing is captured: a "piecewise" row would time the compiled pieces again
                 ms_piece = median_ms(lambda: run_model(compiled, RuntimeMode.PIECEWISE), iters=iters)
-                gpu_ms_piece = gpu_ms_host_ahead(lambda: run_model(compiled, RuntimeMode.PIECEWISE))
+                try:
+                    gpu_ms_piece = gpu_ms_host_ahead(lambda: run_model(compiled, RuntimeMode.PIECEWISE))
+                except RuntimeError as exc:  # the launch queue filled while the GPU slept: no figure
+                    gpu_ms_piece = None
+                    report.notes.append(f"piecewise gpu_ms at {t} tokens not measured: {exc}")
                 piece_err = rel_err(run_model(compiled, RuntimeMode.PIECEWISE), reference)
                 for variant, fn in (("full_graph", compiled), ("full_graph_eager", net)):
                     run_model(fn, RuntimeMode.FULL)  # warm-up outside the capture
@@ -149,13 +161,18 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
         del hf
         free_device_memory()
 
-    engine = engine_prefill(net, tokens, iters, report)
+    # on the CPU every mode resolves to NONE: one engine row
+    for variant, mode in (ENGINE_VARIANTS if on_cuda else {"engine": None}).items():
+        engine = engine_prefill(net, tokens, iters, report, mode)
+        torch._dynamo.reset()
+        free_device_memory()
+        for t, m in sorted(engine.items()):
+            add(variant, t, m["step_ms"])
+            report.rows[-1].update({k: m[k] for k in ("gpu_ms", "ttft_ms", "engine_steps", "host_ms",
+                                                      "host_us_per_layer") if m.get(k) is not None})
     del net
     torch._dynamo.reset()
     free_device_memory()
-    for t, m in sorted(engine.items()):
-        add("engine", t, m["step_ms"])
-        report.rows[-1].update({k: m[k] for k in ("gpu_ms", "ttft_ms", "engine_steps") if m[k] is not None})
     for row in report.rows:
         full = results.get(("full_graph", row["tokens"]))
         row["x_full_graph"] = ratio(row["median_ms"], full)
@@ -168,10 +185,10 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
     return report
 
 
-def engine_prefill(net, tokens, iters: int, report: Report) -> dict[int, dict]:
+def engine_prefill(net, tokens, iters: int, report: Report, mode: str | None = None) -> dict[int, dict]:
     """The engine row per token count (see the module docstring): an LLM over `net` with the engine's
-    defaults and prefix caching off, through its public API only; closed before this returns. Token
-    counts the engine refuses are left out, with a note."""
+    defaults (cudagraph_mode `mode` where given) and prefix caching off, through its public API only;
+    closed before this returns. Token counts the engine refuses are left out, with a note."""
     from engine import LLM, InvalidRequestError, SamplingParams
 
     on_cuda = torch.cuda.is_available()
@@ -195,6 +212,8 @@ def engine_prefill(net, tokens, iters: int, report: Report) -> dict[int, dict]:
                 raise RuntimeError(f"engine row: request {request_id} ended without an output")
 
     fields = dict(enable_prefix_caching=False, show_progress=False)  # the rest: the engine's defaults
+    if mode is not None:
+        fields["cudagraph_mode"] = mode
     if max(tokens) > ENGINE_MAX_MODEL_LEN:
         fields["max_model_len"] = max(tokens)
     llm = LLM(net, **fields)
@@ -224,6 +243,11 @@ def engine_prefill(net, tokens, iters: int, report: Report) -> dict[int, dict]:
             results[t] = {"step_ms": statistics.median(step_s) * 1e3, "ttft_ms": statistics.median(ttfts) * 1e3,
                           "gpu_ms": None, "engine_steps": _steps_text(steps, modes)}
         if on_cuda and results:
+            layers = len(net.model.layers)
+            for t in results:
+                host = _engine_host_ms(llm, lambda: llm.add_request(prompt(t), params))
+                results[t]["host_ms"] = host
+                results[t]["host_us_per_layer"] = None if host is None else host * 1e3 / layers
             # after every timed call: the profiler must not sit under another measurement
             for t in results:
                 results[t]["gpu_ms"] = _engine_gpu_ms(lambda: one_prefill(prompt(t)))
@@ -257,6 +281,33 @@ def engine_prefill(net, tokens, iters: int, report: Report) -> dict[int, dict]:
     if skipped:
         report.notes.append("engine rows skipped: " + "; ".join(skipped))
     return results
+
+
+def _engine_host_ms(llm, add, sleep_cycles: int = 200_000_000, tries: int = ENGINE_PROFILED) -> float | None:
+    """Median host milliseconds of the step() that launches a prefill, with the GPU asleep so the host
+    never waits for it: schedule, staging, and every launch of the forward (each piece's replay and
+    each attention launch between them) and of sampling. The overlapped loop returns from that step()
+    without reading the token (the next one does), so nothing in it waits for the GPU; a try whose
+    step outlasted the sleep is dropped. None where the loop is synchronous or every try was dropped."""
+    if not llm.config.async_scheduling:
+        return None
+    samples = []
+    for _ in range(tries):
+        torch.cuda.synchronize()
+        asleep, awake = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        asleep.record()
+        torch.cuda._sleep(sleep_cycles)
+        awake.record()
+        add()
+        start = time.perf_counter()
+        llm.step()
+        host_ms = (time.perf_counter() - start) * 1e3
+        while llm.has_unfinished_requests():
+            llm.step()
+        torch.cuda.synchronize()
+        if host_ms < asleep.elapsed_time(awake):
+            samples.append(host_ms)
+    return statistics.median(samples) if samples else None
 
 
 def _steps_text(steps: float, modes: dict[str, float]) -> str:

@@ -43,6 +43,11 @@ class AttentionMetadata:
     max_query_len: int             # host-side bound, sizes launch grids
     max_seq_len: int               # host-side bound on seq_lens (a graph uses max_model_len here)
     is_uniform_decode: bool = False  # every sequence has exactly one query token
+    # The step's real token count is on the device only (query_start_loc[-1]); num_actual_tokens is
+    # then the padded count. For a graph that serves any step up to its size (engine.worker.mixed_graphs):
+    # sequences past the step's own have no query rows, and the attention launch zeroes the rows from
+    # query_start_loc[-1] on, reading where they start when it runs.
+    real_tokens_on_device: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -62,9 +62,9 @@ def paged_attention(
     layer: AttentionLayer, kv_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> None:
     """Store the real tokens' K/V by slot, then attend each sequence over its cached prefix + new tokens."""
-    n = meta.num_actual_tokens
-    store_kv(k[:n], v[:n], kv_cache, meta.slot_mapping)
     starts = meta.query_start_loc.tolist()
+    n = starts[-1] if meta.real_tokens_on_device else meta.num_actual_tokens
+    store_kv(k[:n], v[:n], kv_cache, meta.slot_mapping)
     seq_lens = meta.seq_lens.tolist()
     for i, seq_len in enumerate(seq_lens):
         q_begin, q_end = starts[i], starts[i + 1]

@@ -82,6 +82,9 @@ def paged_attention(
     # Padding rows read nothing; zeros keep them deterministic (as the reference). The prefill launch
     # writes them itself: between two piecewise graphs a separate fill was one more host launch per layer.
     if meta.is_uniform_decode:
+        if meta.real_tokens_on_device:
+            raise ValueError("paged_attention: a uniform decode step has its token count on the host "
+                             "(AttentionMetadata.real_tokens_on_device is for mixed steps)")
         launch_decode(q, kv_cache, out, block_tables=meta.block_tables, seq_lens=meta.seq_lens,
                       max_seq_len=meta.max_seq_len, num_splits=num_splits, new_kv=new_kv, rotary=rotary,
                       **common)
@@ -91,5 +94,6 @@ def paged_attention(
         launch_prefill(q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs,
                        max_query_len=meta.max_query_len, block_tables=meta.block_tables,
                        query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                       page_size=kv_cache.shape[2], new_kv=new_kv, zero_from=n if n < out.shape[0] else None,
-                       **common)
+                       page_size=kv_cache.shape[2], new_kv=new_kv,
+                       zero_from=None if meta.real_tokens_on_device or n >= out.shape[0] else n,
+                       zero_tail_on_device=meta.real_tokens_on_device, **common)

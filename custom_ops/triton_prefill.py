@@ -149,7 +149,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSE_STORE: tl.constexpr,
+    FUSE_STORE: tl.constexpr, PAD_START_ON_DEVICE: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # most work first
@@ -160,6 +160,8 @@ def _prefill_kernel(
         # The grid's last "sequence": the step's padding rows [pad_start, pad_end), which read nothing
         # and are written as zeros here (a separate fill per layer was a host launch between pieces).
         if seq == tl.num_programs(2) - 1:
+            if PAD_START_ON_DEVICE:  # where the step's real rows end: query_start_loc[num_seqs]
+                pad_start = tl.load(query_start_loc_ptr + seq)
             pad_rows = pad_start + m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
             pad_mask = (pad_rows < pad_end)[:, None] & d_mask[None, :]
             tl.store(out_ptr + pad_rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -298,6 +300,7 @@ def launch_prefill(
     block_tables: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None, page_size: int = 1, config: dict | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, zero_from: int | None = None,
+    zero_tail_on_device: bool = False,
 ) -> None:
     """Launch the prefill kernel. Paged: ``k_src/v_src`` are ``cache[0]/cache[1]`` ``[NB, BS, Hkv, D]``;
     dense: ``[T, Hkv, D]`` with ``dense_len = T`` and ``num_seqs = 1``.
@@ -305,7 +308,8 @@ def launch_prefill(
     Paged, ``new_kv = (k, v, slot_mapping, num_tokens)`` fuses the store: the new tokens' keys are
     read from ``k, v`` and written to their slots by the same launch (the cache need not hold them).
     ``zero_from``: out's rows from there on are padding (no sequence owns them); the launch writes them
-    as zeros."""
+    as zeros. ``zero_tail_on_device``: the same from ``query_start_loc[num_seqs]`` on, read by the launch
+    when it runs (a graph replayed for steps of any real token count up to out's rows)."""
     if new_kv is not None and not paged:
         raise ValueError("launch_prefill: new_kv (a fused store) needs the paged cache")
     cfg = dict(prefill_config(head_dim, q.dtype, max_query_len))
@@ -329,7 +333,12 @@ def launch_prefill(
     else:
         k_new = v_new = slots = q  # unused under FUSE_STORE=False
         num_stores = 0
-    pad_start, pad_end = (zero_from, out.shape[0]) if zero_from is not None and paged else (0, 0)
+    if zero_tail_on_device and not paged:
+        raise ValueError("launch_prefill: zero_tail_on_device needs the paged layout (query_start_loc)")
+    if zero_tail_on_device:
+        pad_start, pad_end = 0, out.shape[0]  # the kernel reads the real start
+    else:
+        pad_start, pad_end = (zero_from, out.shape[0]) if zero_from is not None and paged else (0, 0)
     if pad_end > pad_start:  # one more grid "sequence", whose programs zero the padding rows
         grid = (num_heads, cdiv(max(max_query_len, pad_end - pad_start), block_m), num_seqs + 1)
     else:
@@ -346,5 +355,5 @@ def launch_prefill(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,
         SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window), DOT_PRECISION=dot_precision(q.dtype),
-        FUSE_STORE=new_kv is not None, **cfg,
+        FUSE_STORE=new_kv is not None, PAD_START_ON_DEVICE=zero_tail_on_device, **cfg,
     ))

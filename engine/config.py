@@ -22,6 +22,27 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PIECE_COMPILERS = ("inductor", "eager")
 _FULL_GRAPH_COMPILES = ("layered", "unsplit", "piecewise")
 
+# The seeds' (vLLM's) graph modes -> (decode graphs, piecewise graphs, full graphs for mixed steps):
+#   NONE                no graphs: the compiled (or eager) model on every step
+#   PIECEWISE           piecewise graphs for every step (attention eager between the pieces)
+#   FULL                one native graph per step bucket for every step: decode graphs for uniform
+#                       decode batches, mixed graphs (engine.worker.mixed_graphs) for the rest
+#   FULL_DECODE_ONLY    decode graphs; every other step without a graph
+#   FULL_AND_PIECEWISE  decode graphs, and piecewise graphs for the other steps
+CUDAGRAPH_MODES: dict[str, tuple[bool, bool, bool]] = {
+    "NONE": (False, False, False),
+    "PIECEWISE": (False, True, False),
+    "FULL": (True, False, True),
+    "FULL_DECODE_ONLY": (True, False, False),
+    "FULL_AND_PIECEWISE": (True, True, False),
+}
+
+
+def cudagraph_mode_of(cuda_graphs: bool, prefill_graphs: bool) -> str:
+    """The mode name of the two simple switches (they cannot spell FULL)."""
+    return {(False, False): "NONE", (False, True): "PIECEWISE", (True, False): "FULL_DECODE_ONLY",
+            (True, True): "FULL_AND_PIECEWISE"}[(bool(cuda_graphs), bool(prefill_graphs))]
+
 
 class ConfigError(ValueError):
     """An EngineConfig field has a value the engine cannot run with; the message names the field."""
@@ -64,6 +85,10 @@ class EngineConfig:
     decode_graph_sizes: tuple[int, ...] | None = None   # batch buckets; None: default_decode_graph_sizes
     prefill_graphs: bool | None = None     # piecewise graphs for prefill and mixed steps; None: on for CUDA + compile
     prefill_graph_sizes: tuple[int, ...] | None = None  # token buckets; None: compile_backend's default_capture_sizes
+    # NONE | PIECEWISE | FULL | FULL_DECODE_ONLY | FULL_AND_PIECEWISE (CUDAGRAPH_MODES above); None: from
+    # cuda_graphs / prefill_graphs (FULL_AND_PIECEWISE on CUDA with compile). The simple switches may be
+    # given too, but only in agreement with it. Mixed-step graphs (FULL) use prefill_graph_sizes' buckets.
+    cudagraph_mode: str | None = None
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
     async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/core/step_loop.py at depth 1; False: depth 0)
@@ -137,9 +162,31 @@ class EngineConfig:
                    self.prefill_graph_sizes, f"sizes <= max_num_batched_tokens ({self.max_num_batched_tokens})")
         _check(self.prefill_graphs is None or isinstance(self.prefill_graphs, bool), "prefill_graphs",
                self.prefill_graphs, "None (on for CUDA with compile) or a bool")
+        if self.cudagraph_mode is not None:
+            mode = self.cudagraph_mode.upper() if isinstance(self.cudagraph_mode, str) else self.cudagraph_mode
+            _check(isinstance(mode, str) and mode in CUDAGRAPH_MODES, "cudagraph_mode", self.cudagraph_mode,
+                   f"None or one of {', '.join(CUDAGRAPH_MODES)}")
+            self.cudagraph_mode = mode
+            decode, piecewise, _ = CUDAGRAPH_MODES[mode]
+            for name, wanted in (("cuda_graphs", decode), ("prefill_graphs", piecewise)):
+                given = getattr(self, name)
+                if given is not None and given != wanted:
+                    raise ConfigError(
+                        f"EngineConfig.cudagraph_mode={mode!r} and {name}={given!r} disagree: {mode} means "
+                        f"{name}={wanted}; give only cudagraph_mode (or matching values)")
+        _check(self.cuda_graphs is None or isinstance(self.cuda_graphs, bool), "cuda_graphs",
+               self.cuda_graphs, "None (on for CUDA) or a bool")
         if self.prefill_graphs and self.compile is False:
             raise ConfigError("EngineConfig.prefill_graphs=True needs compile=True (piecewise graphs are "
                               "captured by the infer_graphs torch.compile backend)")
+        if self.cudagraph_mode == "PIECEWISE" and self.compile is False:
+            raise ConfigError("EngineConfig.cudagraph_mode='PIECEWISE' needs compile=True (piecewise graphs are "
+                              "captured by the infer_graphs torch.compile backend)")
+
+    @property
+    def mixed_graphs(self) -> bool:
+        """Whether steps that are not uniform decodes replay full graphs (cudagraph_mode FULL)."""
+        return self.cudagraph_mode is not None and CUDAGRAPH_MODES[self.cudagraph_mode][2]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -161,16 +208,24 @@ class EngineConfig:
         on_cuda = torch.device(device).type == "cuda"
         changes: dict[str, Any] = {"device": device, "dtype": dtype}
         changes["compile"] = on_cuda if self.compile is None else self.compile
-        cuda_graphs, prefill_graphs = self.cuda_graphs, self.prefill_graphs
-        if prefill_graphs is None:  # the configuration the benchmarks measure, where it can run
-            prefill_graphs = on_cuda and changes["compile"]
+        mode = self.cudagraph_mode
+        if mode is not None:
+            cuda_graphs, prefill_graphs, _ = CUDAGRAPH_MODES[mode]
+        else:
+            cuda_graphs, prefill_graphs = self.cuda_graphs, self.prefill_graphs
+            if prefill_graphs is None:  # the configuration the benchmarks measure, where it can run
+                prefill_graphs = on_cuda and changes["compile"]
+            if cuda_graphs is None:
+                cuda_graphs = on_cuda
         if not on_cuda and (cuda_graphs or prefill_graphs):
-            asked = [name for name, on in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs)) if on]
+            asked = (f"cudagraph_mode={mode!r}" if mode is not None else " and ".join(
+                f"{n}=True" for n, on in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs)) if on))
             logger.warning("EngineConfig: device %r has no CUDA graphs; %s ignored (the model runs "
-                           "without graphs)", device, " and ".join(f"{n}=True" for n in asked))
-            cuda_graphs, prefill_graphs = False, False
-        changes["cuda_graphs"] = on_cuda if cuda_graphs is None else cuda_graphs
+                           "without graphs)", device, asked)
+            cuda_graphs, prefill_graphs, mode = False, False, "NONE"
+        changes["cuda_graphs"] = cuda_graphs
         changes["prefill_graphs"] = prefill_graphs
+        changes["cudagraph_mode"] = mode or cudagraph_mode_of(cuda_graphs, prefill_graphs)
         changes["full_graph_compile"] = self.full_graph_compile or default_full_graph_compile(prefill_graphs)
         max_len = self.max_model_len
         if max_len is None:

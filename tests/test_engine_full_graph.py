@@ -59,7 +59,7 @@ def test_full_step_code_comes_from_the_pieces_trace_and_decodes_like_them(tmp_pa
     from torch._dynamo.utils import ReinplaceCounters
     ReinplaceCounters.clear()
     # the CPU config resolved cuda_graphs off; the compile is asked for what a CUDA engine gets
-    config = dataclasses.replace(llm.config, piece_compiler="inductor", cuda_graphs=True,
+    config = dataclasses.replace(llm.config, piece_compiler="inductor", cuda_graphs=True, cudagraph_mode=None,
                                  full_graph_compile=variant)
     unsplit, _, backend = compile_model(llm.model, config)
     runner.decode_graphs = both = _BothVariants(runner, (2, 4), unsplit)

@@ -23,6 +23,8 @@ MODES = {
     "graphs_off": dict(cuda_graphs=False, prefill_graphs=False),
     "decode_graphs": dict(cuda_graphs=True, prefill_graphs=False),
     "decode_and_prefill_graphs": dict(cuda_graphs=True, prefill_graphs=True),
+    "full": dict(cudagraph_mode="FULL"),            # decode graphs + full graphs of mixed steps
+    "piecewise": dict(cudagraph_mode="PIECEWISE"),  # piecewise graphs for every step
 }
 # (arrival step, prompt, max_tokens): staggered arrivals, different lengths, different finishes.
 WORKLOAD = [(3 * i, [1] + [(7 * i + 5 * j) % 90 + 3 for j in range(2 + (11 * i) % 40)], 3 + (13 * i) % 29)
@@ -64,8 +66,8 @@ def test_greedy_output_is_identical_with_graphs_off_decode_graphs_and_prefill_gr
     assert len(results["graphs_off"]) == len(WORKLOAD)
     for index, (_, _, max_tokens) in enumerate(WORKLOAD):
         assert len(results["graphs_off"][str(index)]) == max_tokens
-    assert results["decode_graphs"] == results["graphs_off"]
-    assert results["decode_and_prefill_graphs"] == results["graphs_off"]
+    for mode in MODES:
+        assert results[mode] == results["graphs_off"], mode
 
     assert "full" not in stats["graphs_off"]["modes"] and stats["graphs_off"]["decode_graphs"] == 0
     for mode in ("decode_graphs", "decode_and_prefill_graphs"):
@@ -76,6 +78,36 @@ def test_greedy_output_is_identical_with_graphs_off_decode_graphs_and_prefill_gr
     assert s["modes"]["piecewise"] > 0 and "none" not in s["modes"]
     assert s["backend"]["replay_steps"] > 0 and s["backend"]["fallback_steps"] == 0
     assert s["backend"]["graphs_compiled"] == 1  # one trace for every token count
+    s = stats["full"]
+    assert s["cudagraph_mode"] == "FULL" and s["mixed_graphs"] > 0 and s["mixed_graph_replays"] > 0
+    assert "none" not in s["modes"] and "piecewise" not in s["modes"] and s["fallbacks"] == 0
+    s = stats["piecewise"]
+    assert s["decode_graphs"] == 0 and set(s["modes"]) == {"piecewise"} and s["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_full_mixed_graphs_equal_piecewise_with_chunked_prefill_and_prefix_hits(model_dirs, arch):
+    """Prompts longer than the step budget (chunked over several mixed steps) sharing a long prefix
+    (the second round hits the prefix cache), with float32 logprobs: FULL's mixed graphs give the
+    PIECEWISE tokens and logprobs."""
+    prefix = [1] + [(5 * j) % 80 + 3 for j in range(70)]
+    prompts = [prefix + [(11 * i + j) % 90 + 3 for j in range(3 + 7 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = {}
+    for mode in ("PIECEWISE", "FULL", "NONE"):
+        with _engine(model_dirs[arch], cudagraph_mode=mode, max_num_batched_tokens=48, max_model_len=128) as llm:
+            first = llm.generate(prompts, params)
+            second = llm.generate(prompts, params)
+            stats = llm.stats()
+        outs[mode] = first + second
+        assert stats["prefix_cache"]["hit_tokens"] > 0
+        if mode == "FULL":
+            assert stats["mixed_graph_replays"] > 0 and "none" not in stats["modes"], stats["modes"]
+    for mode in ("FULL", "NONE"):
+        for got, ref in zip(outs[mode], outs["PIECEWISE"]):
+            assert got.token_ids == ref.token_ids, mode
+            for a, b in zip(got.logprobs, ref.logprobs):
+                assert abs(a.logprob - b.logprob) < 1e-3, mode
 
 
 def test_batch_larger_than_the_largest_decode_graph_falls_back_and_stays_correct(model_dirs):

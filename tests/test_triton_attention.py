@@ -62,7 +62,8 @@ def reference_paged(q, k, v, cache, meta, layer, dtype=torch.float64):
     """The reference on CPU copies in `dtype`; returns (out, cache after the store)."""
     cpu_meta = AttentionMetadata(
         meta.slot_mapping.cpu(), meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.block_tables.cpu(),
-        meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len, meta.is_uniform_decode)
+        meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len, meta.is_uniform_decode,
+        meta.real_tokens_on_device)
     ref_cache = cache.detach().cpu().clone()
     out = torch.empty(q.shape, dtype=dtype)
     # store in the cache's dtype (as the kernel does), attend in `dtype`
@@ -158,6 +159,37 @@ def test_paged_prefill_zeroes_more_padding_rows_than_any_sequence_has_queries():
     out = run_paged(q, k, v, cache, meta, layer, fuse_store=True)
     assert torch.equal(cache.cpu(), ref_cache)
     check_close(out, ref, meta.num_actual_tokens, torch.float32)
+
+
+def graph_layout(meta, extra_seqs):
+    """`meta` as a mixed-step graph records it (engine.worker.mixed_graphs): `extra_seqs` empty sequences
+    after the real ones, every token row counted, the real token count read on the device."""
+    n, device = meta.num_actual_tokens, meta.slot_mapping.device
+    qsl = torch.cat([meta.query_start_loc, torch.full((extra_seqs,), n, dtype=torch.int32, device=device)])
+    seq_lens = torch.cat([meta.seq_lens, torch.zeros(extra_seqs, dtype=torch.int32, device=device)])
+    tables = torch.cat([meta.block_tables, torch.full((extra_seqs, meta.block_tables.shape[1]), SCRATCH_BLOCK,
+                                                      dtype=torch.int32, device=device)])
+    t = meta.slot_mapping.shape[0]
+    return AttentionMetadata(meta.slot_mapping, qsl, seq_lens, tables, num_actual_tokens=t, max_query_len=t,
+                             max_seq_len=meta.max_seq_len, is_uniform_decode=False, real_tokens_on_device=True)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_prefill_with_the_real_token_count_on_the_device_matches_the_host_count(window):
+    """The mixed-graph layout: empty sequences after the real ones and the padding rows' start read on
+    the device give the real rows the same values, zero padding rows and store none of them."""
+    layer = make_layer(4, 1, 16, window)
+    q, k, v, cache, meta = make_batch([0, 5, 19], [7, 1, 12], layer, block_size=8, dtype=torch.float32,
+                                      device=DEVICE, pad_tokens=13)
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    graph_meta = graph_layout(meta, extra_seqs=4)
+    ref_graph = torch.full_like(q, float("nan"))
+    graph_cache = cache.clone()
+    reference.paged_attention(q, k, v, ref_graph, layer, graph_cache, graph_meta)  # the CPU path's own reading
+    out = run_paged(q, k, v, cache, graph_meta, layer)
+    assert torch.equal(cache.cpu(), ref_cache) and torch.equal(graph_cache.cpu(), ref_cache)
+    check_close(out, ref, meta.num_actual_tokens, torch.float32)
+    check_close(ref_graph, ref, meta.num_actual_tokens, torch.float32)
 
 
 def test_prefill_launch_without_sequences_still_zeroes_the_padding_rows():
@@ -451,6 +483,63 @@ def test_gpu_decode_graph_replay_with_new_metadata_matches_eager():
         assert torch.equal(replayed, eager)
         ref, _ = reference_paged(q, k, v, cache, meta, layer)
         check_close(replayed.cpu(), ref, batch, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 24])
+def test_gpu_mixed_step_graph_replays_any_step_up_to_its_size(window):
+    """One graph of the prefill launch over 48 token rows and 6 sequence rows (the mixed-graph layout),
+    replayed for steps of other sequence counts, lengths and real token counts written in place: each
+    replay equals an eager launch on the same values and the float64 reference, padding rows zero."""
+    from custom_ops import triton_attention
+    layer = make_layer(8, 2, 64, window)
+    t, max_seqs, width, block_size, dtype = 48, 6, 8, 16, torch.bfloat16
+    steps = [([0, 5, 19], [7, 1, 12]), ([40], [30]), ([2, 0, 3, 9, 70, 1], [1, 16, 1, 4, 2, 9]), ([64, 0], [1, 1])]
+    num_blocks = 64
+    cache = torch.zeros(2, num_blocks, block_size, 2, 64, dtype=dtype, device="cuda")
+    q = torch.zeros(t, 8, 64, dtype=dtype, device="cuda")
+    k, v = (torch.zeros(t, 2, 64, dtype=dtype, device="cuda") for _ in range(2))
+    static = graph_layout(make_batch([0], [t], layer, block_size, dtype, "cuda")[4], max_seqs - 1)
+    static.block_tables = torch.zeros(max_seqs, width, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def load(prefix_lens, query_lens):
+        n = sum(query_lens)
+        bq, bk, bv, bcache, meta = make_batch(prefix_lens, query_lens, layer, block_size, dtype, "cuda",
+                                              pad_tokens=t - n)
+        cache.zero_()
+        cache[:, :bcache.shape[1]] = bcache
+        for dst, src in ((q, bq), (k, bk), (v, bv)):
+            dst.copy_(src)
+        laid_out = graph_layout(meta, max_seqs - len(query_lens))
+        static.slot_mapping.copy_(laid_out.slot_mapping)
+        static.query_start_loc.copy_(laid_out.query_start_loc)
+        static.seq_lens.copy_(laid_out.seq_lens)
+        static.block_tables.fill_(SCRATCH_BLOCK)
+        static.block_tables[:, :laid_out.block_tables.shape[1]] = laid_out.block_tables
+        return meta, cache.clone()
+
+    load(*steps[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_attention.paged_attention(q, k, v, out, layer, cache, static)  # warm-up compiles
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_attention.paged_attention(q, k, v, out, layer, cache, static)
+    for prefix_lens, query_lens in steps:
+        meta, before = load(prefix_lens, query_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        replayed, after_replay = out.clone(), cache.clone()
+        cache.copy_(before)
+        eager = run_paged(q, k, v, cache, static, layer)
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager) and torch.equal(after_replay, cache)
+        ref, ref_cache = reference_paged(q, k, v, before, meta, layer)
+        assert torch.equal(after_replay.cpu(), ref_cache)
+        check_close(replayed.cpu(), ref, meta.num_actual_tokens, dtype)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """LLM.stats(): the engine's counters in one dict (steps, graph modes and fallbacks, scheduler, KV
-pool and prefix cache, decode graphs, the step loop, start-up memory and timeline, the backend's
+pool and prefix cache, decode and mixed-step graphs, the step loop, start-up memory and timeline, the backend's
 counters, and under tensor parallelism every rank's)."""
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
     """`gather_ranks`: ask the other tensor-parallel ranks for theirs (not while closing: a failed
     group could keep the caller waiting)."""
     runner = llm.runtime.runner
-    graphs = runner.decode_graphs
+    graphs, mixed = runner.decode_graphs, runner.mixed_graphs
     stats: dict[str, Any] = {
+        "cudagraph_mode": llm.config.cudagraph_mode,
         "steps": llm.num_steps,
         "generated_tokens": llm.num_generated_tokens,
         "modes": dict(runner.dispatcher.mode_counts),
@@ -34,6 +35,9 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
         "decode_graph_replays_by_size": dict(graphs.replays_by_size) if graphs else {},
         "decode_graph_capture_seconds": graphs.capture_seconds if graphs else 0.0,
         "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
+        "mixed_graphs": len(mixed.sizes) if mixed else 0,
+        "mixed_graph_replays": mixed.replays if mixed else 0,
+        "mixed_graph_capture_seconds": mixed.capture_seconds if mixed else 0.0,
         "piecewise_capture_seconds": llm.runtime.piecewise_capture_seconds,
         "async_scheduling": llm._loop.depth == 1,
         # steps the host could not run ahead of: it read the in-flight tokens with the device idle

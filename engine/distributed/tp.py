@@ -224,8 +224,9 @@ class Leader:
                   num_chunks: int) -> None:
         group = self._group()
         self.check_workers()
-        if meta is None:  # FULL: the decode graph reads num_padded one-token rows; no metadata
-            num_seqs, num_actual, max_query_len, max_seq_len = dispatch.descriptor.num_tokens, 0, 0, 0
+        if meta is None:  # FULL: the graph reads the sequence rows it was captured with; no metadata
+            num_seqs = group.runtime.runner.full_graph_seqs(dispatch)
+            num_actual, max_query_len, max_seq_len = 0, 0, 0
         else:
             num_seqs, num_actual = meta.seq_lens.shape[0], meta.num_actual_tokens
             max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len

@@ -45,6 +45,10 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                              "where CUDA and compile are)"),
     "--no-prefill-graphs": _set("prefill_graphs", False, "no piecewise graphs: prefill / mixed steps run the "
                                 "compiled pieces without graphs"),
+    "--cudagraph-mode": ("cudagraph_mode", dict(
+        choices=("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"), type=str.upper,
+        help="which steps replay CUDA graphs (docs/engine.md); default FULL_AND_PIECEWISE on CUDA: decode "
+             "graphs, piecewise graphs for prefill / mixed steps. FULL: full graphs for mixed steps too")),
     "--decode-graph-sizes": ("decode_graph_sizes", dict(type=_sizes, help="e.g. 1,2,4,8,16")),
     "--prefill-graph-sizes": ("prefill_graph_sizes", dict(type=_sizes, help="e.g. 16,64,256")),
     "--no-compile": _set("compile", False, "eager model (implies no prefill graphs)"),

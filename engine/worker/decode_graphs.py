@@ -106,7 +106,7 @@ class DecodeGraphs:
     def _allocate_outputs(self, logits: torch.Tensor) -> None:
         """The static logits [max batch, V] (shaped like an eager forward's `logits`) and a keys buffer
         for the most any batch size stores. Allocated once: a graph keeps the addresses it recorded."""
-        max_seqs = self.runner.buffers.max_seqs
+        max_seqs = self.runner.max_seqs
         self.logits = torch.empty((max_seqs, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
         words = max(((self._key_tiles_of(b) or 0) * b for b in range(2, max_seqs + 1)), default=0)
         self._keys = torch.empty(words, dtype=torch.int64, device=logits.device) if words else None

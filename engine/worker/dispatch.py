@@ -1,10 +1,16 @@
 """The ONE place that decides how a step runs: batch descriptor -> (runtime mode, padded descriptor).
 
 FULL       a uniform decode batch whose size fits a captured decode graph: replay it, padded up to
-           the bucket (the engine's native full-decode graph).
+           the bucket (the engine's native full-decode graph); with mixed graphs on (cudagraph_mode
+           FULL), any other step whose token count fits a mixed-graph bucket: replay that native graph
+           of the whole forward (engine.worker.mixed_graphs). The padded descriptor's uniform_decode
+           says which of the two.
 PIECEWISE  with prefill graphs on, any other step whose token count fits a piece bucket: the backend
            replays its per-piece graphs at the padded token count.
 NONE       everything else: the compiled (or eager) model, no graph.
+
+A uniform decode batch past the largest decode graph takes the other steps' graphs where it fits them
+(counted as a fallback: it wanted a decode graph).
 
 The tables are built once from the sizes that were actually captured, so a lookup is one list index.
 A step that wanted a graph and got none is a fallback: counted per reason (which names the step's
@@ -46,13 +52,19 @@ def _pad_table(sizes: tuple[int, ...]) -> list[int]:
 
 class Dispatcher:
     def __init__(self, decode_sizes: tuple[int, ...] = (), piecewise_sizes: tuple[int, ...] = (),
-                 decode_graphs_wanted: bool = False, piecewise_graphs_wanted: bool = False) -> None:
+                 decode_graphs_wanted: bool = False, piecewise_graphs_wanted: bool = False,
+                 mixed_sizes: tuple[int, ...] = (), mixed_graphs_wanted: bool = False) -> None:
+        if piecewise_graphs_wanted and mixed_graphs_wanted:
+            raise ValueError("Dispatcher: piecewise and mixed graphs serve the same steps; a mode has one of them")
         self.decode_sizes = tuple(sorted(decode_sizes))
         self.piecewise_sizes = tuple(sorted(piecewise_sizes))
+        self.mixed_sizes = tuple(sorted(mixed_sizes))
         self._decode_wanted = decode_graphs_wanted
         self._piecewise_wanted = piecewise_graphs_wanted
+        self._mixed_wanted = mixed_graphs_wanted
         self._full_pad = _pad_table(self.decode_sizes)
         self._piece_pad = _pad_table(self.piecewise_sizes)
+        self._mixed_pad = _pad_table(self.mixed_sizes)
         self.mode_counts: Counter[str] = Counter()
         self.fallback_counts: Counter[str] = Counter()
         self._logged_kinds: set[str] = set()
@@ -88,4 +100,11 @@ class Dispatcher:
             if fallback is None:
                 fallback = f"{n} tokens > largest piecewise graph {self.piecewise_sizes[-1] if self.piecewise_sizes else 0}"
                 kind = "piecewise"
+        if self._mixed_wanted:
+            # a 1-token step is a uniform decode: the mixed table starts at 2 tokens
+            if 1 < n < len(self._mixed_pad):
+                return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._mixed_pad[n], False), fallback), kind
+            if fallback is None:
+                fallback = f"{n} tokens > largest mixed graph {self.mixed_sizes[-1] if self.mixed_sizes else 0}"
+                kind = "mixed"
         return Dispatch(RuntimeMode.NONE, batch, fallback), kind

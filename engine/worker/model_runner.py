@@ -3,11 +3,14 @@
 It flattens the step's chunks into `input_ids` / `positions` and the attention metadata, written into
 static buffers allocated once at the largest size and sliced per step (a graph recorded their
 addresses; eager steps use the same buffers so there is one path). The dispatcher picks the mode;
-FULL steps replay a native decode graph (engine.worker.decode_graphs), the others run the (compiled) model
-under a forward context and compute logits only for the last token of each sampling sequence.
+FULL steps replay a native graph: a decode graph (engine.worker.decode_graphs) for a uniform decode
+batch, else a mixed-step graph (engine.worker.mixed_graphs). The others run the (compiled) model under
+a forward context. Apart from decode graphs (whose LM head is recorded), logits are computed only for
+the last token of each sampling sequence.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -43,9 +46,11 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
+        self.max_seqs = max_seqs
         self.buffers = StaticBuffers(max_tokens, max_seqs, -(-max_model_len // block_size), device)
         self.dispatcher = Dispatcher()
         self.decode_graphs = None  # engine.worker.decode_graphs.DecodeGraphs, once captured
+        self.mixed_graphs = None   # engine.worker.mixed_graphs.MixedGraphs (cudagraph_mode FULL), once captured
         self.kv_caches: dict[str, torch.Tensor] = {}  # layer name -> this engine's cache (engine.kv.kv_cache)
         self.group_layers: list[tuple[str, ...]] = []  # layers of KV groups 1.. (engine.kv.groups)
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
@@ -62,7 +67,9 @@ class ModelRunner:
         dispatch = self.dispatcher.dispatch(batch)
         full = dispatch.mode is RuntimeMode.FULL
         num_padded = dispatch.descriptor.num_tokens
-        meta, num_sampling = self._prepare(out, pool, num_padded, full, step_indices, device_ids)
+        mixed = full and not dispatch.descriptor.uniform_decode
+        meta, num_sampling = self._prepare(out, pool, num_padded, full and not mixed, step_indices, device_ids,
+                                           mixed)
         if self.on_staged is not None:  # after the upload resolved device_ids: the other ranks get real ids
             self.on_staged(batch, dispatch, meta, num_sampling, len(out.chunks))
         return self.run_staged(dispatch, meta, num_sampling, len(out.chunks))
@@ -72,7 +79,10 @@ class ModelRunner:
         """Run a step whose values are already in the static buffers (what every TP rank runs)."""
         full = dispatch.mode is RuntimeMode.FULL
         num_padded = dispatch.descriptor.num_tokens
-        rows = self.buffers.logits_indices[:num_sampling]  # under FULL, a token's row is its chunk's
+        rows = self.buffers.logits_indices[:num_sampling]  # under a decode graph, a token's row is its chunk's
+        if full and not dispatch.descriptor.uniform_decode:
+            hidden = self.mixed_graphs.replay(num_padded)
+            return StepResult(self.model.compute_logits(hidden[rows]), dispatch)
         if full:
             logits = self.decode_graphs.replay(num_padded, num_chunks)
             keys = self.decode_graphs.argmax_keys(num_padded, num_chunks)
@@ -109,11 +119,16 @@ class ModelRunner:
         group's metadata (a context without them would send sliding layers to group 0's tables)."""
         return forward_context(meta, mode, num_tokens, self.kv_caches, self.group_metadata(meta))
 
+    def full_graph_seqs(self, dispatch: Dispatch) -> int:
+        """The sequence rows a FULL step's graph reads: a decode graph one per token, a mixed graph all."""
+        return dispatch.descriptor.num_tokens if dispatch.descriptor.uniform_decode else self.max_seqs
+
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
                  full: bool, step_indices: list[int] = (),
-                 device_ids: DeviceIds | None = None) -> tuple[AttentionMetadata | None, int]:
-        """Load the step into the static buffers; (its metadata, or None under FULL, where the decode
-        graph reads the buffer slices it was captured with; the number of sampling chunks)."""
+                 device_ids: DeviceIds | None = None, mixed: bool = False) -> tuple[AttentionMetadata | None, int]:
+        """Load the step into the static buffers; (its metadata, or None under FULL, where the graph
+        reads the buffer slices it was captured with; the number of sampling chunks). `full`: the
+        layout of a decode graph, `mixed`: that of a mixed graph (engine.worker.mixed_graphs)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -170,13 +185,48 @@ class ModelRunner:
             query_start_loc += range(num_tokens + 1, num_padded + 1)
             seq_lens += [1] * pad
             tables += [[]] * pad
+        if mixed:
+            self._pad_mixed(query_start_loc, seq_lens, tables, group_tables)
         self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices,
                           group_slots, group_tables, step_indices, device_ids)
-        if full:
+        if full or mixed:
             return None, len(logits_indices)
         meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max(c.num_tokens for c in out.chunks),
                                      max(seq_lens), out.is_uniform_decode)
         return meta, len(logits_indices)
+
+    def _pad_mixed(self, query_start_loc: list[int], seq_lens: list[int], tables: list[list[int]],
+                   group_tables: list[list[list[int]]]) -> None:
+        """Extend a step's sequence rows to a mixed graph's layout (engine.worker.mixed_graphs): empty
+        sequences (no query rows, no keys) up to max_num_seqs rows; the token rows past the step's
+        own belong to none and are zeroed by the attention launch."""
+        empty = self.max_seqs - len(seq_lens)
+        query_start_loc += [query_start_loc[-1]] * empty
+        seq_lens += [0] * empty
+        tables += [[]] * empty
+        for group in group_tables:
+            group += [[]] * empty
+
+    def mixed_metadata(self, num_tokens: int) -> AttentionMetadata:
+        """The metadata a mixed graph of num_tokens records: every sequence row and token row (what
+        its attention launch's grid covers); the real token count is read on the device."""
+        meta = self.buffers.metadata(num_tokens, self.max_seqs, num_tokens, num_tokens, self.max_model_len, False)
+        return dataclasses.replace(meta, real_tokens_on_device=True)
+
+    def load_mixed_dummy(self, num_tokens: int) -> AttentionMetadata:
+        """A mixed graph's warm-up / capture step on the scratch block only (as load_dummy): one sequence
+        of up to max_model_len tokens, the rest padding, in the layout the graph replays."""
+        num_real = min(num_tokens, self.max_model_len)
+        query_start_loc, seq_lens, tables = [0, num_real], [num_real], [[]]
+        group_tables: list[list[list[int]]] = [[[]] for _ in self.group_layers]
+        self._pad_mixed(query_start_loc, seq_lens, tables, group_tables)
+        self.buffers.reset_tables()  # every entry the dummy sequence reads is the scratch block
+        slots = [self.scratch_slot + p % self.block_size for p in range(num_real)]
+        slots += [self.scratch_slot] * (num_tokens - num_real)
+        positions = list(range(num_real)) + [0] * (num_tokens - num_real)
+        self.buffers.load([0] * num_tokens, positions, slots, query_start_loc, seq_lens, tables,
+                          [num_real - 1], [slots] * len(self.group_layers), group_tables)
+        return self.mixed_metadata(num_tokens)
 
     def load_dummy(self, num_tokens: int, num_seqs: int, uniform_decode: bool) -> AttentionMetadata:
         """Metadata for a warm-up or capture step that touches only the scratch block.
@@ -186,9 +236,9 @@ class ModelRunner:
         Tokens that num_seqs sequences of max_model_len cannot hold are padding, as in a padded
         real step: a bucket or token budget may exceed what max_num_seqs full-length requests fill.
         """
-        if not 1 <= num_seqs <= min(num_tokens, self.buffers.max_seqs):
+        if not 1 <= num_seqs <= min(num_tokens, self.max_seqs):
             raise ValueError(f"dummy step needs 1 <= num_seqs ({num_seqs}) <= num_tokens ({num_tokens}) "
-                             f"and <= max_num_seqs ({self.buffers.max_seqs})")
+                             f"and <= max_num_seqs ({self.max_seqs})")
         num_real = min(num_tokens, num_seqs * self.max_model_len)
         base, extra = divmod(num_real, num_seqs)
         lens = [base + (i < extra) for i in range(num_seqs)]

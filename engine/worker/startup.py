@@ -8,9 +8,11 @@ On CUDA:
    memory every later eager step needs;
 3. piecewise graphs (prefill_graphs), largest size first: they do not record the KV address
    (attention runs between pieces), so they are captured now and their memory is simply resident;
-4. a throwaway capture of the largest decode graph measures the memory the decode graphs will need;
+4. a throwaway capture of the largest decode graph (and, under cudagraph_mode FULL, of the largest
+   mixed-step graph) measures the memory those graphs will need;
 5. the KV pool takes kv_memory_fraction of what is left (or num_gpu_blocks, checked to fit);
-6. the decode graphs are captured against the final pool, largest first, into the engine's pool.
+6. the decode graphs (and mixed-step graphs) are captured against the final pool, largest first, into
+   the engine's pool: they record the KV caches' addresses.
 On CPU: compile (optional), a pool of num_gpu_blocks (or kv_cache.CPU_KV_BYTES worth), no graphs.
 Every step is a phase of the start-up timeline (engine/worker/timeline.py: seconds and memory, logged).
 
@@ -46,6 +48,7 @@ from engine.request import Request
 from engine.sample.sampler import Sampler
 from engine.worker.decode_graphs import DecodeGraphs, free_memory_gib
 from engine.worker.dispatch import Dispatcher
+from engine.worker.mixed_graphs import MixedGraphs
 from engine.worker.model_runner import ModelRunner
 from engine.worker.timeline import StartupTimeline
 
@@ -88,6 +91,9 @@ class Runtime:
         if runner.decode_graphs is not None:
             runner.decode_graphs.release()
             runner.decode_graphs = None
+        if runner.mixed_graphs is not None:
+            runner.mixed_graphs.release()
+            runner.mixed_graphs = None
         self.kv_cache.release()
         if self.compiled is not None:
             self.compiled.release()
@@ -198,6 +204,11 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
         decode_graphs = DecodeGraphs(runner, rt.pool.handle)
         with timeline.phase("decode measure"):
             memory["decode_graph_reserve_bytes"] = _measure_decode_graphs(runner, config.decode_graph_sizes)
+    mixed_graphs, mixed_sizes = None, mixed_graph_sizes(config)
+    if mixed_sizes:
+        mixed_graphs = MixedGraphs(runner, rt.pool.handle)
+        with timeline.phase("mixed measure"):
+            memory["decode_graph_reserve_bytes"] += _measure_mixed_graphs(runner, mixed_sizes)
     with timeline.phase("kv pool"):
         torch.cuda.empty_cache()  # cached-but-free warm-up blocks count as free (near-free after the measure)
         free_bytes = torch.cuda.mem_get_info(device)[0]
@@ -227,10 +238,24 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
             decode_graphs.capture(config.decode_graph_sizes, config.show_progress)
         runner.decode_graphs = decode_graphs
         memory["decode_graph_bytes"] = decode_graphs.graph_bytes
+    if mixed_graphs is not None:
+        with timeline.phase("mixed capture"):
+            mixed_graphs.capture(mixed_sizes, config.show_progress)
+        runner.mixed_graphs = mixed_graphs
+        memory["mixed_graph_bytes"] = mixed_graphs.graph_bytes
     runner.dispatcher = Dispatcher(
         decode_graphs.sizes if decode_graphs else (),
         config.prefill_graph_sizes if config.prefill_graphs else (),
-        decode_graphs_wanted=config.cuda_graphs, piecewise_graphs_wanted=config.prefill_graphs)
+        decode_graphs_wanted=config.cuda_graphs, piecewise_graphs_wanted=config.prefill_graphs,
+        mixed_sizes=mixed_graphs.sizes if mixed_graphs else (), mixed_graphs_wanted=config.mixed_graphs)
+
+
+def mixed_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """The token buckets of the mixed-step graphs (cudagraph_mode FULL): the prefill graph sizes from 2
+    tokens (a one-token step is a uniform decode, a decode graph's)."""
+    if not config.mixed_graphs:
+        return ()
+    return tuple(n for n in config.prefill_graph_sizes if n >= 2)
 
 
 def _allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_bytes: int | None = None) -> None:
@@ -358,6 +383,13 @@ def _capture_piecewise(runner: ModelRunner, backend: InferGraphsBackend, config:
         print(line, file=sys.stderr)
     logger.info(line)
     return seconds
+
+
+def _measure_mixed_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> int:
+    """Memory to reserve for the mixed-step graphs, measured by a throwaway capture of the largest one."""
+    probe = MixedGraphs(runner, torch.cuda.graph_pool_handle())  # a pool of its own, dropped with it
+    released = probe.measure(max(sizes))
+    return released + len(sizes) * GRAPH_OVERHEAD_BYTES
 
 
 def _measure_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> int:
