@@ -138,40 +138,73 @@ def _attend_span(
 # num_stores, dense_len and the padding rows' bounds are token counts: specialized (== 1, divisible by
 # 16, other) they would cost a compile per class of capture size on a cold start-up, for loop bounds
 # and masks.
-@triton.jit(do_not_specialize=["num_stores", "dense_len", "pad_start", "pad_end"])
+@triton.jit
+def _find_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(sequence, its query tile) of the step's `tile`-th query tile, counting every sequence's
+    cdiv(q_len, BLOCK_M) tiles in order; sequence num_seqs where the step has fewer tiles. Reads
+    query_start_loc in chunks of BLOCK_S sequences (one compile for any sequence count)."""
+    seq = num_seqs + 0 * tile
+    first_tile = 0 * tile
+    before = 0 * tile  # tiles of the chunks already read
+    for chunk in range(0, num_seqs, BLOCK_S):
+        offs = chunk + tl.arange(0, BLOCK_S)
+        valid = offs < num_seqs
+        starts = tl.load(query_start_loc_ptr + offs, mask=valid, other=0)
+        ends = tl.load(query_start_loc_ptr + offs + 1, mask=valid, other=0)
+        tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+        ends_at = before + tl.cumsum(tiles, 0)  # tiles up to and including each sequence
+        # the first sequence whose tiles end past `tile` owns it (an empty one never ends past it first)
+        owner = tl.min(tl.where(valid & (ends_at > tile), offs, num_seqs), 0)
+        owner_first = tl.sum(tl.where(offs == owner, ends_at - tiles, 0), 0)
+        take = (seq == num_seqs) & (owner < num_seqs)
+        first_tile = tl.where(take, owner_first, first_tile)
+        seq = tl.where(take, owner, seq)
+        before += tl.sum(tiles, 0)
+    return seq, tile - first_tile
+
+
+@triton.jit(do_not_specialize=["num_stores", "dense_len", "pad_start", "pad_end", "num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     k_new_ptr, v_new_ptr, slot_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     stride_knt, stride_knh, stride_vnt, stride_vnh, num_stores,
-    dense_len, pad_start, pad_end, scale, softcap, window,
+    dense_len, pad_start, pad_end, scale, softcap, window, num_seqs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSE_STORE: tl.constexpr, PAD_START_ON_DEVICE: tl.constexpr = False,
+    FUSE_STORE: tl.constexpr, PAD_START_ON_DEVICE: tl.constexpr = False, BLOCK_S: tl.constexpr = 16,
 ):
     head = tl.program_id(0)
-    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # most work first
-    seq = tl.program_id(2)
+    # Paged, axis 1 counts the step's query tiles over all sequences (most work first: the last
+    # sequence's last tile, which sees the most keys) and axis 2 is 0, or 1 for the padding rows'
+    # programs; dense (one sequence), axis 1 its query tiles.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     if pad_end > pad_start:
-        # The grid's last "sequence": the step's padding rows [pad_start, pad_end), which read nothing
-        # and are written as zeros here (a separate fill per layer was a host launch between pieces).
-        if seq == tl.num_programs(2) - 1:
+        # Axis 2's last index: the step's padding rows [pad_start, pad_end), which read nothing and
+        # are written as zeros here (a separate fill per layer was a host launch between pieces).
+        if tl.program_id(2) == tl.num_programs(2) - 1:
+            m_tile = tile
             if PAD_START_ON_DEVICE:  # where the step's real rows end: query_start_loc[num_seqs]
-                pad_start = tl.load(query_start_loc_ptr + seq)
+                pad_start = tl.load(query_start_loc_ptr + num_seqs)
             pad_rows = pad_start + m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
             pad_mask = (pad_rows < pad_end)[:, None] & d_mask[None, :]
             tl.store(out_ptr + pad_rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                      tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=pad_mask)
             return
     if PAGED:
+        seq, m_tile = _find_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S)
+        if seq >= num_seqs:
+            return
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + seq)
     else:
+        seq = tl.program_id(2)  # 0: the one sequence
+        m_tile = tile
         q_start = 0
         q_len = dense_len
         seq_len = dense_len
@@ -339,10 +372,15 @@ def launch_prefill(
         pad_start, pad_end = 0, out.shape[0]  # the kernel reads the real start
     else:
         pad_start, pad_end = (zero_from, out.shape[0]) if zero_from is not None and paged else (0, 0)
-    if pad_end > pad_start:  # one more grid "sequence", whose programs zero the padding rows
-        grid = (num_heads, cdiv(max(max_query_len, pad_end - pad_start), block_m), num_seqs + 1)
+    if paged:
+        # every sequence's tiles: at most one partial tile per sequence past the whole ones of all rows
+        num_tiles = min(out.shape[0] // block_m + num_seqs, num_seqs * cdiv(max_query_len, block_m))
     else:
-        grid = (num_heads, cdiv(max_query_len, block_m), num_seqs)
+        num_tiles = cdiv(max_query_len, block_m)
+    if pad_end > pad_start:  # axis 2's second index: the programs that zero the padding rows
+        grid = (num_heads, max(num_tiles, cdiv(pad_end - pad_start, block_m)), 2)
+    else:
+        grid = (num_heads, num_tiles, 1)
     q_strides, out_strides = q.stride(), out.stride()
     k_new_strides, v_new_strides = k_new.stride(), v_new.stride()
     launch(_prefill_kernel, grid, (
@@ -351,6 +389,7 @@ def launch_prefill(
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
         k_new_strides[0], k_new_strides[1], v_new_strides[0], v_new_strides[1], num_stores,
         dense_len, pad_start, pad_end, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+        num_seqs,
     ), dict(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,

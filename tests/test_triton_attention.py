@@ -192,6 +192,23 @@ def test_paged_prefill_with_the_real_token_count_on_the_device_matches_the_host_
     check_close(ref_graph, ref, meta.num_actual_tokens, torch.float32)
 
 
+def test_paged_prefill_finds_every_query_tile_over_many_sequences_and_empty_ones():
+    """More sequences than the launch reads per chunk (16), sequences without query rows among them,
+    chunks longer than one query tile: every real row is attended once (the launch's grid counts the
+    step's tiles, not the longest chunk times the sequences), padding zero, nothing stored twice."""
+    layer = make_layer(2, 1, 16)
+    query_lens = [1, 0, 17, 1, 1, 0, 3, 1, 33, 1, 0, 2, 1, 1, 1, 5, 1, 0, 16, 1]
+    prefix_lens = [(7 * i) % 23 for i in range(len(query_lens))]
+    q, k, v, cache, meta = make_batch(prefix_lens, query_lens, layer, block_size=8, dtype=torch.float32,
+                                      device=DEVICE, pad_tokens=5)
+    ref, ref_cache = reference_paged(q, k, v, cache, meta, layer)
+    for laid_out in (meta, graph_layout(meta, extra_seqs=13)):
+        tried = cache.clone()
+        out = run_paged(q, k, v, tried, laid_out, layer)
+        assert torch.equal(tried.cpu(), ref_cache)
+        check_close(out, ref, meta.num_actual_tokens, torch.float32)
+
+
 def test_prefill_launch_without_sequences_still_zeroes_the_padding_rows():
     from custom_ops.triton_prefill import launch_prefill
     q = torch.randn(5, 2, 16, device=DEVICE)

@@ -69,10 +69,16 @@ try:
                    slot_ptr="*i64", scale="fp32", softcap="fp32", **{name: "i32" for name in (
                        "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ko", "stride_kh",
                        "stride_vb", "stride_vo", "stride_vh", "stride_bt", "stride_knt", "stride_knh",
-                       "stride_vnt", "stride_vnh", "num_stores", "dense_len", "pad_start", "pad_end", "window")})
+                       "stride_vnt", "stride_vnh", "num_stores", "dense_len", "pad_start", "pad_end", "window",
+                       "num_seqs")})
     out["prefill-fused-store"] = ptx(triton_prefill._prefill_kernel, PREFILL, dict(
         GROUP=3, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16, PAGED=True,
-        SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", FUSE_STORE=True), num_warps=4, num_stages=2)
+        SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", FUSE_STORE=True, PAD_START_ON_DEVICE=False,
+        BLOCK_S=16), num_warps=4, num_stages=2)
+    out["prefill-pad-on-device"] = ptx(triton_prefill._prefill_kernel, PREFILL, dict(
+        GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=32, PAGE_SIZE=16, PAGED=True,
+        SOFTCAP=False, WINDOW=True, DOT_PRECISION="tf32", FUSE_STORE=True, PAD_START_ON_DEVICE=True,
+        BLOCK_S=16), num_warps=8, num_stages=3)
     from custom_ops import triton_rms_norm, triton_rope
     NORM = dict(h_ptr="*bf16", delta_ptr="*bf16", weight_ptr="*bf16", delta_weight_ptr="*bf16", sum_ptr="*bf16",
                 out_ptr="*bf16", eps="fp32", **{name: "i32" for name in (
@@ -126,9 +132,11 @@ def test_unsplit_kernels_build_for_sm90_without_atomics(sm90_ptx, name):
     assert ".entry" in sm90_ptx[name] and "atom.global" not in sm90_ptx[name]
 
 
-def test_prefill_with_the_fused_store_builds_for_sm90(sm90_ptx):
-    """The prefill kernel with the K/V store in its launch (FUSE_STORE) lowers for the GPU."""
-    assert ".entry" in sm90_ptx["prefill-fused-store"] and "st.global" in sm90_ptx["prefill-fused-store"]
+@pytest.mark.parametrize("name", ["prefill-fused-store", "prefill-pad-on-device"])
+def test_prefill_with_the_fused_store_builds_for_sm90(sm90_ptx, name):
+    """The prefill kernel with the K/V store in its launch (FUSE_STORE), and with the padding rows'
+    start read on the device (a mixed-step graph's launch), lowers for the GPU."""
+    assert ".entry" in sm90_ptx[name] and "st.global" in sm90_ptx[name]
 
 
 def _first(ptx: str, needle: str) -> int:
