@@ -144,3 +144,35 @@ def test_a_second_signal_stops_at_once_aborting_what_runs(model_dir, tmp_path):
         assert "second signal" in text and "server stopped" in text and "Traceback" not in text
     finally:
         stop_server(proc)
+
+
+def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
+    import psutil
+
+    proc, url, log = _start(model_dir, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                started = [asyncio.Event(), asyncio.Event()]
+                streams = [asyncio.create_task(_stream(client, url, _body(LONG), s)) for s in started]
+                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
+                [rank1] = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                           if "spawn_main" in " ".join(c.cmdline())]
+                rank1.kill()
+                events = await asyncio.wait_for(asyncio.gather(*streams), 30)
+                try:
+                    health = (await client.get(f"{url}/health")).status_code
+                except httpx.TransportError:  # already gone: what a load balancer sees as down too
+                    health = None
+                return events, health, await asyncio.to_thread(proc.wait, 30)
+
+        streams, health, status = asyncio.run(run())
+        for events in streams:
+            assert events[-1] == "[DONE]" and "failed a step" in events[-2]["error"]["message"]
+        assert health in (503, None) and status == 1
+        text = log.read_text()
+        # the failure is seen as a dead rank or as the collective that its death broke, whichever comes first
+        assert "stopping: the engine cannot serve any more: tensor-parallel worker failed" in text
+        assert "server stopped" in text
+    finally:
+        stop_server(proc)

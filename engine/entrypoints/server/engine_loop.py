@@ -18,6 +18,11 @@ and command batch plus the submissions it has not yet processed; add_request sta
 Shutting down has two stages: `stop_accepting` (a drain: handlers refuse new API requests, /health
 is 503, everything admitted runs on, the choices 1..n-1 of an admitted request included) and
 `shutdown` (abort what still runs; every later submission is refused).
+
+A failed tensor-parallel rank fails the step in progress (its requests end with EngineUnavailable)
+and every later one: `failure` says so, and the server stops (engine.entrypoints.server.shutdown).
+While idle this thread looks at the ranks every IDLE_CHECK_S, so a rank that dies between requests
+is found without waiting for a request to fail on it.
 """
 from __future__ import annotations
 
@@ -25,14 +30,20 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from engine.core.llm import LLM, QueueFullError
+from engine.distributed.rank_loop import TensorParallelError
 from engine.params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("engine.server")
 
 ACCEPTED = object()
+IDLE_CHECK_S = 1.0
+# A collective fails as soon as a dead rank's sockets close, which can be a moment before the
+# process can be seen to have exited: after a failed step the ranks are looked at for this long.
+RANK_EXIT_WAIT_S = 2.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -78,6 +89,12 @@ class EngineLoop:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (a tensor-parallel rank failed), or None."""
+        tp = self.llm.tp
+        return None if tp is None else tp.failure
 
     @property
     def healthy(self) -> bool:
@@ -140,10 +157,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            idle = not self.llm.has_unfinished_requests()
             try:
-                command = self._commands.get(block=not self.llm.has_unfinished_requests())
+                command = self._commands.get(block=idle, timeout=IDLE_CHECK_S if idle and self.llm.tp else None)
             except queue.Empty:
                 command = ()
+                if idle:
+                    self._check_ranks()
             while command != ():
                 if command is None:
                     return
@@ -161,6 +181,19 @@ class EngineLoop:
                 self._step()
                 self._publish_waiting()
 
+    def _check_ranks(self, wait_s: float = 0.0) -> None:
+        """Set tp.failure if a rank has exited (looking again until wait_s has passed)."""
+        deadline = time.monotonic() + wait_s
+        while self.llm.tp.failure is None:
+            try:
+                self.llm.tp.check_workers()
+            except TensorParallelError as exc:
+                logger.error("%s", exc)
+                return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
     def _publish_waiting(self) -> None:
         self.num_waiting = len(self.llm.scheduler.waiting)
 
@@ -170,6 +203,9 @@ class EngineLoop:
         except Exception:
             self.failed_steps += 1
             logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
+            # A collective that failed on a dead rank: /health says so before any client hears of it.
+            if self.llm.tp is not None:
+                self._check_ranks(wait_s=RANK_EXIT_WAIT_S)
             self._abort_all("the engine failed a step (see the server log)")
             return
         batch = []

@@ -10,6 +10,10 @@ A second signal ends the drain now: every request is aborted, its handler gets u
 to send the error event, uvicorn does not wait for connections, and serve_llm returns 1; its clean-up still runs (closing the engine is what stops tensor-parallel
 ranks). A signal during that clean-up exits the process there and then.
 
+An engine that can serve nothing more (a tensor-parallel rank died: EngineLoop.failure) stops the
+server the same way, without a drain (its requests were already aborted with the step that failed):
+/health is 503 from the failure on, and serve_llm returns 1.
+
 uvicorn's own signal handlers are never installed (capture_signals is a no-op): once stopped,
 uvicorn re-raises the signal it caught, which ended SIGTERM with -15 and turned SIGINT into a
 KeyboardInterrupt before the engine was closed. The handlers here stay installed until serve_llm's
@@ -48,6 +52,8 @@ class DrainingServer(uvicorn.Server):
         self.signal_name: str | None = None  # the first signal's, once one came
         self.forced = False                  # a second signal came
         self.cleaning_up = False             # uvicorn has stopped; serve_llm is closing the engine
+        self.failed = False                  # the engine failed for good (EngineLoop.failure)
+        self._failed_at = 0.0
         self._drain_start: float | None = None
         self._forced_at = 0.0
         self._aborted_at: float | None = None
@@ -78,9 +84,15 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         await super().on_tick(counter)
+        now, in_flight = time.monotonic(), self.guard.in_flight
+        if not self.failed and self.engine.failure is not None:
+            self.failed, self._failed_at = True, now
+            logger.error("stopping: the engine cannot serve any more: %s", self.engine.failure.splitlines()[0])
+            self.engine.shutdown()
+        if self.failed:
+            return in_flight == 0 or now - self._failed_at >= ABORT_GRACE_S
         if self.signal_name is None:
             return False
-        now, in_flight = time.monotonic(), self.guard.in_flight
         if self.forced:
             self.force_exit = in_flight == 0 or now - self._forced_at >= FORCED_GRACE_S
             return self.force_exit
