@@ -1,25 +1,14 @@
 """Suite `soak`: a seeded traffic mix against the server, then overload; nothing may be lost or leak.
 
     python -m bench soak --url http://127.0.0.1:8000 [--duration 600] [--clients 48] [--seed 0] [--out F.json]
-    python -m bench soak --model DIR_OR_NAME [--server-args "..."] [--max-waiting-requests N] ...
+    python -m bench soak --model DIR_OR_NAME [--server-args="..."] [--max-waiting-requests N] ...
 
-`--model` starts a server on 127.0.0.1 and a free port (`python -m engine serve` for a model directory
-or .gguf file, the `serving` suite's server over a benchmark config with random weights otherwise),
-with --max-waiting-requests (default: --clients) so that overload meets back-pressure, and stops it
-with SIGTERM at the end (its exit status and "server stopped" line are part of the result).
-
-Phases: warm-up (one valid request per client; memory is read after it), steady (2/3 of --duration:
---clients closed-loop clients), overload (1/3: open-loop Poisson arrivals at 3x the rate the steady
-phase sustained), idle (until /metrics shows nothing running, waiting or holding KV blocks).
-Each request draws chat or completions, streamed or not, n (1, or 2..4), logprobs, stop strings, a
-prompt of 1 to max_model_len - 1 tokens (mostly short); 20% leave mid-way (a stream after a few
-events, a plain request after a random delay), 5% are malformed or invalid bodies.
-
-Outcomes: completed, rejected (503 with Retry-After), aborted (by its own client), invalid (the 4xx a
-bad body must get) and failed: any other 5xx, an error event, a stream without [DONE] or a choice
-without its finish_reason, a 4xx for a valid body, a 2xx for a bad one, a timeout. The run is ok when
-nothing failed, /health always answered 200, and once idle no KV block is in use and nothing runs or
-waits. Every loop is bounded by a count as well as by time.
+`--model` starts a server on 127.0.0.1 and a free port (a model directory: `python -m engine serve`; a
+benchmark config: the `serving` suite's random-weight server) with --max-waiting-requests (default
+--clients), and stops it with SIGTERM at the end. Phases: warm-up, steady (2/3 of --duration, closed
+loop), overload (1/3, open loop at 3x the steady rate), idle. docs/server.md describes the mix, the
+outcomes (completed, rejected, aborted, invalid, failed) and what makes a run ok. Every loop is bounded
+by a count as well as by time.
 """
 from __future__ import annotations
 

@@ -99,8 +99,7 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         """Accepting, the loop running, and no tensor-parallel rank failed (every step would fail)."""
-        tp = self.llm.tp
-        return self.accepting and self.is_alive() and (tp is None or tp.failure is None)
+        return self.accepting and self.is_alive() and self.failure is None
 
     @property
     def num_admitting(self) -> int:
