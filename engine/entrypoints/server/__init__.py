@@ -38,7 +38,8 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
               shutdown_timeout_s: float = 30.0) -> int:
     """Serve a built LLM until SIGINT / SIGTERM (the benchmarks serve models built from a config).
     Returns the exit status: 0 after a drain, 1 if a second signal cut it short, the engine failed
-    for good (a tensor-parallel rank died) or the engine loop did not stop. `chat_template`: a Jinja string (load_chat_template) replacing the tokenizer's."""
+    for good (a tensor-parallel rank died) or the engine loop did not stop. `chat_template`: a Jinja
+    string (load_chat_template) replacing the tokenizer's."""
     import uvicorn
 
     from engine.entrypoints.server.app import build_app

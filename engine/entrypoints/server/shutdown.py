@@ -7,8 +7,9 @@ event, a non-streamed request gets a 503. uvicorn stops, serve_llm closes the en
 stopped" and returns 0.
 
 A second signal ends the drain now: every request is aborted, its handler gets up to FORCED_GRACE_S
-to send the error event, uvicorn does not wait for connections, and serve_llm returns 1; its clean-up still runs (closing the engine is what stops tensor-parallel
-ranks). A signal during that clean-up exits the process there and then.
+to send the error event, uvicorn does not wait for connections, and serve_llm returns 1; its
+clean-up still runs (closing the engine is what stops tensor-parallel ranks). A signal during that
+clean-up exits the process there and then.
 
 An engine that can serve nothing more (a tensor-parallel rank died: EngineLoop.failure) stops the
 server the same way, without a drain (its requests were already aborted with the step that failed):
