@@ -32,8 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.entrypoints.server.choices import Choices
 from engine.core.llm import QueueFullError
+from engine.entrypoints.server.choices import Choices
 from engine.entrypoints.server.engine_loop import EngineLoop, EngineUnavailable
 from engine.entrypoints.server.guard import Guard
 from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
