@@ -323,7 +323,8 @@ async def soak(url: str, duration_s: float, clients: int, seed: int, api_key: st
         rate = max(1.0, OVERLOAD_FACTOR * served)
         not_sent = await open_loop(client, t, rng, rate, duration_s / 3, max(64, 8 * clients), overload)
         phases["overload"] = summarize(overload, health["overload"], time.perf_counter() - start)
-        phases["overload"].update(rate_per_s=round(rate, 3), not_sent_at_client_cap=not_sent)
+        phases["overload"].update(rate_per_s=round(rate, 3), not_sent_at_client_cap=not_sent,
+                                  ttft_p99_ms_by_half=_ttft_p99_by_half(overload))
 
         phase[0], start = "idle", time.perf_counter()
         for _ in range(int(IDLE_TIMEOUT_S / 0.5) + 1):
@@ -337,6 +338,17 @@ async def soak(url: str, duration_s: float, clients: int, seed: int, api_key: st
         await pinger
     return {"target": vars(t), "phases": phases, "end": _end_state(warm_metrics, end_metrics, idle_s),
             "health_p99_ms_idle": summarize([], health["idle"], 1.0)["health_p99_ms"]}
+
+
+def _ttft_p99_by_half(outcomes: list[Outcome]) -> list[float | None]:
+    """TTFT p99 of the requests sent in the first and in the second half of a phase: bounded by the
+    waiting queue, the second is no worse than the first; without a bound it grows with time."""
+    done = sorted((o.sent_s, o.ttft_s) for o in outcomes if o.kind == "completed" and o.ttft_s is not None)
+    if not done:
+        return [None, None]
+    middle = (done[0][0] + done[-1][0]) / 2
+    halves = [[t for sent, t in done if sent < middle], [t for sent, t in done if sent >= middle]]
+    return [None if (p := percentile(h, 99)) is None else round(p * 1e3, 3) for h in halves]
 
 
 def _end_state(warm: dict[str, float], end: dict[str, float], idle_s: float) -> dict[str, Any]:

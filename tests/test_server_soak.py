@@ -56,6 +56,7 @@ def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path
         assert phase["failed"] == 0 and phase["health_not_200"] == 0 and phase["sent"] > 0
     assert steady["completed"] > 0 and steady["aborted_by_client"] > 0 and steady["ttft_p99_ms"] is not None
     assert overload["rejected_503"] > 0  # 3x the sustained rate meets --max-waiting-requests
+    assert len(overload["ttft_p99_ms_by_half"]) == 2
     end = result["end"]
     assert (end["kv_blocks_used"], end["requests_running"], end["requests_waiting"]) == (0, 0, 0)
     assert end["rss_bytes"]["after_warmup"] > 0 and end["prefix_cache"]["query_tokens"] > 0
