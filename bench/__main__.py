@@ -1,7 +1,10 @@
 """`python -m bench SUITE --model NAME_OR_DIR [--out DIR]`: run one benchmark suite, write JSON + Markdown.
 
 `python -m bench tokenizer [--out DIR] [--source PATH]` writes the tokenizer directory that e2e, host and
-serving run with (bench/tokenizer.py; default bench/.tokenizer)."""
+serving run with (bench/tokenizer.py; default bench/.tokenizer).
+
+`python -m bench soak --url URL | --model M [--duration S] [--clients N] [--seed K] [--out FILE.json]`: a
+seeded traffic mix, then overload, against the server; JSON out, exit status 1 if anything was lost (bench/soak.py)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +15,7 @@ import os
 import sys
 
 SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity", "kernels",
-          "gemm", "knockout", "gemv_graph", "host", "tokenizer")
+          "gemm", "knockout", "gemv_graph", "host", "tokenizer", "soak")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -60,7 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", help="serving: comma-separated, of off, decode, prefill (default all three: "
                                           "graphs off, decode graphs, decode + prefill graphs)")
     parser.add_argument("--url", help="serving: a running server to send the workloads to (default: start one "
-                                      "per configuration)")
+                                      "per configuration); soak: the server to soak (default: start one for --model)")
+    parser.add_argument("--duration", type=float, help="soak: seconds of traffic, 2/3 steady and 1/3 overload "
+                        "(default 600)")
+    parser.add_argument("--clients", type=int, help="soak: concurrent clients in the steady phase (default 48)")
+    parser.add_argument("--seed", type=int, help="soak: the traffic mix's seed (default 0)")
+    parser.add_argument("--max-waiting-requests", type=int, help="soak: the server it starts refuses past this "
+                        "many waiting requests (default --clients)")
+    parser.add_argument("--server-args", help="soak: more flags for the server it starts, e.g. \"--device cpu\"")
+    parser.add_argument("--api-key", help="soak: the server's API key (default $INFER_GRAPHS_API_KEY)")
     parser.add_argument("--full-graph-compile", choices=("layered", "unsplit", "piecewise"),
                         help="decode, capture: what the engine's decode graphs record (EngineConfig.full_graph_compile; "
                              "write each choice to its own --out)")
@@ -84,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         from bench.tokenizer import main as write_tokenizer
         return write_tokenizer(args.out, args.source)
     from bench.frontend import TokenizerMissing
+    if args.suite == "soak":
+        from bench.soak import main as soak
+        args.out = args.out or default_out_dir()
+        try:
+            return soak(args)
+        except TokenizerMissing as exc:
+            print(f"python -m bench soak: {exc}", file=sys.stderr)
+            return 2
     suite = importlib.import_module(f"bench.{args.suite}")
     options = {k: v for k, v in vars(args).items() if k not in ("suite", "model", "out", "source") and v is not None}
     try:

@@ -111,6 +111,10 @@ class EngineConfig:
     decode_gemv: bool = True
     show_progress: bool = True             # tqdm bar during graph capture
     tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.distributed.tp
+    # requests add_request lets wait (added, not yet scheduled) before it raises QueueFullError; the
+    # server answers 503 + Retry-After past it. None: unbounded. generate() is not bounded: it waits
+    # for its own prompts, so a queue bound would only refuse what the caller is about to run.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -146,6 +150,8 @@ class EngineConfig:
         _check(self.full_graph_compile is None or self.full_graph_compile in _FULL_GRAPH_COMPILES,
                "full_graph_compile", self.full_graph_compile, f"None or one of {', '.join(_FULL_GRAPH_COMPILES)}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.max_waiting_requests is not None:
+            _check_int("max_waiting_requests", self.max_waiting_requests, 1, "None (unbounded) or an int >= 1")
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):
             sizes = getattr(self, name)
             if sizes is None:

@@ -474,7 +474,6 @@ BAD = [
     ("completions", {"model": NAME, "prompt": ""}, "prompt"),
     ("completions", {"model": NAME, "prompt": [5] * 600}, "prompt"),
     ("completions", {"model": NAME, "prompt": [5, 10_000]}, "prompt"),
-    ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
     ("completions", {"model": NAME, "prompt": "hi", "temperature": -1}, "temperature"),
     ("completions", {"model": NAME, "prompt": "hi", "temperature": "hot"}, "temperature"),
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 2}, "top_p"),
@@ -563,6 +562,19 @@ def test_the_sdk_sees_an_openai_error_object(client):
     assert info.value.param == "n" and "n=17" in info.value.message
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_an_unknown_model_is_404_model_not_found_as_openai_answers_it(url, client, route):
+    resp = httpx.post(f"{url}/v1/{route}", headers=_auth(), timeout=30,
+                      json={"model": "gpt-4", "prompt": "hi", "messages": MESSAGES})
+    assert resp.status_code == 404, resp.text
+    error = resp.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "'gpt-4'" in error["message"] and f"'{NAME}'" in error["message"]
+    with pytest.raises(openai.NotFoundError) as info:  # what the official client raises for it
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=2)
+    assert info.value.code == "model_not_found"
+
+
 def test_a_missing_or_wrong_api_key_is_401_on_every_v1_route_and_health_needs_none(url):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         for method, route in (("GET", "models"), ("POST", "completions"), ("POST", "chat/completions")):
@@ -642,16 +654,17 @@ def test_generate_takes_the_shared_engine_options(model_dir, capsys):
 
 # -- shutdown (last: it stops the module's server) ----------------------------------------------------
 
-def test_sigterm_aborts_running_streams_and_exits(server, url):
-    proc = server[0]
-    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+def test_sigterm_lets_a_running_stream_finish_then_exits_0(server, url):
+    # the drain in detail (both signals, the timeout, a second signal) is tests/test_server_shutdown.py
+    proc, log = server[0], server[2]
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=_auth(), timeout=30) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "shutting down" in rest[-2]
-    assert proc.wait(30) is not None
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(30) == 0 and "server stopped" in log.read_text()
 
 
 # -- GPU ---------------------------------------------------------------------------------------------

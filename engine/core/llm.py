@@ -41,6 +41,16 @@ logger = logging.getLogger("engine")
 Prompt = Union[str, Sequence[int]]
 
 
+class QueueFullError(RuntimeError):
+    """add_request refused a request because EngineConfig.max_waiting_requests requests already wait
+    (back-pressure: retry once some have been scheduled). The request itself is valid."""
+
+    def __init__(self, request_id: str, num_waiting: int, limit: int) -> None:
+        super().__init__(f"request {request_id!r}: {num_waiting} requests are already waiting "
+                         f"(EngineConfig.max_waiting_requests={limit}); retry later")
+        self.request_id, self.num_waiting, self.limit = request_id, num_waiting, limit
+
+
 class LLM:
     def __init__(self, model: str | torch.nn.Module = "default", tokenizer: Any = None, **config_fields: Any) -> None:
         """`model`: an HF-format dir, a .gguf file, "default", or an already built models.CausalLM.
@@ -154,11 +164,20 @@ class LLM:
         reconfigure truncation/padding, which fails with "Already borrowed" under a concurrent call)."""
         return (tokenizer or self.tokenizer)(text)["input_ids"]
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request; it runs from the next `step`. Returns its id."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    *, bounded: bool = True) -> str:
+        """Queue one request; it runs from the next `step`. Returns its id.
+
+        Raises QueueFullError when EngineConfig.max_waiting_requests requests already wait (checked
+        after validation, so a bad request is an InvalidRequestError whatever the queue holds).
+        `bounded=False` skips that bound: for a request that is part of work already admitted (the
+        server's choices 1..n-1 of a request whose choice 0 was let in)."""
         self._check_open()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         request = self._validated(prompt, params or SamplingParams(), request_id)
+        limit = self.config.max_waiting_requests
+        if bounded and limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(request_id, len(self.scheduler.waiting), limit)
         self._admit(request)
         return request_id
 

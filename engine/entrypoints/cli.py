@@ -40,6 +40,12 @@ def build_parser() -> OneLineErrorParser:
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413")
+    serve.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                       help="a chat template (a file, or an inline Jinja string) for /v1/chat/completions, "
+                            "replacing the tokenizer's own (for models whose tokenizer has none)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM / SIGINT: how long requests in flight may run on before they are "
+                            "aborted (default 30; a second signal stops at once)")
     return parser
 
 

@@ -67,6 +67,9 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                   "step's tokens before scheduling the next (debugging)"),
     "--tensor-parallel-size": ("tensor_parallel_size", dict(
         type=int, help="ranks (GPUs) to split the model over; spawned, or torchrun's processes")),
+    "--max-waiting-requests": ("max_waiting_requests", dict(
+        type=int, help="requests allowed to wait for a slot; past it add_request refuses and the server answers "
+                       "503 + Retry-After (default: unbounded)")),
     "--engine-seed": ("seed", dict(type=int, help="sampling seed of requests that give none of their own")),
     "--no-progress": _set("show_progress", False, "no progress bar during graph capture"),
 }

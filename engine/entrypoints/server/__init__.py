@@ -3,13 +3,16 @@
 Start-up order: build the engine (load, compile, capture every graph), bind the socket, start the
 engine loop thread, log "ready" with the URL, then let uvicorn accept. Connections made before
 uvicorn accepts wait in the socket's backlog, so "ready" is true when it is logged and /health
-answers 200 from then on. SIGINT / SIGTERM: the engine loop refuses new requests and aborts the
-running ones (their clients get an error object, their blocks go back), then uvicorn stops.
+answers 200 from then on. SIGINT / SIGTERM drain the server (engine.entrypoints.server.shutdown):
+new requests get 503, those in flight finish within --shutdown-timeout or are aborted, then the
+engine is closed and "server stopped" logged; a second signal stops at once.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
+import os
 import socket
 from typing import Any
 
@@ -22,50 +25,93 @@ def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
     """`python -m engine serve`: build the engine from the command line, then serve it."""
     from engine.core.llm import LLM
 
+    # what the command line gets wrong is refused before the engine spends its start-up on it
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    _check_shutdown_timeout(args.shutdown_timeout)
     return serve_llm(LLM(args.model, **config_fields), args.served_model_name or args.model, args.host, args.port,
-                     api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, chat_template=chat_template,
+                     shutdown_timeout_s=args.shutdown_timeout)
 
 
 def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20) -> int:
-    """Serve a built LLM until SIGINT / SIGTERM (the benchmarks serve models built from a config)."""
+              max_request_bytes: int = 1 << 20, chat_template: str | None = None,
+              shutdown_timeout_s: float = 30.0) -> int:
+    """Serve a built LLM until SIGINT / SIGTERM (the benchmarks serve models built from a config).
+    Returns the exit status: 0 after a drain, 1 if a second signal cut it short, the engine failed
+    for good (a tensor-parallel rank died) or the engine loop did not stop. `chat_template`: a Jinja
+    string (load_chat_template) replacing the tokenizer's."""
     import uvicorn
 
     from engine.entrypoints.server.app import build_app
     from engine.entrypoints.server.engine_loop import EngineLoop
+    from engine.entrypoints.server.shutdown import DrainingServer
 
+    _check_shutdown_timeout(shutdown_timeout_s)
     if llm.tokenizer is None:
+        if chat_template is not None:
+            raise ConfigError(f"--chat-template: model {name} has no tokenizer to render a chat template with")
         logger.warning("model %s has no tokenizer: prompts must be token ids, texts are empty, no chat", name)
     sock = _listen(host, port)
     engine = EngineLoop(llm)
-    app = build_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            engine.shutdown()
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    app = build_app(engine, name, tokenize_pool, api_key=api_key, max_request_bytes=max_request_bytes,
+                    chat_template=chat_template)
+    # no lifespan: the app has no start-up or shutdown hooks, and a forced exit (which skips the
+    # lifespan's shutdown) would leave its task to be cancelled with a traceback
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off")
+    server = DrainingServer(config, engine, app, shutdown_timeout_s)
     stats = llm.stats()  # before the loop starts: from then on only its thread calls the engine
-    engine.start()
-    host, port = sock.getsockname()[:2]
-    logger.info("ready: serving %r at http://%s:%d/v1 (%s, %s; %d decode graphs, prefill graphs %s%s)",
-                name, host if ":" not in host else f"[{host}]", port, llm.config.device, llm.config.dtype,
-                stats["decode_graphs"], "on" if llm.config.prefill_graphs else "off",
-                ", API key required" if api_key else "")
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after its shutdown
-        pass
-    finally:
-        app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        engine.stop()
-        if engine.is_alive():  # a step still running (a stuck collective): closing would free its memory
-            logger.error("the engine loop did not stop in time; exiting without closing the engine")
-        else:
-            llm.close()
+    status = 0
+    with server.signals_handled():
+        engine.start()
+        host, port = sock.getsockname()[:2]
+        logger.info("ready: serving %r at http://%s:%d/v1 (%s, %s; %d decode graphs, prefill graphs %s%s%s)",
+                    name, host if ":" not in host else f"[{host}]", port, llm.config.device, llm.config.dtype,
+                    stats["decode_graphs"], "on" if llm.config.prefill_graphs else "off",
+                    "" if engine.max_waiting is None else f", at most {engine.max_waiting} waiting",
+                    ", API key required" if api_key else "")
+        try:
+            server.run(sockets=[sock])
+        finally:
+            server.cleaning_up = True
+            if server.forced:
+                logger.warning("second signal: stopped without draining (in-flight requests aborted)")
+                status = 1
+            if server.failed:
+                status = 1
+            tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            engine.stop()
+            if engine.is_alive():  # a step still running (a stuck collective): closing would free its memory
+                logger.error("the engine loop did not stop in time; exiting without closing the engine")
+                status = 1
+            else:
+                llm.close()
     logger.info("server stopped")
-    return 0
+    return status
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself if it is a Jinja template (as vLLM reads
+    it); ConfigError if it is neither or does not parse."""
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template (no '{{{{' or '{{%')")
+    try:  # the extension transformers renders templates with
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"--chat-template does not parse as Jinja: line {exc.lineno}: {exc.message}") from None
+    return template
+
+
+def _check_shutdown_timeout(seconds: float) -> None:
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
+        raise ConfigError(f"--shutdown-timeout={seconds!r} is invalid: expected seconds >= 0")
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -9,6 +9,11 @@ Prompts are tokenized (and chat templates rendered) on one tokenizer thread, nev
 that streams every client's tokens nor on the engine loop's thread, whose host time is every running
 request's inter-token latency. The same thread turns a request's logprobs into token strings
 (engine.entrypoints.server.logprobs). Prompts are never logged.
+
+Refusals that must be fast come first, before the body is tokenized: a server that is shutting down
+(503), and a full waiting queue (503 with Retry-After: the engine's max_waiting_requests; the engine
+thread's own check is exact but answers a step later). /health and /metrics never wait for a
+request: /health reads flags, /metrics waits at most for the step in progress.
 """
 from __future__ import annotations
 
@@ -16,7 +21,6 @@ import asyncio
 import concurrent.futures
 import copy
 import functools
-import hmac
 import json
 import logging
 import time
@@ -28,8 +32,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.core.llm import QueueFullError
 from engine.entrypoints.server.choices import Choices
 from engine.entrypoints.server.engine_loop import EngineLoop, EngineUnavailable
+from engine.entrypoints.server.guard import Guard
 from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
 from engine.entrypoints.server.metrics import ServerMetrics
 from engine.entrypoints.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
@@ -39,11 +45,14 @@ logger = logging.getLogger("engine.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATS_TIMEOUT_S = 60.0  # a scrape waits for the step in progress, never for ever
+# What a client refused for a full queue is told to wait: about the time for requests at the head of
+# the queue to be scheduled (a step or a few) and their places freed, without making clients idle long.
+RETRY_AFTER_S = 1
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, param, code, type), status_code=status)
+           type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, param, code, type), status_code=status, headers=headers)
 
 
 def _sse(obj: Any) -> str:
@@ -55,21 +64,24 @@ def _format_all(formatters: list[LogprobsFormatter], outs: list[Any]) -> list[di
     return [formatter(out.prompt_token_ids, out.logprobs) for formatter, out in zip(formatters, outs)]
 
 
-def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20) -> FastAPI:
+def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.futures.ThreadPoolExecutor,
+              api_key: str | None = None, max_request_bytes: int = 1 << 20,
+              chat_template: str | None = None) -> Guard:
+    """The app behind its Guard. `tokenize_pool`: one thread (requests are tokenized in arrival order,
+    and the tokenizer is never entered by two encoders at once: a fast tokenizer borrows its Rust
+    state per call); its owner shuts it down. `chat_template`: replaces the tokenizer's own (a Jinja
+    string, already checked by load_chat_template)."""
     llm = engine.llm
     # The tokenizer thread's own copy: the engine thread detokenizes with llm.tokenizer meanwhile
     # (LLM.encode says why two threads must not share one).
     tokenizer = copy.deepcopy(llm.tokenizer)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     encode = functools.partial(llm.encode, tokenizer=tokenizer)
     token_text = TokenText(tokenizer)  # tokenizer thread only
     max_model_len = llm.config.max_model_len
-    metrics = ServerMetrics()
-    # One thread: requests are tokenized in arrival order, and the tokenizer is never entered by two
-    # encoders at once (a fast tokenizer borrows its Rust state per call).
-    tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    metrics = ServerMetrics(llm.config.device, engine.max_waiting)
     app = FastAPI(title="infer_graphs", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.tokenize_pool = tokenize_pool  # its owner (serve_llm) shuts it down with the server
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -84,6 +96,8 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
     async def health() -> Response:
         if engine.healthy:
             return JSONResponse({"status": "ok"})
+        if not engine.accepting:
+            return _error(503, "the server is shutting down", code="server_shutting_down", type="server_error")
         return _error(503, "the engine is not running", type="server_error")
 
     @app.get("/metrics")
@@ -95,6 +109,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
         except Exception as exc:
             return _error(503, f"the engine could not report its stats: {type(exc).__name__}: {exc}",
                           type="server_error")
+        stats["requests_admitting"] = engine.num_admitting  # submitted, not yet added by the engine thread
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -124,7 +139,21 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             return _error(400, f"messages cannot be rendered by the chat template: {exc}", "messages")
         return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
 
+    def _shutting_down() -> JSONResponse:
+        metrics.rejected("shutting_down")
+        return _error(503, "the server is shutting down", code="server_shutting_down", type="server_error")
+
+    def _queue_full(message: str) -> JSONResponse:
+        metrics.rejected("queue_full")
+        return _error(503, message, code="server_overloaded", type="server_error",
+                      headers={"Retry-After": str(RETRY_AFTER_S)})
+
     async def _serve(request: Request, chat: bool) -> Response:
+        if not engine.accepting:
+            return _shutting_down()
+        if engine.queue_full():
+            return _queue_full(f"the server is overloaded: {engine.max_waiting} requests are waiting "
+                               f"(--max-waiting-requests); retry after {RETRY_AFTER_S} s")
         body = await request.body()
         try:
             req = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
@@ -132,8 +161,8 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
             return _error(400, f"invalid request body: {param or 'body'}: {err['msg']}", param)
-        if req.model != model_name:
-            return _error(400, f"model {req.model!r} does not exist here; this server serves {model_name!r}",
+        if req.model != model_name:  # 404, as OpenAI and vLLM answer it (the client's NotFoundError)
+            return _error(404, f"model {req.model!r} does not exist here; this server serves {model_name!r}",
                           "model", "model_not_found")
         unsupported = req.unsupported()
         if unsupported:
@@ -155,7 +184,7 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
         watcher = asyncio.create_task(_abort_on_disconnect(request, choices))
         try:
             await choices.accepted()
-        except (InvalidRequestError, EngineUnavailable) as exc:
+        except (InvalidRequestError, EngineUnavailable, QueueFullError) as exc:
             watcher.cancel()
             return _refused(exc, req)
         logger.debug("request %s accepted (n=%d)", request_id, req.n)
@@ -218,6 +247,9 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
     def _refused(exc: Exception, req: Any) -> JSONResponse:
         if isinstance(exc, InvalidRequestError):
             return _error(400, str(exc), req.WIRE_NAMES.get(exc.param, exc.param))
+        if isinstance(exc, QueueFullError):
+            return _queue_full(f"the server is overloaded: {exc.num_waiting} requests are waiting "
+                               f"(--max-waiting-requests); retry after {RETRY_AFTER_S} s")
         return _error(503, str(exc), type="server_error")
 
     def _finished(finals: list[Any]) -> None:
@@ -235,61 +267,3 @@ def build_app(engine: EngineLoop, model_name: str, api_key: str | None = None,
         choices.fail(EngineUnavailable("client disconnected"))
 
     return Guard(app, api_key, max_request_bytes)
-
-
-class Guard:
-    """ASGI middleware: the API key on every /v1 route (constant-time compare) and the body size limit
-    (Content-Length, or counted while reading a chunked body)."""
-
-    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_request_bytes = max_request_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"].startswith("/v1"):
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return await _send(send, 401, error_body("missing or wrong API key: send 'Authorization: "
-                                                         "Bearer KEY'", code="invalid_api_key"))
-        length = headers.get(b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await _send(send, 400, error_body("Content-Length is not a number"))
-            if int(length) > self.max_request_bytes:
-                return await _send(send, 413, self._too_large())
-            return await self.app(scope, receive, send)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_request_bytes:
-                return await _send(send, 413, self._too_large())
-            more = message.get("more_body", False)
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
-
-    def _too_large(self) -> dict:
-        return error_body(f"request body larger than {self.max_request_bytes} bytes", code="request_too_large")
-
-
-async def _send(send, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})

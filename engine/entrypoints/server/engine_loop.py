@@ -6,9 +6,23 @@ queue and read their request's outputs from an asyncio queue, which this thread 
 runs, the thread blocks on the command queue; while requests run, it drains the commands between
 steps, so a new request or an abort waits at most one step.
 
-A request's stream receives, in order: ACCEPTED (or the InvalidRequestError that refused it), then
-RequestOutputs until one is finished, or an EngineUnavailable error (the engine failed a step, or the
-server is shutting down). One bad request or one failed step never ends the loop.
+A request's stream receives, in order: ACCEPTED (or the InvalidRequestError / QueueFullError that
+refused it), then RequestOutputs until one is finished, or an EngineUnavailable error (the engine
+failed a step, or the server is shutting down). One bad request or one failed step never ends the loop.
+
+Back-pressure: LLM.add_request enforces EngineConfig.max_waiting_requests on this thread, but a
+request would only learn of it one step later (and after its prompt was tokenized). `queue_full`
+answers at once on the asyncio side, from the waiting count this thread publishes after every step
+and command batch plus the submissions it has not yet processed; add_request stays the authority.
+
+Shutting down has two stages: `stop_accepting` (a drain: handlers refuse new API requests, /health
+is 503, everything admitted runs on, the choices 1..n-1 of an admitted request included) and
+`shutdown` (abort what still runs; every later submission is refused).
+
+A failed tensor-parallel rank fails the step in progress (its requests end with EngineUnavailable)
+and every later one: `failure` says so, and the server stops (engine.entrypoints.server.shutdown).
+While idle this thread looks at the ranks every IDLE_CHECK_S, so a rank that dies between requests
+is found without waiting for a request to fail on it.
 """
 from __future__ import annotations
 
@@ -16,14 +30,20 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
-from engine.core.llm import LLM
+from engine.core.llm import LLM, QueueFullError
+from engine.distributed.rank_loop import TensorParallelError
 from engine.params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("engine.server")
 
 ACCEPTED = object()
+IDLE_CHECK_S = 1.0
+# A collective fails as soon as a dead rank's sockets close, which can be a moment before the
+# process can be seen to have exited: after a failed step the ranks are looked at for this long.
+RANK_EXIT_WAIT_S = 2.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -53,8 +73,14 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a signal handler
         self._streams: dict[str, Stream] = {}   # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.accepting = True
+        self.accepting = True   # new API requests are let in (False from the first shutdown signal)
+        self._stopped = False   # every submission is refused (shutdown: the rest was aborted)
         self.failed_steps = 0
+        self.max_waiting = llm.config.max_waiting_requests
+        # Each counter has one writer, so reading them from the other thread needs no lock.
+        self._num_submitted = 0  # asyncio side: submissions put on the command queue
+        self._num_added = 0      # engine thread: submissions it has processed (admitted or refused)
+        self.num_waiting = 0     # engine thread: len(scheduler.waiting) after its latest commands / step
 
     # -- the asyncio side -----------------------------------------------------------------------
 
@@ -65,20 +91,39 @@ class EngineLoop:
         return self._thread.is_alive()
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (a tensor-parallel rank failed), or None."""
+        tp = self.llm.tp
+        return None if tp is None else tp.failure
+
+    @property
     def healthy(self) -> bool:
         """Accepting, the loop running, and no tensor-parallel rank failed (every step would fail)."""
-        tp = self.llm.tp
-        return self.accepting and self.is_alive() and (tp is None or tp.failure is None)
+        return self.accepting and self.is_alive() and self.failure is None
+
+    @property
+    def num_admitting(self) -> int:
+        """Submissions the engine thread has not processed yet (on their way to the waiting queue)."""
+        return self._num_submitted - self._num_added
+
+    def queue_full(self) -> bool:
+        """Whether max_waiting_requests requests wait or are on their way to the queue (an estimate
+        that may lag by one step; add_request's own check is exact)."""
+        if self.max_waiting is None:
+            return False
+        return self.num_waiting + self.num_admitting >= self.max_waiting
 
     def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: asyncio.Queue,
                index: int = 0) -> Stream:
-        """Queue a request; its items go on `into` as (index, item)."""
+        """Queue a request; its items go on `into` as (index, item). Choice 0 of an API request is
+        bounded by max_waiting_requests; choices 1..n-1 belong to a request already let in."""
         stream = Stream(request_id, asyncio.get_running_loop(), into, index)
-        if not self.accepting or not self.is_alive():
-            stream.put(EngineUnavailable("the server is shutting down" if not self.accepting
-                                                      else "the engine loop is not running"))
+        if self._stopped or not self.is_alive():
+            stream.put(EngineUnavailable("the server is shutting down" if self._stopped
+                                         else "the engine loop is not running"))
         else:
-            self._commands.put((self._add, (prompt, params, stream)))
+            self._num_submitted += 1
+            self._commands.put((self._add, (prompt, params, stream, index == 0)))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -90,10 +135,16 @@ class EngineLoop:
         self._commands.put((self._stats, (future,)))
         return await future
 
-    def shutdown(self) -> None:
-        """Refuse new requests and abort the running ones (their streams end with EngineUnavailable).
+    def stop_accepting(self) -> None:
+        """The drain: new API requests are refused (handlers read `accepting`), admitted ones run on.
         Safe to call from a signal handler."""
         self.accepting = False
+
+    def shutdown(self) -> None:
+        """Refuse every submission and abort the running requests (their streams end with
+        EngineUnavailable). Safe to call from a signal handler."""
+        self.accepting = False
+        self._stopped = True
         self._commands.put((self._abort_all, ("the server is shutting down",)))
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -105,10 +156,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            idle = not self.llm.has_unfinished_requests()
             try:
-                command = self._commands.get(block=not self.llm.has_unfinished_requests())
+                command = self._commands.get(block=idle, timeout=IDLE_CHECK_S if idle and self.llm.tp else None)
             except queue.Empty:
                 command = ()
+                if idle:
+                    self._check_ranks()
             while command != ():
                 if command is None:
                     return
@@ -121,8 +175,26 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = ()
+            self._publish_waiting()
             if self.llm.has_unfinished_requests():
                 self._step()
+                self._publish_waiting()
+
+    def _check_ranks(self, wait_s: float = 0.0) -> None:
+        """Set tp.failure if a rank has exited (looking again until wait_s has passed)."""
+        deadline = time.monotonic() + wait_s
+        while self.llm.tp.failure is None:
+            try:
+                self.llm.tp.check_workers()
+            except TensorParallelError as exc:
+                logger.error("%s", exc)
+                return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def _publish_waiting(self) -> None:
+        self.num_waiting = len(self.llm.scheduler.waiting)
 
     def _step(self) -> None:
         try:
@@ -130,6 +202,9 @@ class EngineLoop:
         except Exception:
             self.failed_steps += 1
             logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
+            # A collective that failed on a dead rank: /health says so before any client hears of it.
+            if self.llm.tp is not None:
+                self._check_ranks(wait_s=RANK_EXIT_WAIT_S)
             self._abort_all("the engine failed a step (see the server log)")
             return
         batch = []
@@ -142,10 +217,11 @@ class EngineLoop:
                 del self._streams[out.request_id]
         self._deliver(batch)
 
-    def _add(self, prompt: Any, params: SamplingParams, stream: Stream) -> None:
+    def _add(self, prompt: Any, params: SamplingParams, stream: Stream, bounded: bool) -> None:
+        self._num_added += 1
         try:
-            self.llm.add_request(prompt, params, request_id=stream.request_id)
-        except InvalidRequestError as exc:
+            self.llm.add_request(prompt, params, request_id=stream.request_id, bounded=bounded)
+        except (InvalidRequestError, QueueFullError) as exc:
             self._deliver([(stream, exc)])
             return
         except Exception as exc:  # e.g. the tokenizer failed on this prompt

@@ -4,12 +4,18 @@ Latency histograms and token counters are observed by the handlers from the outp
 The engine's own totals (steps by mode, fallbacks, preemptions, KV blocks, prefix cache) are read
 from one `LLM.stats()` snapshot, taken on the engine thread when /metrics is scraped, and exported as
 they are (a custom collector), so no number is counted twice.
+
+Back-pressure and leaks are visible here too: the waiting queue's depth and bound, the requests
+refused with 503 (by reason), the server process's memory (prometheus_client's process collector:
+RSS, open files) and, on CUDA, the memory torch holds, which `python -m bench soak` compares with its
+value after warm-up.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "infer_graphs"
@@ -20,8 +26,10 @@ _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.0
 class _EngineStats:
     """A prometheus collector over the latest LLM.stats() snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str, max_waiting: int | None) -> None:
         self.snapshot: dict[str, Any] = {}
+        self.device = torch.device(device)
+        self.max_waiting = max_waiting
 
     def collect(self):
         s = self.snapshot
@@ -36,6 +44,11 @@ class _EngineStats:
 
         yield gauge("requests_running", "requests scheduled in the running batch", s["requests_running"])
         yield gauge("requests_waiting", "requests queued, waiting for a slot or KV blocks", s["requests_waiting"])
+        yield gauge("requests_admitting", "requests submitted to the engine thread, not yet in its queue",
+                    s.get("requests_admitting", 0))
+        if self.max_waiting is not None:
+            yield gauge("requests_waiting_limit", "max_waiting_requests: past it new requests get 503",
+                        self.max_waiting)
         used = s["kv_blocks"] - 1 - s["kv_blocks_free"]  # block 0 is the scratch block
         yield gauge("kv_blocks_used", "KV cache blocks held by requests", used)
         yield gauge("kv_blocks_free", "KV cache blocks free", s["kv_blocks_free"])
@@ -57,13 +70,19 @@ class _EngineStats:
         for key, value in (s.get("prefix_cache") or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 yield gauge(f"prefix_cache_{key}", f"LLM.stats()['prefix_cache']['{key}']", value)
+        if self.device.type == "cuda":
+            yield gauge("cuda_memory_allocated_bytes", "memory torch's allocator hands out on the engine's device",
+                        torch.cuda.memory_allocated(self.device))
+            yield gauge("cuda_memory_reserved_bytes", "memory torch's allocator holds on the engine's device",
+                        torch.cuda.memory_reserved(self.device))
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu", max_waiting: int | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.engine = _EngineStats()
+        self.engine = _EngineStats(device, max_waiting)
         self.registry.register(self.engine)
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends (Linux)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "arrival -> first generated token",
                               buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "between consecutive generated tokens",
@@ -76,6 +95,11 @@ class ServerMetrics:
                                          registry=self.registry)
         self.requests = Counter(f"{PREFIX}_requests", "requests ended, by finish reason", ["finish_reason"],
                                 registry=self.registry)
+        self.rejections = Counter(f"{PREFIX}_requests_rejected", "requests refused with 503, by reason "
+                                  "(queue_full: max_waiting_requests; shutting_down: a drain)", ["reason"],
+                                  registry=self.registry)
+        for reason in ("queue_full", "shutting_down"):  # exported at 0 before the first one
+            self.rejections.labels(reason)
 
     def observe(self, out: Any, first: bool) -> None:
         """Count one RequestOutput a handler received (`first`: no token of this request seen before)."""
@@ -88,6 +112,9 @@ class ServerMetrics:
             times, n = h.token_times, h.num_output_tokens
             for i in range(max(1, n - new), n):
                 self.itl.observe(times[i] - times[i - 1])
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
 
     def finished(self, reason: str, num_prompt_tokens: int, e2e_s: float) -> None:
         self.requests.labels(reason).inc()

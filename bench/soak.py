@@ -1,0 +1,457 @@
+"""Suite `soak`: a seeded traffic mix against the server, then overload; nothing may be lost or leak.
+
+    python -m bench soak --url http://127.0.0.1:8000 [--duration 600] [--clients 48] [--seed 0] [--out F.json]
+    python -m bench soak --model DIR_OR_NAME [--server-args="..."] [--max-waiting-requests N] ...
+
+`--model` starts a server on 127.0.0.1 and a free port (a model directory: `python -m engine serve`; a
+benchmark config: the `serving` suite's random-weight server) with --max-waiting-requests (default
+--clients), and stops it with SIGTERM at the end. Phases: warm-up, steady (2/3 of --duration, closed
+loop), overload (1/3, open loop at 3x the steady rate), idle. docs/server.md describes the mix, the
+outcomes (completed, rejected, aborted, invalid, failed) and what makes a run ok. Every loop is bounded
+by a count as well as by time.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.workload import percentile
+
+REQUEST_TIMEOUT_S = 120.0      # a response or stream silent this long is a failure
+HEALTH_PERIOD_S = 0.1
+IDLE_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 1800.0       # a GPU server compiles and captures before it is ready
+MAX_REQUESTS_PER_CLIENT = 100_000
+OVERLOAD_FACTOR = 3.0
+DISCONNECT_SHARE, INVALID_SHARE = 0.20, 0.05
+STOP_STRINGS = ("\n", ".", " the", "e ", "ing")
+WORDS = "the of and to in is was for on that with as by at from his her an are were which this be or".split()
+PRA = "infer_graphs_"
+
+
+@dataclass
+class Target:
+    url: str
+    model: str
+    max_model_len: int
+    text: bool  # the server has a tokenizer: text prompts and stop strings work
+    chat: bool  # ... and a chat template
+
+
+@dataclass
+class Outcome:
+    kind: str = "failed"  # completed | rejected | aborted | invalid | failed
+    sent_s: float = field(default_factory=time.perf_counter)
+    ttft_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)
+    retry_after_s: float = 1.0
+    error: str | None = None
+
+
+def make_request(rng: random.Random, t: Target, plain: bool = False) -> tuple[str, Any, float | None, bool]:
+    """(route, body, disconnect, invalid): `disconnect` is the events a stream reads or the seconds a
+    plain request waits before its client leaves (None: it stays); `plain`: valid, and stays."""
+    if not plain and rng.random() < INVALID_SHARE:
+        return (*_invalid(rng, t), None, True)
+    chat = t.chat and rng.random() < 0.5
+    stream, n, length = rng.random() < 0.5, 1 if rng.random() < 0.6 else rng.randint(2, 4), t.max_model_len
+    r = rng.random()
+    prompt_len = rng.randint(1, min(64, length - 1) if r < 0.7 else max(1, length // 4) if r < 0.95 else length - 1)
+    body: dict[str, Any] = {"model": t.model, "max_tokens": rng.randint(1, 64), "n": n, "stream": stream,
+                            "temperature": rng.choice([0.0, 0.8]), "return_token_ids": True}
+    if rng.random() < 0.25:
+        body["seed"] = rng.randrange(2**31)
+    if t.text and rng.random() < 0.25:
+        body["stop"] = rng.sample(STOP_STRINGS, rng.randint(1, 2))
+    if rng.random() < 0.25:
+        body["ignore_eos"] = True
+    if stream and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    if chat:  # about a token per 2 characters at worst: a quarter of max_model_len stays far inside it
+        words = max(1, min(prompt_len, length // 4) // 4)
+        body["messages"] = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))}]
+        if rng.random() < 0.25:
+            body.update(logprobs=True, top_logprobs=rng.randint(0, 5))
+    else:  # token ids below 256: every vocabulary has them
+        body["prompt"] = [rng.randrange(3, 256) for _ in range(prompt_len)]
+        if rng.random() < 0.25:
+            body["logprobs"] = rng.randint(0, 5)
+    disconnect = None
+    if not plain and rng.random() < DISCONNECT_SHARE:
+        disconnect = float(rng.randint(1, 8)) if stream else rng.uniform(0.005, 0.5)
+    return ("chat/completions" if chat else "completions"), body, disconnect, False
+
+
+def _invalid(rng: random.Random, t: Target) -> tuple[str, Any]:
+    m = t.model
+    return rng.choice([
+        ("completions", b'{"model": ' + json.dumps(m).encode() + b', "prompt": '),  # truncated JSON
+        ("completions", {"model": m}),
+        ("completions", {"model": m, "prompt": [5], "temperature": -1}),
+        ("completions", {"model": m, "prompt": [5], "n": 99}),
+        ("completions", {"model": m + "-missing", "prompt": [5]}),
+        ("completions", {"model": m, "prompt": [5] * (t.max_model_len + 1)}),
+        ("chat/completions", {"model": m, "messages": []}),
+    ])
+
+
+def _judge(status: int, headers: Any, payload: Any, body: Any, invalid: bool, out: Outcome) -> None:
+    """A complete (non-streamed, or refused) response's outcome."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if status == 503 and error and error.get("code") == "server_overloaded" and "retry-after" in headers:
+        out.kind, out.retry_after_s = "rejected", float(headers["retry-after"])
+    elif invalid:
+        out.kind = "invalid" if 400 <= status < 500 else "failed"
+        out.error = None if out.kind == "invalid" else f"a bad body got HTTP {status}"
+    elif status != 200:
+        out.error = f"HTTP {status}: {str(payload)[:200]}"
+    elif len(payload["choices"]) != body["n"] or not all(c.get("finish_reason") for c in payload["choices"]):
+        out.error = "a choice is missing or has no finish_reason"
+    else:
+        out.kind = "completed"
+
+
+async def send(client: Any, t: Target, rng: random.Random, plain: bool = False) -> Outcome:
+    """One request of the mix; never raises (a lost request is an outcome, never hides the others)."""
+    route, body, disconnect, invalid = make_request(rng, t, plain)
+    url, out = f"{t.url}/v1/{route}", Outcome()
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
+        "json": body}
+    try:
+        if isinstance(body, dict) and body.get("stream") and not invalid:
+            await _stream(client, url, kwargs, body, disconnect, out)
+            return out
+        request = client.post(url, **kwargs)
+        if disconnect is not None:
+            try:
+                resp = await asyncio.wait_for(request, disconnect)
+            except asyncio.TimeoutError:
+                out.kind = "aborted"
+                return out
+        else:
+            resp = await request
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = resp.text
+        _judge(resp.status_code, resp.headers, payload, body, invalid, out)
+    except Exception as exc:
+        out.kind, out.error = "failed", f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def _stream(client: Any, url: str, kwargs: dict, body: dict, disconnect: float | None, out: Outcome) -> None:
+    async with client.stream("POST", url, **kwargs) as resp:
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = raw[:200]
+            return _judge(resp.status_code, resp.headers, payload, body, False, out)
+        events, finished, last, done = 0, set(), {}, False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk, now = json.loads(line[len("data: "):]), time.perf_counter()
+            if "error" in chunk:
+                out.error = f"error event: {chunk['error'].get('message')}"
+                continue
+            for choice in chunk["choices"]:
+                index, k = choice["index"], len(choice.get("token_ids") or [])
+                if k:
+                    if out.ttft_s is None:
+                        out.ttft_s = now - out.sent_s
+                    if index in last:
+                        out.itls_s.extend([(now - last[index]) / k] * k)
+                    last[index] = now
+                if choice.get("finish_reason"):
+                    finished.add(index)
+            events += 1
+            if disconnect is not None and events >= disconnect and len(finished) < body["n"]:
+                out.kind = "aborted"
+                return
+        if out.error is None and not done:
+            out.error = "the stream ended without [DONE]"
+        elif out.error is None and len(finished) != body["n"]:
+            out.error = f"{body['n'] - len(finished)} choices ended without a finish_reason"
+        out.kind = "failed" if out.error else "completed"
+
+
+async def closed_loop(client: Any, t: Target, rng: random.Random, end_s: float, outcomes: list[Outcome]) -> None:
+    for _ in range(MAX_REQUESTS_PER_CLIENT):
+        if time.perf_counter() >= end_s:
+            return
+        outcomes.append(out := await send(client, t, rng))
+        if out.kind == "rejected":  # as a well-behaved client does
+            await asyncio.sleep(max(0.0, min(out.retry_after_s, end_s - time.perf_counter())))
+
+
+async def open_loop(client: Any, t: Target, rng: random.Random, rate: float, duration_s: float, cap: int,
+                    outcomes: list[Outcome]) -> int:
+    """Poisson arrivals at `rate` for `duration_s`, at most `cap` outstanding; returns the arrivals
+    not sent because `cap` were outstanding (a client-side bound, reported)."""
+    tasks: list[asyncio.Task] = []
+    outstanding: set[asyncio.Task] = set()
+    start = arrival = time.perf_counter()
+    not_sent = 0
+    for _ in range(int(rate * duration_s * 2) + 10):
+        arrival += rng.expovariate(rate)
+        if arrival >= start + duration_s:
+            break
+        await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+        if len(outstanding) >= cap:
+            not_sent += 1
+            continue
+        tasks.append(task := asyncio.create_task(send(client, t, random.Random(rng.random()))))
+        outstanding.add(task)
+        task.add_done_callback(outstanding.discard)
+    await _finish(tasks, outcomes)
+    return not_sent
+
+
+async def _finish(tasks: list[asyncio.Task], outcomes: list[Outcome]) -> None:
+    """Wait for every task (bounded); one still running then is a hung request: failed."""
+    if tasks:
+        await asyncio.wait(tasks, timeout=REQUEST_TIMEOUT_S + 10)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            if task.result() is not None:  # a closed-loop client returns None, its requests' outcomes went before
+                outcomes.append(task.result())
+        else:
+            task.cancel()
+            outcomes.append(Outcome(error="the request did not finish"))
+
+
+async def ping_health(client: Any, url: str, phase: list[str], samples: dict[str, list], stop: asyncio.Event) -> None:
+    for _ in range(int(1e7)):
+        if stop.is_set():
+            return
+        start = time.perf_counter()
+        try:
+            ok = (await client.get(f"{url}/health", timeout=5.0)).status_code == 200
+        except Exception:
+            ok = False
+        samples[phase[0]].append((time.perf_counter() - start, ok))
+        await asyncio.sleep(HEALTH_PERIOD_S)
+
+
+async def read_metrics(client: Any, url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(f"{url}/metrics", timeout=60.0)).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+async def discover(client: Any, url: str) -> Target:
+    """The served model, its max_model_len, and whether text prompts / chat work (probed)."""
+    models = (await client.get(f"{url}/v1/models", timeout=60.0)).json()["data"][0]
+    name, length = models["id"], int(models.get("max_model_len") or 2048)
+    probe = {"model": name, "max_tokens": 1}
+    text = (await client.post(f"{url}/v1/completions", json={**probe, "prompt": "hello", "stop": ["x"]},
+                              timeout=REQUEST_TIMEOUT_S)).status_code == 200
+    chat = text and (await client.post(f"{url}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={
+        **probe, "messages": [{"role": "user", "content": "hello"}]})).status_code == 200
+    return Target(url, name, length, text, chat)
+
+
+def summarize(outcomes: list[Outcome], health: list[tuple[float, bool]], seconds: float) -> dict[str, Any]:
+    kinds = Counter(o.kind for o in outcomes)
+    ttfts = [o.ttft_s for o in outcomes if o.kind == "completed" and o.ttft_s is not None]
+    itls = [x for o in outcomes if o.kind == "completed" for x in o.itls_s]
+    ms = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
+    return {"seconds": round(seconds, 2), "sent": len(outcomes), "completed": kinds["completed"],
+            "rejected_503": kinds["rejected"], "aborted_by_client": kinds["aborted"],
+            "invalid_4xx": kinds["invalid"], "failed": kinds["failed"],
+            "completed_per_s": round(kinds["completed"] / seconds, 3) if seconds else None,
+            "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
+            "itl_p50_ms": ms(percentile(itls, 50)), "itl_p99_ms": ms(percentile(itls, 99)),
+            "health_p99_ms": ms(percentile([s for s, _ in health], 99)),
+            "health_not_200": sum(not ok for _, ok in health),
+            "errors": sorted({o.error for o in outcomes if o.kind == "failed" and o.error})[:5]}
+
+
+async def soak(url: str, duration_s: float, clients: int, seed: int, api_key: str | None) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client, \
+            httpx.AsyncClient(timeout=timeout) as health_client:  # its own connection: never queued behind load
+        t = await discover(client, url)
+        rng, phase = random.Random(seed), ["warmup"]
+        health: dict[str, list] = {"warmup": [], "steady": [], "overload": [], "idle": []}
+        stop = asyncio.Event()
+        pinger = asyncio.create_task(ping_health(health_client, url, phase, health, stop))
+        phases: dict[str, Any] = {}
+        start, warm = time.perf_counter(), []
+        await _finish([asyncio.create_task(send(client, t, random.Random(rng.random()), plain=True))
+                       for _ in range(clients)], warm)
+        phases["warmup"] = summarize(warm, health["warmup"], time.perf_counter() - start)
+        warm_metrics = await read_metrics(client, url)
+
+        phase[0], steady, start = "steady", [], time.perf_counter()
+        end = start + duration_s * 2 / 3
+        await _finish([asyncio.create_task(closed_loop(client, t, random.Random(rng.random()), end, steady))
+                       for _ in range(clients)], steady)
+        phases["steady"] = summarize(steady, health["steady"], time.perf_counter() - start)
+        served = (phases["steady"]["completed"] + phases["steady"]["aborted_by_client"]) / phases["steady"]["seconds"]
+
+        phase[0], overload, start = "overload", [], time.perf_counter()
+        rate = max(1.0, OVERLOAD_FACTOR * served)
+        not_sent = await open_loop(client, t, rng, rate, duration_s / 3, max(64, 8 * clients), overload)
+        phases["overload"] = summarize(overload, health["overload"], time.perf_counter() - start)
+        phases["overload"].update(rate_per_s=round(rate, 3), not_sent_at_client_cap=not_sent,
+                                  ttft_p99_ms_by_half=_ttft_p99_by_half(overload))
+
+        phase[0], start = "idle", time.perf_counter()
+        for _ in range(int(IDLE_TIMEOUT_S / 0.5) + 1):
+            end_metrics = await read_metrics(client, url)
+            if all(end_metrics.get(PRA + k, 0) == 0 for k in ("requests_running", "requests_waiting",
+                                                                "requests_admitting", "kv_blocks_used")):
+                break
+            await asyncio.sleep(0.5)
+        idle_s = time.perf_counter() - start
+        stop.set()
+        await pinger
+    return {"target": vars(t), "phases": phases, "end": _end_state(warm_metrics, end_metrics, idle_s),
+            "health_p99_ms_idle": summarize([], health["idle"], 1.0)["health_p99_ms"]}
+
+
+def _ttft_p99_by_half(outcomes: list[Outcome]) -> list[float | None]:
+    """TTFT p99 of the requests sent in the first and in the second half of a phase: bounded by the
+    waiting queue, the second is no worse than the first; without a bound it grows with time."""
+    done = sorted((o.sent_s, o.ttft_s) for o in outcomes if o.kind == "completed" and o.ttft_s is not None)
+    if not done:
+        return [None, None]
+    middle = (done[0][0] + done[-1][0]) / 2
+    halves = [[t for sent, t in done if sent < middle], [t for sent, t in done if sent >= middle]]
+    return [None if (p := percentile(h, 99)) is None else round(p * 1e3, 3) for h in halves]
+
+
+def _end_state(warm: dict[str, float], end: dict[str, float], idle_s: float) -> dict[str, Any]:
+    def growth(name: str) -> dict[str, Any] | None:
+        if name not in warm or name not in end:
+            return None
+        pct = 100.0 * (end[name] - warm[name]) / warm[name] if warm[name] else None
+        return {"after_warmup": warm[name], "end": end[name], "growth_pct": None if pct is None else round(pct, 3),
+                "within_2pct": pct is not None and abs(pct) <= 2.0}
+
+    return {"seconds_to_idle": round(idle_s, 2),
+            **{k: end.get(PRA + k) for k in ("kv_blocks_used", "requests_running", "requests_waiting",
+                                               "requests_admitting", "preemptions_total")},
+            "server_rejected_503": end.get(PRA + "requests_rejected_total{reason=queue_full}"),
+            "rss_bytes": growth("process_resident_memory_bytes"),
+            "cuda_allocated_bytes": growth(PRA + "cuda_memory_allocated_bytes"),
+            "cuda_reserved_bytes": growth(PRA + "cuda_memory_reserved_bytes"),
+            "prefix_cache": {k[len(PRA + "prefix_cache_"):]: v for k, v in end.items()
+                             if k.startswith(PRA + "prefix_cache_")}}
+
+
+def problems(result: dict[str, Any]) -> list[str]:
+    found = [f"{name}: {p['failed']} failed ({'; '.join(p['errors'])})" for name, p in result["phases"].items()
+             if p["failed"]]
+    found += [f"{name}: /health answered {p['health_not_200']} times without 200"
+              for name, p in result["phases"].items() if p["health_not_200"]]
+    end = result["end"]
+    found += [f"once idle, {k} = {end[k]} (must be 0)" for k in ("kv_blocks_used", "requests_running",
+                                                                 "requests_waiting") if end[k] != 0]
+    server = result.get("server")
+    if server and (server["exit_status"] != 0 or not server["stopped_line"]):
+        found.append(f"the server did not stop cleanly on SIGTERM: exit status {server['exit_status']}, "
+                     f"'server stopped' logged: {server['stopped_line']}")
+    return found
+
+
+class ServerProcess:
+    """The server `--model` asks for, on 127.0.0.1 and a free port; `stop` sends SIGTERM (a drain)."""
+
+    def __init__(self, model: str, flags: list[str], tokenizer: str | None) -> None:
+        self.log = Path(tempfile.mkstemp(prefix="bench-soak-", suffix=".log")[1])
+        if os.path.isdir(model) or model.endswith(".gguf"):
+            cmd = ["-m", "engine", "serve", "--model", model]
+        else:  # a benchmark config: random weights, the benchmarks' tokenizer
+            from bench.frontend import tokenizer_dir
+            path = tokenizer_dir(tokenizer)
+            cmd = ["-m", "bench.serving", "--serve", "--model", model, *(["--tokenizer", str(path)] if path else [])]
+        root = Path(__file__).resolve().parents[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, *cmd, "--port", "0", *flags], stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, cwd=root)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not (match := re.search(r"ready: serving .* at (http://[\d.]+:\d+)/v1", self.log.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        self.url = match.group(1)
+
+    def stop(self) -> dict[str, Any]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return {"exit_status": self.proc.returncode, "stopped_line": "server stopped" in self.log.read_text(),
+                "log": str(self.log)}
+
+
+def main(args: Any) -> int:
+    """`python -m bench soak` with the shared parser's arguments (bench/__main__.py, which also gives
+    `out` its default directory); --out names the JSON file, or a directory to write soak.json in."""
+    duration, clients, seed = args.duration or 600.0, args.clients or 48, args.seed or 0
+    if duration <= 0 or clients < 1:
+        print(f"python -m bench soak: --duration ({duration}) must be > 0 and --clients ({clients}) >= 1",
+              file=sys.stderr)
+        return 2
+    server = None
+    if args.url is None:
+        flags = shlex.split(args.server_args or "")
+        if "--max-waiting-requests" not in flags:
+            flags += ["--max-waiting-requests", str(args.max_waiting_requests or clients)]
+        server = ServerProcess(args.model, flags, args.tokenizer)
+    api_key = args.api_key or os.environ.get("INFER_GRAPHS_API_KEY")
+    try:
+        result = asyncio.run(soak(args.url or server.url, duration, clients, seed, api_key))
+    finally:
+        stopped = server.stop() if server else None
+    result = {"args": {"url": args.url, "model": None if args.url else args.model, "duration_s": duration,
+                       "clients": clients, "seed": seed, "server_args": args.server_args}, **result}
+    if stopped:
+        result["server"] = stopped
+    result["problems"] = problems(result)
+    result["ok"] = not result["problems"]
+    out = args.out
+    if not out.endswith(".json"):
+        out = os.path.join(out, "soak.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({"phases": result["phases"], "end": result["end"], "problems": result["problems"]}, indent=1))
+    print("wrote", out, file=sys.stderr)
+    return 0 if result["ok"] else 1

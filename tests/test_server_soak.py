@@ -1,0 +1,64 @@
+"""`python -m bench soak` on the CPU: a short soak of a server it starts itself (the tiny model) loses
+nothing, meets back-pressure under overload, ends idle with no KV block in use, and the server drains
+and exits 0 on its SIGTERM. Bounded: 15 s of traffic, a few seconds of start-up and idle.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench.soak import Target, make_request
+from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_ARGS = ("--device cpu --max-model-len 128 --block-size 4 --num-gpu-blocks 600 --max-num-seqs 4 "
+               "--max-num-batched-tokens 64")
+
+
+def test_the_soak_mix_draws_every_kind_of_request_in_its_shares():
+    t = Target("http://x", "m", 128, text=True, chat=True)
+    rng = random.Random(0)
+    draws = [make_request(rng, t) for _ in range(4000)]
+    valid = [(route, body, leave) for route, body, leave, invalid in draws if not invalid]
+    assert sum(invalid for *_, invalid in draws) / len(draws) == pytest.approx(0.05, abs=0.015)
+    assert sum(leave is not None for *_, leave in valid) / len(valid) == pytest.approx(0.20, abs=0.03)
+    kinds = Counter((route, body["stream"]) for route, body, _ in valid)
+    assert len(kinds) == 4 and min(kinds.values()) > 0.2 * len(valid)
+    lengths = [len(body["prompt"]) for _, body, _ in valid if "prompt" in body]
+    assert min(lengths) == 1 and 100 <= max(lengths) <= 127  # up to max_model_len - 1
+    assert {body["n"] for _, body, _ in valid} == {1, 2, 3, 4}
+    assert any("stop" in body for _, body, _ in valid) and any("top_logprobs" in body for _, body, _ in valid)
+    assert any("logprobs" in body and "messages" not in body for _, body, _ in valid)
+
+
+def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path):
+    model_dir = save_tiny_llama_with_tokenizer(tmp_path / "tiny")
+    out = tmp_path / "soak.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("INFER_GRAPHS_API_KEY", None)
+    run = subprocess.run([sys.executable, "-m", "bench", "soak", "--model", str(model_dir),
+                          f"--server-args={SERVER_ARGS}", "--duration", "15", "--clients", "6", "--seed", "3",
+                          "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["problems"] == []
+    steady, overload = result["phases"]["steady"], result["phases"]["overload"]
+    assert result["target"]["chat"] and result["target"]["text"]  # the mix ran its chat and stop-string parts
+    for phase in (steady, overload):
+        assert phase["failed"] == 0 and phase["health_not_200"] == 0 and phase["sent"] > 0
+    assert steady["completed"] > 0 and steady["aborted_by_client"] > 0 and steady["ttft_p99_ms"] is not None
+    assert overload["rejected_503"] > 0  # 3x the sustained rate meets --max-waiting-requests
+    assert len(overload["ttft_p99_ms_by_half"]) == 2
+    end = result["end"]
+    assert (end["kv_blocks_used"], end["requests_running"], end["requests_waiting"]) == (0, 0, 0)
+    assert end["rss_bytes"]["after_warmup"] > 0 and end["prefix_cache"]["query_tokens"] > 0
+    assert end["server_rejected_503"] >= overload["rejected_503"]
+    assert result["server"]["exit_status"] == 0 and result["server"]["stopped_line"]
