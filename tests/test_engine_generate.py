@@ -187,11 +187,8 @@ def llama_llm(saved_models) -> LLM:
     (list(range(1, 70)), SamplingParams(), "longer than max_model_len"),
     ([1, 5, 96], SamplingParams(), "outside the vocabulary"),
     ([1, -1], SamplingParams(), "outside the vocabulary"),
-    ([1, 5], SamplingParams(max_tokens=0), "SamplingParams.max_tokens"),
-    ([1, 5], SamplingParams(temperature=-1.0), "SamplingParams.temperature"),
-    ([1, 5], SamplingParams(top_p=2.0), "SamplingParams.top_p"),
-    ([1, 5], SamplingParams(top_k=-2), "SamplingParams.top_k"),
     ([1, 5], SamplingParams(stop_token_ids=(500,)), "SamplingParams.stop_token_ids"),
+    ([1, 5], SamplingParams(logit_bias={500: 1.0}), "SamplingParams.logit_bias"),
     ("hello", SamplingParams(), "no tokenizer"),
 ])
 def test_bad_request_is_refused_by_name_and_in_flight_requests_are_unaffected(saved_models, llama_llm,
