@@ -36,7 +36,7 @@ def table_config(x: torch.Tensor, weight: torch.Tensor, rows: int) -> GemvConfig
     if x.dtype != weight.dtype or weight.stride(-1) != 1:
         return None
     n, k = weight.shape
-    return gemv_config(rows, n, k, x.dtype, x.device.type)
+    return gemv_config(rows, n, k, x.dtype, x.device.type, x.device.index)
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ def argmax_key_tiles(rows: int, weight: torch.Tensor, dtype: torch.dtype, device
     if rows < 2 or dtype != weight.dtype or weight.stride(-1) != 1:
         return None
     n, k = weight.shape
-    choice = gemv_config(rows, n, k, dtype, device_type)
+    choice = gemv_config(rows, n, k, dtype, device_type, weight.device.index)
     if not isinstance(choice, GemvConfig):
         return None
     from custom_ops.triton_skinny import key_tiles  # lazy: Triton is imported only where it runs
