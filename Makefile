@@ -5,9 +5,11 @@ BIN := $(VENV)/bin
 MODEL ?= default
 PROMPT ?= The capital of France is
 MAX_TOKENS ?= 32
-# On a CPU-only machine the exact CPU wheel of torch is installed first: a looser range can pull a
-# multi-GB CUDA build. A machine that already has torch>=2.11 in the venv keeps it.
+# torch is installed first, pinned, from pip's default index (on Linux x86_64 that is the CUDA build)
+# or from TORCH_INDEX (the CPU build: https://download.pytorch.org/whl/cpu). A venv that already has
+# torch keeps it, so a CPU build installed by hand beforehand stays.
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install run test clean
 
@@ -15,7 +17,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 

@@ -66,14 +66,27 @@ def whole_k(shape: tuple[int, int], entry: GemvConfig) -> list[GemvConfig]:
             if n * block_k // (32 * w) <= 128]  # at most 128 weight elements (64 registers) a thread
 
 
-def model_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """The table's shapes among the model's 2-D weights, in the order the model holds them."""
+def device_table() -> dict[tuple[int, int], gemv_table.GemvConfig]:
+    """The GEMV table the engine reads on this GPU (its compute capability's), which the sweep edits in
+    place; an error where the capability has none, since the sweep re-picks an existing table's entries."""
+    capability = gemv_table.device_capability()
+    if capability not in gemv_table.TABLES:
+        raise RuntimeError(f"gemv_graph: compute capability {capability[0]}.{capability[1]} has no table in "
+                           "custom_ops.gemv_table.TABLES; the sweep re-picks an existing table's entries, so add "
+                           "one first (another capability's entries are a starting point)")
+    return gemv_table.TABLES[capability].gemv
+
+
+def model_shapes(model: torch.nn.Module, table: dict | None = None) -> list[tuple[int, int]]:
+    """The table's shapes (default: the sm_90 table) among the model's 2-D weights, in the order the
+    model holds them."""
+    table = gemv_table.GEMV_CONFIGS if table is None else table
     shapes: list[tuple[int, int]] = []
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dim() == 2:
             shape = tuple(weight.shape)
-            if shape in gemv_table.GEMV_CONFIGS and shape not in shapes:
+            if shape in table and shape not in shapes:
                 shapes.append(shape)
     return shapes
 
@@ -103,11 +116,11 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
         raise ValueError(f"gemv_graph: candidate_set {candidate_set!r} is not one of {CANDIDATE_SETS}")
     context = parse_ints(contexts, (CONTEXT,))[0]
     budget = TIME_BUDGET_S if time_budget_s is None else time_budget_s
+    table = device_table()  # before the engine: a GPU without a table has nothing to sweep
     net = build_model(model)
     llm = LLM(net, max_num_seqs=1, max_model_len=context + 64, prefill_graphs=False, show_progress=False,
               decode_graph_sizes=(1,))
     runner = llm.runtime.runner
-    table = gemv_table.GEMV_CONFIGS
 
     def replay_ms() -> float:
         with torch.inference_mode():  # the engine made its pool and buffers in inference mode
@@ -121,7 +134,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
     skipped = 0
     try:
         base_ms = [replay_ms()]
-        for shape in model_shapes(net):
+        for shape in model_shapes(net, table):
             entry = table[shape]
             tried = {"tiles": lambda: candidates(shape, entry), "neighbours": lambda: neighbours(entry),
                      "whole_k": lambda: whole_k(shape, entry)}[candidate_set]()

@@ -1,11 +1,19 @@
 """Which decode matmuls run the Triton GEMV (custom_ops.triton_gemv), and with which tiles: measured
 data and the one function that reads it. No Triton import here: models consult the table at every
-call of `torch.ops.infer.linear`, on machines without Triton too."""
+call of `torch.ops.infer.linear`, on machines without Triton too.
+
+Tiles are measured on one GPU and hold for GPUs of its compute capability only: `TABLES` maps a
+compute capability to the tables measured there and where they come from. A GPU whose capability has
+no table runs every matmul on cuBLAS, and says so once in the log.
+"""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("custom_ops")
 
 
 @dataclass(frozen=True)
@@ -103,14 +111,62 @@ SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | str]] = {
 }
 
 
-def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str) -> GemvConfig | str | None:
+@dataclass(frozen=True)
+class TunedTables:
+    """The GEMV and skinny-GEMM tables measured on one GPU (`source`: which GPU, which runs)."""
+
+    source: str
+    gemv: dict[tuple[int, int], GemvConfig]
+    skinny: dict[tuple[int, int], dict[int, GemvConfig | str]]
+
+
+# compute capability -> its tables. sm_90 (H100; an H200 is the same chip with faster memory, and
+# runs these tiles, which were not re-picked on it)
+TABLES: dict[tuple[int, int], TunedTables] = {
+    (9, 0): TunedTables("H100 80GB HBM3 (SXM, 132 SMs): python -m bench gemm / gemv_graph, bench/results/"
+                        "h100-2026-11-2{3,6,7}, h100x2-2026-11-26", GEMV_CONFIGS, SKINNY_CONFIGS),
+}
+_UNTUNED = TunedTables("none", {}, {})
+_by_capability: dict[tuple[int, int], TunedTables] = {}
+_capability_of: dict[int, tuple[int, int]] = {}
+
+
+def tables_for(capability: tuple[int, int]) -> TunedTables:
+    """The tables for GPUs of `capability`; empty (cuBLAS everywhere) where none were measured, said
+    once per capability in the log."""
+    tables = _by_capability.get(capability)
+    if tables is None:
+        tables = TABLES.get(capability, _UNTUNED)
+        if tables is _UNTUNED:
+            logger.warning("decode matmuls: no GEMV / skinny-GEMM tuning for compute capability %d.%d (tuned: "
+                           "%s): every matmul runs on cuBLAS", *capability,
+                           ", ".join(f"{major}.{minor}" for major, minor in TABLES))
+        _by_capability[capability] = tables
+    return tables
+
+
+def device_capability(device_index: int | None = None) -> tuple[int, int]:
+    """The compute capability of a CUDA device (the current one by default), cached: the property
+    query is slow and this is asked at every linear call of eager decode code."""
+    index = torch.cuda.current_device() if device_index is None else device_index
+    capability = _capability_of.get(index)
+    if capability is None:
+        capability = _capability_of[index] = torch.cuda.get_device_capability(index)
+    return capability
+
+
+def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str, device_index: int | None = None,
+                capability: tuple[int, int] | None = None) -> GemvConfig | str | None:
     """How x [rows, K] @ weight[N, K]^T runs, the one place that decides: at one row the GEMV's config;
-    at 2-64 rows the skinny GEMM's config or CUBLASLT; None for cuBLAS's default."""
+    at 2-64 rows the skinny GEMM's config or CUBLASLT; None for cuBLAS's default. The tables are those
+    of the GPU's compute capability (`capability`, else that of CUDA device `device_index`, else of the
+    current device)."""
     if device_type != "cuda" or dtype not in GEMV_DTYPES:
         return None
+    tables = tables_for(capability or device_capability(device_index))
     if rows == 1:
-        return GEMV_CONFIGS.get((n, k))
+        return tables.gemv.get((n, k))
     if rows < 2 or rows > ROW_BUCKETS[-1]:
         return None
     bucket = next(b for b in ROW_BUCKETS if rows <= b)
-    return SKINNY_CONFIGS.get((n, k), {}).get(bucket)
+    return tables.skinny.get((n, k), {}).get(bucket)

@@ -14,8 +14,8 @@ replays the GEMV and the batch-64 one the choices for 64 rows.
 
 Models trace it only when switched on (models.set_decode_gemv; eager code calls `run_linear`
 itself); switched off, their linears are plain F.linear and Inductor keeps its own matmul lowering.
-A step that ran the op without a graph would call it through the dispatcher, ~20 us of host time
-per linear (shared/TOOLCHAIN.md; 4 per layer), where Inductor's own matmul costs a few; so the
+A step that ran the op without a graph would call it through torch's custom-op dispatcher, ~20 us of
+host time per linear (4 per layer), where Inductor's own matmul costs a few; so the
 backend rewrites it into aten.linear in the pieces when FULL steps have their own code for the decode
 graphs (compile_backend.compile_pieces.lower_graph_only_ops), and graph replays pay nothing.
 """
@@ -36,7 +36,7 @@ def table_config(x: torch.Tensor, weight: torch.Tensor, rows: int) -> GemvConfig
     if x.dtype != weight.dtype or weight.stride(-1) != 1:
         return None
     n, k = weight.shape
-    return gemv_config(rows, n, k, x.dtype, x.device.type)
+    return gemv_config(rows, n, k, x.dtype, x.device.type, x.device.index)
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ def argmax_key_tiles(rows: int, weight: torch.Tensor, dtype: torch.dtype, device
     if rows < 2 or dtype != weight.dtype or weight.stride(-1) != 1:
         return None
     n, k = weight.shape
-    choice = gemv_config(rows, n, k, dtype, device_type)
+    choice = gemv_config(rows, n, k, dtype, device_type, weight.device.index)
     if not isinstance(choice, GemvConfig):
         return None
     from custom_ops.triton_skinny import key_tiles  # lazy: Triton is imported only where it runs
@@ -158,10 +158,9 @@ def run_act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return act_mul(gate_up.reshape(-1, width), activation).view(*gate_up.shape[:-1], width // 2)
 
 
-# Opaque to Inductor on purpose: the pieces it compiles for the symbolic token count lowered
-# act(gate) * up to a pointwise kernel that ran at 1.1-1.3 TB/s on an H100 (11.2 us at 256 x 16384
-# bf16 where the Triton kernel takes 5.0, 80 vs 36 us at 2048: bench/results/h100-2026-11-27/
-# act-and-mul-op/), and a prefill step runs it once per layer.
+# Opaque to Inductor on purpose: the pieces it compiles for the symbolic token count lower
+# act(gate) * up to a pointwise kernel that reaches about half the Triton kernel's bandwidth on an
+# H100, and a prefill step runs it once per layer.
 @torch.library.custom_op("infer::act_and_mul", mutates_args=())
 def act_and_mul_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return run_act_and_mul(gate_up, activation)

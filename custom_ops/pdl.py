@@ -3,9 +3,8 @@
 Under PDL (Hopper and newer) a kernel may be scheduled while the kernel before it is still finishing; it
 waits in-kernel (`gdc_wait`) before it reads anything that kernel wrote or writes anything at all, and
 does its independent work (loading its own weights, say) before the wait. A decode step is hundreds of
-small kernels, and that overlap is much of what separates them: on an H100, llama-3.2-3b's batch-1
-decode graph took 3.132 ms with PDL off and 2.885 ms with it on, gemma-3-1b's 1.671 and 1.445 ms
-(bench/results/h100-2026-11-24/pdl-ab/).
+small kernels, and that overlap is much of what separates them (on an H100 it takes 8-14% off a
+batch-1 decode graph's replay; docs/performance.md).
 
 No Triton import here: the compile backend asks too.
 """

@@ -1,11 +1,10 @@
 """`upload_step(...)`: a step's staged values from pinned host memory to the device in ONE kernel that
 reads the host memory over the bus itself (zero-copy), and in the same launch the two small writes
-that used to follow the copy: new block-table entries and input ids that live on the device.
+a copy would need after it: new block-table entries and input ids that live on the device.
 
-Between two decode graphs an H100 ran, for gemma-3-1b at batch 16 (bench/results/h100-2026-11-27/
-stage-kernel-not-landed/): the slab's host-to-device copy on the copy engine (3.2 us, with a 5.8 us hand-off to the
-kernel after it), an index_copy_ of the new table entries (1.8 us) and an index_select of the
-overlapped loop's input ids (4.8 us), each hand-off a few microseconds more. Here that is one kernel:
+Why one kernel: between two decode graphs, a copy-engine transfer of the slab, an index_copy_ of
+the new table entries and an index_select of the overlapped loop's input ids are three operations,
+each with a hand-off of a few microseconds on an H100, for microseconds of work. Here:
 - each program copies BLOCK slab elements;
 - an input id below zero, in the ids region, is `-(slot + 1)`: the token waiting in `tokens[slot]` on
   the device (engine.core.step_loop's token slots), resolved as it is copied (no element is written twice, so

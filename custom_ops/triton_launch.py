@@ -1,9 +1,9 @@
 """`launch(kernel, grid, args, options)`: a @triton.jit kernel launched again at a quarter of the host
 cost of `kernel[grid](*args, **options)`.
 
-Between two piecewise graphs the attention op's kernel launch is host time the GPU waits for. At 64
-tokens, llama-3.2-3b's 28 prefill launches took 1.38 ms of a 3.2 ms step's host time on an H100 host
-(triton 3.6): ~49 us each, of which the compiled launcher (`CompiledKernel.run`) is ~11 us. The rest is
+Between two piecewise graphs the attention op's kernel launch is host time the GPU waits for: with
+triton 3.6, ~49 us a launch through `kernel[grid](...)`, of which the compiled launcher
+(`CompiledKernel.run`) is ~11 us (llama-3.2-3b's 28 prefill launches: 1.38 ms of a 64-token step). The rest is
 JITFunction.run deriving again, on every call, the specialization it compiled for (each argument's
 type, each pointer's 16-byte alignment, each integer's divisibility by 16 and equality to 1) and
 looking it up.

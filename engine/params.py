@@ -1,7 +1,9 @@
 """What a user asks for: SamplingParams, and the validation of a request (its prompt and its parameters).
 
-SamplingParams are validated when the request is added (`check`), so an error names the request as
-well as the field, and is raised before the request touches the GPU.
+SamplingParams validate themselves when they are made (as vLLM's do): an invalid value raises
+InvalidRequestError naming the field. What depends on the engine (token ids against the vocabulary,
+the prompt against max_model_len) is checked when the request is added (`check`, `check_prompt`),
+naming the request as well, before the request touches the GPU.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ MAX_LOGPROBS = 20  # top tokens per generated token (vLLM's default limit; OpenA
 @dataclass(frozen=True)
 class SamplingParams:
     """Greedy when temperature < 1e-5 (0, the default, included: a smaller positive temperature
-    is made exactly 0, since dividing logits by it overflows); top_k 0 and top_p 1.0 disable those
-    filters."""
+    is made exactly 0, since dividing logits by it overflows); top_k 0 (or vLLM's -1) and top_p 1.0
+    disable those filters. Validated when made: an invalid value raises InvalidRequestError naming
+    the field. List fields (stop, stop_token_ids, logit_bias) are kept as tuples, so the object
+    stays hashable and immutable."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -43,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # Strings that end the request when they appear in the detokenized text; the text stops before
     # them (they and the stop / EOS token's text are left out unless include_stop_str_in_output).
+    # None, one string or a list are taken too (vLLM), and kept as a tuple.
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     # None: no log-probabilities; k: each generated token's log-probability and the k most likely
@@ -68,32 +73,47 @@ class SamplingParams:
         t = self.temperature
         if _is_number(t) and 0 < t < GREEDY_BELOW_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        # vLLM's spellings: stop as None, one string or a list; top_k=-1 for "off"; None for "none"
+        stop = self.stop
+        if stop is None or isinstance(stop, str):
+            object.__setattr__(self, "stop", () if stop is None else (stop,))
+        elif isinstance(stop, list):
+            object.__setattr__(self, "stop", tuple(stop))
+        if _is_int(self.top_k) and self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.logit_bias is None or isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple((self.logit_bias or {}).items()))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(
+                tuple(pair) if isinstance(pair, list) else pair for pair in self.logit_bias))
+        self._validate()
 
-    def check(self, request_id: str, vocab_size: int) -> None:
-        def bad(name: str, allowed: str) -> InvalidRequestError:
-            return InvalidRequestError(
-                f"request {request_id!r}: SamplingParams.{name}={getattr(self, name)!r} is invalid: "
-                f"expected {allowed}", param=name)
+    def _bad(self, name: str, allowed: str, request_id: str | None = None) -> InvalidRequestError:
+        where = "" if request_id is None else f"request {request_id!r}: "
+        return InvalidRequestError(f"{where}SamplingParams.{name}={getattr(self, name)!r} is invalid: "
+                                   f"expected {allowed}", param=name)
 
+    def _validate(self) -> None:
+        """Every rule that needs nothing but the values themselves (run when the object is made)."""
+        bad = self._bad
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g} = greedy)")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "an int >= 0 (0 = off)")
+            raise bad("top_k", "an int >= 0 (0 or -1 = off)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1] (1 = off)")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise bad("seed", "None or an int in [0, 2**63)")
-        ids = self.stop_token_ids
-        if not isinstance(ids, (tuple, list)) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
-            raise bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "None or a list of token ids (ints >= 0)")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
-        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "a list of non-empty strings")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "None, a non-empty string or a list of non-empty strings")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", "a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -104,15 +124,21 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2] (0 = off), as OpenAI's API")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
             raise bad("repetition_penalty", "a number in (0, 100] (1 = off)")
-        bias = self.logit_bias
-        if not isinstance(bias, (tuple, list)) or not all(
-                isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0]) and 0 <= pair[0] < vocab_size
-                and _is_number(pair[1]) and -100 <= pair[1] <= 100 for pair in bias):
-            raise bad("logit_bias", f"{{token id in [0, {vocab_size}): bias in [-100, 100]}}")
+        if not isinstance(self.logit_bias, tuple) or not all(
+                isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                and _is_number(pair[1]) and -100 <= pair[1] <= 100 for pair in self.logit_bias):
+            raise bad("logit_bias", "{token id (int >= 0): bias in [-100, 100]}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "a number in [0, 1] (0 = off)")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
+
+    def check(self, request_id: str, vocab_size: int) -> None:
+        """The rules that depend on the engine's model: token ids inside its vocabulary."""
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            raise self._bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})", request_id)
+        if any(token >= vocab_size for token, _ in self.logit_bias):
+            raise self._bad("logit_bias", f"{{token id in [0, {vocab_size}): bias in [-100, 100]}}", request_id)
 
     @property
     def has_penalties(self) -> bool:

@@ -1,5 +1,5 @@
 """Llama 3.x, Qwen3 and Gemma 3 (text) on flat tokens, every attention call through
-`torch.ops.infer.attention`; config and weight loading from HF-format dirs and GGUF files."""
+`torch.ops.infer.attention`; config and weight loading from HF-format dirs, hub ids and GGUF files."""
 from __future__ import annotations
 
 from models.base import CausalLM, set_decode_gemv
@@ -11,7 +11,7 @@ from models.errors import (
 from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
 from models.loader import MODEL_CLASSES, from_config, from_pretrained, load_weights
-from models.paths import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from models.paths import DEFAULT_MODEL, cache_root, load_tokenizer, resolve_model_path
 from models.qwen3 import Qwen3ForCausalLM
 
 __all__ = [
@@ -19,5 +19,5 @@ __all__ = [
     "ModelLoadError", "ModelPathError", "UnexpectedWeightError", "UnknownArchitectureError",
     "UnsupportedConfigError", "WeightShapeError", "Gemma3ForCausalLM", "LlamaForCausalLM",
     "MODEL_CLASSES", "from_config", "from_pretrained", "load_weights", "DEFAULT_MODEL",
-    "load_tokenizer", "resolve_model_path", "Qwen3ForCausalLM", "set_decode_gemv",
+    "load_tokenizer", "resolve_model_path", "cache_root", "Qwen3ForCausalLM", "set_decode_gemv",
 ]

@@ -63,12 +63,13 @@ def from_config(
 
 def from_pretrained(
     path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None, tp: TensorParallel = SINGLE,
+    device: torch.device | str | None = None, tp: TensorParallel = SINGLE, revision: str | None = None,
 ) -> CausalLM:
-    """Load an HF-format dir (config.json + model.safetensors or a sharded index), a .gguf file,
-    or "default" (the real Gemma 3 270M, converted once to a cached dir). Under `tp` this rank
-    reads only its shards of each tensor (a GGUF file is dequantized whole once, then sliced)."""
-    model_dir = Path(resolve_model_path(path))
+    """Load an HF-format dir (config.json + model.safetensors or a sharded index), a hub id
+    ("org/name" at `revision`, through the Hugging Face cache), a .gguf file, or "default" (the real
+    Gemma 3 270M, converted once to a cached dir). Under `tp` this rank reads only its shards of each
+    tensor (a GGUF file is dequantized whole once, then sliced)."""
+    model_dir = Path(resolve_model_path(path, revision))
     # Parsing the config fails on an unknown architecture before any weight is read.
     config = ModelConfig.from_hf(read_config(model_dir), dtype)
     eos_ids = tuple(dict.fromkeys(config.eos_token_ids + generation_eos_ids(model_dir)))

@@ -27,6 +27,7 @@ LLAMA_3B_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (128
 QWEN3_4B_SHAPES = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151936, 2560)]
 GEMMA3_1B_SHAPES = [(1536, 1152), (1152, 1024), (13824, 1152), (1152, 6912), (262144, 1152)]
 MEASURED_SHAPES = LLAMA_3B_SHAPES + QWEN3_4B_SHAPES + GEMMA3_1B_SHAPES
+SM90 = (9, 0)  # the H100's compute capability: the tables were measured there
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,13 +45,43 @@ def test_gemv_is_picked_only_for_the_measured_shapes_at_one_row_on_cuda_in_16_bi
     assert sorted(GEMV_CONFIGS) == sorted(MEASURED_SHAPES)
     for n, k in MEASURED_SHAPES:
         for dtype in (torch.bfloat16, torch.float16):
-            assert gemv_config(1, n, k, dtype, "cuda") is GEMV_CONFIGS[(n, k)]
+            assert gemv_config(1, n, k, dtype, "cuda", capability=SM90) is GEMV_CONFIGS[(n, k)]
         for rows in (2, 8):  # above one row the GEMV lost: the skinny table's choice or cuBLAS, never it
-            assert gemv_config(rows, n, k, torch.bfloat16, "cuda") is SKINNY_CONFIGS.get((n, k), {}).get(8)
-        assert gemv_config(1, n, k, torch.float32, "cuda") is None
+            assert gemv_config(rows, n, k, torch.bfloat16, "cuda", capability=SM90) is SKINNY_CONFIGS.get((n, k), {}).get(8)
+        assert gemv_config(1, n, k, torch.float32, "cuda", capability=SM90) is None
         assert gemv_config(1, n, k, torch.bfloat16, "cpu") is None
-    assert gemv_config(1, 2560, 2560, torch.bfloat16, "cuda") is None  # qwen3-4b's o: not measured, cuBLAS
+    assert gemv_config(1, 2560, 2560, torch.bfloat16, "cuda", capability=SM90) is None  # qwen3-4b's o: not measured, cuBLAS
     assert all(isinstance(c, GemvConfig) for c in GEMV_CONFIGS.values())
+
+
+def test_a_gpu_without_tuning_for_its_compute_capability_runs_cublas_and_says_so_once(monkeypatch, caplog):
+    import logging
+
+    from custom_ops import gemv_table
+    monkeypatch.setattr(gemv_table, "_by_capability", {})
+    with caplog.at_level(logging.WARNING, logger="custom_ops"):
+        for ampere in ((8, 0), (8, 0), (8, 9)):  # an A100 twice, then an L40S
+            for n, k in MEASURED_SHAPES:
+                assert gemv_config(1, n, k, torch.bfloat16, "cuda", capability=ampere) is None
+                assert gemv_config(16, n, k, torch.bfloat16, "cuda", capability=ampere) is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages  # once per capability, not per call
+    assert messages[0] == ("decode matmuls: no GEMV / skinny-GEMM tuning for compute capability 8.0 (tuned: 9.0): "
+                           "every matmul runs on cuBLAS")
+    assert gemv_table.tables_for(SM90).gemv is GEMV_CONFIGS and "H100" in gemv_table.tables_for(SM90).source
+
+
+def test_the_tables_are_those_of_the_device_a_tensor_is_on(monkeypatch):
+    """table_config asks for the weight's device's capability; the lookup is cached per device."""
+    from custom_ops import gemv_table
+    asked = []
+    monkeypatch.setattr(gemv_table, "_capability_of", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (8, 6))
+    assert gemv_table.device_capability(3) == (8, 6) == gemv_table.device_capability(3)
+    assert asked == [3]
+    assert gemv_config(1, 5120, 3072, torch.bfloat16, "cuda", device_index=3) is None  # 8.6: untuned
+    gemv_table._capability_of[3] = SM90
+    assert gemv_config(1, 5120, 3072, torch.bfloat16, "cuda", device_index=3) is GEMV_CONFIGS[(5120, 3072)]
 
 
 @pytest.mark.parametrize("x_shape", [(1, 80), (1, 1, 80), (3, 80)])
@@ -60,7 +91,7 @@ def test_run_linear_with_a_gemv_choice_matches_f_linear(monkeypatch, x_shape, bi
     the table says "GEMV" for (48, 80) at one row; three rows stay on F.linear."""
     chosen = []
 
-    def choose(rows, n, k, dtype, device_type):
+    def choose(rows, n, k, dtype, device_type, *_):
         chosen.append(rows)
         return GemvConfig(block_n=16, block_k=32, split_k=2, num_warps=1) if (rows, n, k) == (1, 48, 80) else None
     monkeypatch.setattr(custom_ops.linear, "gemv_config", choose)
@@ -81,7 +112,7 @@ def test_run_linear_with_a_gemv_choice_matches_f_linear(monkeypatch, x_shape, bi
 def test_gated_linear_with_a_gemv_choice_matches_the_unfused_code(monkeypatch, activation, split_k):
     """The activation inside the GEMV (Triton's interpreter): act(gate) * up, then the matmul."""
     monkeypatch.setattr(custom_ops.linear, "gemv_config",
-                        lambda rows, n, k, dtype, device_type: GemvConfig(block_n=16, block_k=32, split_k=split_k,
+                        lambda rows, n, k, dtype, device_type, *_: GemvConfig(block_n=16, block_k=32, split_k=split_k,
                                                                           num_warps=1) if rows == 1 else None)
     gate_up, weight = 2 * torch.randn(1, 160), torch.randn(48, 80)
     y = run_gated_linear(gate_up, weight, activation)
@@ -96,14 +127,14 @@ def test_many_row_choices_go_by_bucket_of_rows():
     cuBLAS."""
     from custom_ops.gemv_table import CUBLASLT, SKINNY_CONFIGS
     down = SKINNY_CONFIGS[(3072, 8192)]  # llama-3.2-3b's down projection has a choice in every bucket
-    assert [gemv_config(r, 3072, 8192, torch.bfloat16, "cuda") for r in (2, 5, 8, 9, 15, 16, 17, 24, 32, 33, 64)] == \
+    assert [gemv_config(r, 3072, 8192, torch.bfloat16, "cuda", capability=SM90) for r in (2, 5, 8, 9, 15, 16, 17, 24, 32, 33, 64)] == \
         [down[8]] * 3 + [down[16]] * 3 + [down[32], down[32], down[32], down[64], down[64]]
     assert down[64] == CUBLASLT
     for rows in (65, 128):
-        assert gemv_config(rows, 3072, 8192, torch.bfloat16, "cuda") is None
-    assert gemv_config(8, 5120, 3072, torch.bfloat16, "cuda") is None  # llama's qkv at 2-8 rows: cuBLAS
-    assert gemv_config(32, 3072, 3072, torch.bfloat16, "cuda") is None  # llama's o at 32 rows: cuBLAS won
-    assert gemv_config(16, 3072, 8192, torch.float32, "cuda") is None
+        assert gemv_config(rows, 3072, 8192, torch.bfloat16, "cuda", capability=SM90) is None
+    assert gemv_config(8, 5120, 3072, torch.bfloat16, "cuda", capability=SM90) is None  # llama's qkv at 2-8 rows: cuBLAS
+    assert gemv_config(32, 3072, 3072, torch.bfloat16, "cuda", capability=SM90) is None  # llama's o at 32 rows: cuBLAS won
+    assert gemv_config(16, 3072, 8192, torch.float32, "cuda", capability=SM90) is None
     assert gemv_config(16, 3072, 8192, torch.bfloat16, "cpu") is None
 
 
@@ -112,7 +143,7 @@ def test_run_linear_and_gated_linear_with_a_skinny_choice_match_torch(monkeypatc
     (bias, out=) and the gated one (act_mul first, then the skinny GEMM)."""
     skinny = GemvConfig(block_n=16, block_k=16, split_k=2, num_warps=1)
     monkeypatch.setattr(custom_ops.linear, "gemv_config",
-                        lambda rows, n, k, dtype, device_type: skinny if rows >= 16 else None)
+                        lambda rows, n, k, dtype, device_type, *_: skinny if rows >= 16 else None)
     x, weight, bias = torch.randn(20, 80), torch.randn(48, 80), torch.randn(48)
     torch.testing.assert_close(run_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     out = torch.full((20, 48), float("nan"))

@@ -211,17 +211,33 @@ def test_ptxas_is_pinned_to_torchs_own_before_anything_compiles(tmp_path, monkey
     assert compile_cache.pin_ptxas(tmp_path) == "/users/own/ptxas"
 
 
+def test_compile_cache_is_the_compile_folder_of_the_one_cache_root(tmp_path, monkeypatch):
+    from engine.worker import compile_cache
+    monkeypatch.delenv("INFER_GRAPHS_CACHE_DIR", raising=False)
+    monkeypatch.delenv("INFER_GRAPHS_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.compile_cache_dir() == models.cache_root() / "compile" == tmp_path / "xdg/infer_graphs/compile"
+    monkeypatch.setenv("INFER_GRAPHS_CACHE", str(tmp_path / "root"))
+    assert compile_cache.compile_cache_dir() == tmp_path / "root" / "compile"
+    assert models.cache_root() == tmp_path / "root"
+
+
 def test_compile_cache_directory_respects_the_users_choice_and_clears_only_itself(tmp_path, monkeypatch):
     from engine.worker import compile_cache
+    # the deprecated variable names the compile directory itself, as it always did, with a warning
     monkeypatch.setenv("INFER_GRAPHS_CACHE_DIR", str(tmp_path / "ours"))
+    with pytest.warns(FutureWarning, match="INFER_GRAPHS_CACHE_DIR is deprecated: set INFER_GRAPHS_CACHE"):
+        assert compile_cache.compile_cache_dir() == tmp_path / "ours"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users_triton"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRITON_PTXAS_PATH", str(tmp_path / "users_ptxas"))
-    chosen = compile_cache.configure_compile_cache()
+    with pytest.warns(FutureWarning):
+        chosen = compile_cache.configure_compile_cache()
     assert chosen == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ours" / "inductor"),
                       "TRITON_CACHE_DIR": str(tmp_path / "users_triton"),
                       "TRITON_PTXAS_PATH": str(tmp_path / "users_ptxas")}
     (tmp_path / "ours" / "inductor").mkdir(parents=True)
     (tmp_path / "users_triton").mkdir()
-    assert compile_cache.clear_compile_cache() == tmp_path / "ours"
+    with pytest.warns(FutureWarning):
+        assert compile_cache.clear_compile_cache() == tmp_path / "ours"
     assert not (tmp_path / "ours").exists() and (tmp_path / "users_triton").exists()

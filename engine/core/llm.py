@@ -52,19 +52,31 @@ class QueueFullError(RuntimeError):
 
 
 class LLM:
-    def __init__(self, model: str | torch.nn.Module = "default", tokenizer: Any = None, **config_fields: Any) -> None:
-        """`model`: an HF-format dir, a .gguf file, "default", or an already built models.CausalLM.
+    def __init__(self, model: str | torch.nn.Module = "default", tokenizer: Any = None, revision: str | None = None,
+                 **config_fields: Any) -> None:
+        """`model`: an HF-format dir, a hub id ("org/name", through the Hugging Face cache, at
+        `revision`), a .gguf file, "default", or an already built models.CausalLM.
 
-        `config_fields` are EngineConfig fields (max_num_seqs=..., prefill_graphs=..., ...).
+        `config_fields` are EngineConfig fields (max_num_seqs=..., prefill_graphs=..., ...), and vLLM's
+        `enforce_eager=True` (no CUDA graphs of either kind; the model is still compiled).
         `tokenizer`: a transformers tokenizer, or the name / path of one to load (EngineConfig.tokenizer,
         which must then load); by default the model directory's own, if it has one.
         """
+        import models
+
         self._closed = True  # until start-up succeeds: __del__ of a half-built engine does nothing
         timeline = StartupTimeline()
         if isinstance(tokenizer, str):
             config_fields["tokenizer"], tokenizer = tokenizer, None
-        model_dir = model if isinstance(model, str) else None
+        if config_fields.pop("enforce_eager", False):
+            config_fields.setdefault("cuda_graphs", False)
+            config_fields.setdefault("prefill_graphs", False)
         name = model if isinstance(model, str) else f"<{type(model).__name__} instance>"
+        if isinstance(model, str) and (revision is not None or models.paths.is_hub_id(model)):
+            # resolved once here: every later reader (the load, the tokenizer, the other ranks) gets
+            # the snapshot directory, and `revision` is not lost on the way
+            model = models.resolve_model_path(model, revision)
+        model_dir = model if isinstance(model, str) else None
         if not isinstance(model, str):
             # A built model fixes the dtype and device the KV cache and buffers must match.
             weight = next(model.parameters())
@@ -228,9 +240,15 @@ class LLM:
         return sampling
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One output per prompt, in order. Every prompt is validated before any of them runs."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is validated before any of them runs.
+        `sampling_params=` is vLLM's name for `params`."""
         self._check_open()
+        if sampling_params is not None:
+            if params is not None:
+                raise InvalidRequestError("generate got both params and sampling_params (the same argument)")
+            params = sampling_params
         if isinstance(prompts, torch.Tensor):  # [T] is one prompt, [B, T] a batch
             prompts = [prompts] if prompts.dim() == 1 else list(prompts)
         elif isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts

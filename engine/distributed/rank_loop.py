@@ -170,8 +170,8 @@ def leave_process_group(abort: bool | None = None) -> None:
     in flight. NCCL's destroy and abort both wait until every CUDA graph that captured one of the
     communicator's collectives is destroyed (its commDestroySync polls the graphs' references; the
     hang of pytorch/pytorch#115388 is that wait), so a graph that outlives its engine makes this
-    hang: on 2 H100s the backend's piecewise graphs did, kept through Dynamo's globals, until the
-    backend handed Dynamo a handle it can cut (compile_backend.compiled_graph.GraphHandle). The
+    hang. Piecewise graphs kept through Dynamo's globals would: the backend hands Dynamo a handle it
+    can cut (compile_backend.compiled_graph.GraphHandle), so they go with the engine. The
     communicators are aborted (a local call: no peer is waited for); gloo (the CPU) is destroyed."""
     if abort is None:
         abort = dist.get_backend() == "nccl"

@@ -1,27 +1,32 @@
-"""Command line.
+"""Command line: `infer-graphs` (setup.cfg's console script) or `python -m engine`.
 
-    python -m engine generate --model PATH|default --prompt TEXT [options]   text, throughput, graph stats
-    python -m engine serve --model PATH|default [--host 127.0.0.1] [--port 8000] [options]
+    infer-graphs generate --model PATH|org/name|default --prompt TEXT [options]   text, throughput
+    infer-graphs serve --model PATH|org/name|default [--host 127.0.0.1] [--port 8000] [options]
                                                                              an OpenAI-compatible server
 
-Both take every engine option (engine/entrypoints/cli_args.py). A user's mistake (a model path that does not
-exist, an invalid option value, an empty prompt) is one line, `error: ...`, and exit status 2;
-`-v` keeps the traceback.
+Both take every engine option (engine/entrypoints/cli_args.py). A user's mistake (a model that does
+not exist, an invalid option value, an empty prompt) is one line, `error: ...` naming the flag, and
+exit status 2; `-v` keeps the traceback. What can be checked without the model (option values,
+sampling values, empty prompts, the device) is checked before the model loads.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 
-from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+from engine.entrypoints.cli_args import ENGINE_OPTIONS, OneLineErrorParser, add_engine_args, engine_config_fields
 
 API_KEY_ENV = "INFER_GRAPHS_API_KEY"
+# SamplingParams field -> the flag of `generate` that sets it, for errors that name the flag
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                  "top_p": "--top-p", "seed": "--seed", "ignore_eos": "--ignore-eos", "prompt": "--prompt"}
 
 
-def build_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(prog="python -m engine", description="generate text, or serve the OpenAI API")
+def build_parser(prog: str = "python -m engine") -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog=prog, description="generate text, or serve the OpenAI API")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one or more prompts")
     add_engine_args(gen)
@@ -49,14 +54,15 @@ def build_parser() -> OneLineErrorParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
     import models
     from engine import ConfigError, InvalidRequestError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        _check_before_loading(args)
         if args.command == "serve":
             from engine.entrypoints.server import serve  # FastAPI and uvicorn only for this command
             return serve(args, engine_config_fields(args))
@@ -64,21 +70,59 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidRequestError, models.ModelLoadError) as exc:
         if args.verbose:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_in_flags(str(exc))}", file=sys.stderr)
         return 2
 
 
+def console_main() -> int:
+    """The `infer-graphs` console script (setup.cfg)."""
+    return main(prog="infer-graphs")
+
+
+def _check_before_loading(args) -> None:
+    """Refuse what is wrong without the model (seconds to minutes of loading otherwise); resolve a
+    hub id, so a missing one is refused before anything loads too."""
+    import torch
+
+    import models
+    from engine import ConfigError, EngineConfig, InvalidRequestError, SamplingParams
+
+    fields = engine_config_fields(args)
+    EngineConfig.from_kwargs(args.model, **fields)  # validates every field given
+    device = fields.get("device") or ""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is visible to torch here; use --device cpu")
+    if args.revision is not None or models.paths.is_hub_id(args.model):
+        if args.command == "serve" and args.served_model_name is None:
+            args.served_model_name = args.model  # clients send the id, not the snapshot directory
+        args.model = models.resolve_model_path(args.model, args.revision)
+    if args.command == "generate":
+        if not all(args.prompt):
+            raise InvalidRequestError("--prompt is empty", param="prompt")
+        args.params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                     top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+
+
+def _in_flags(message: str) -> str:
+    """An engine error in the command line's words: `SamplingParams.max_tokens=0` -> `--max-tokens 0`,
+    `EngineConfig.max_num_seqs=0` -> `--max-num-seqs 0`; the internal request id left out."""
+    flags = {**SAMPLING_FLAGS, **{field: flag for flag, (field, _) in ENGINE_OPTIONS.items()}}
+    message = re.sub(r"^request '[^']*': ", "", message)
+    message = re.sub(r"(?<!-)\bprompt (has|is|token)", r"--prompt \1", message).replace(
+        "longer than max_model_len", "longer than --max-model-len")
+    return re.sub(r"\b(?:SamplingParams|EngineConfig)\.(\w+)=",
+                  lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), message)
+
+
 def _generate(args) -> int:
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     start = time.perf_counter()
     llm = LLM(args.model, **engine_config_fields(args))
     print(f"engine ready in {time.perf_counter() - start:.1f} s on {llm.config.device} ({llm.config.dtype})",
           file=sys.stderr)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt, params)
+    outputs = llm.generate(args.prompt, args.params)
     seconds = time.perf_counter() - start
     for prompt, out in zip(args.prompt, outputs):
         print(f"{prompt}{out.text}")
@@ -87,9 +131,10 @@ def _generate(args) -> int:
     tokens = sum(len(o.token_ids) for o in outputs)
     stats = llm.stats()
     print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
-    print(f"graphs: {stats['decode_graphs']} decode graphs, {stats['decode_graph_replays']} replays, "
-          f"modes {stats['modes']}, fallbacks {stats['fallbacks']}"
-          + (f", backend {stats['backend']}" if "backend" in stats else ""))
+    if llm.config.device.startswith("cuda"):  # on the CPU there are no graphs to count
+        print(f"graphs: {stats['decode_graphs']} decode graphs, {stats['decode_graph_replays']} replays, "
+              f"modes {stats['modes']}, fallbacks {stats['fallbacks']}"
+              + (f", backend {stats['backend']}" if "backend" in stats else ""))
     return 0
 
 

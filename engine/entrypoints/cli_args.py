@@ -84,7 +84,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="HF-format dir, .gguf file, or 'default' (Gemma 3 270M)")
+    parser.add_argument("--model", default="default",
+                        help="HF-format dir, hub id (org/name), .gguf file, or 'default' (Gemma 3 270M)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
     group = parser.add_argument_group("engine options")
     for flag, (field, kwargs) in ENGINE_OPTIONS.items():
         group.add_argument(flag, dest=field, default=argparse.SUPPRESS, **kwargs)

@@ -5,8 +5,7 @@ per vocabulary size and dtype.
 On an H100 (torch 2.11) torch's argmax of one 128,256-wide row (Llama 3's vocabulary) took about
 26 us of GPU time: the row is reduced by few blocks. Cut into 256 runs it is one wide reduction and
 two tiny ones, half the time. For 151,936 and 262,144 (Qwen3, Gemma 3) torch's own reduction is
-already the faster of those two (bench/results/h100-2026-11-24/argmax-probe.log times both in graph
-replays), so neither choice fits every vocabulary. The Triton kernel spreads a row over about two
+already the faster of those two (timed in graph replays), so neither choice fits every vocabulary. The Triton kernel spreads a row over about two
 programs per SM and merges the chunks in the same launch, for the launch- and occupancy-bound case
 (torch: 8.9 us for one 262,144-wide bf16 row); whether it wins for a vocabulary is what the timing
 decides. The timing is of one row, and the kept method serves every batch size. All three give the

@@ -1,7 +1,8 @@
 """Where compiled artifacts persist across processes, and how to clear them.
 
-Directory: `$INFER_GRAPHS_CACHE_DIR`, else `$XDG_CACHE_HOME/infer_graphs/compile`, else
-`~/.cache/infer_graphs/compile`. Inductor's FX-graph / AOTAutograd caches go to `<dir>/inductor`
+Directory: `compile/` under the project's one cache root (`models.cache_root()`: `$INFER_GRAPHS_CACHE`,
+else `$XDG_CACHE_HOME/infer_graphs`, else `~/.cache/infer_graphs`); the deprecated
+`$INFER_GRAPHS_CACHE_DIR` still names the compile directory itself, with a warning. Inductor's FX-graph / AOTAutograd caches go to `<dir>/inductor`
 (TORCHINDUCTOR_CACHE_DIR) and Triton's kernel binaries to `<dir>/triton` (TRITON_CACHE_DIR), each only
 if the user has not set that variable. Torch's own default puts Inductor's cache under /tmp, which a
 reboot or a fresh container empties: here a second start-up finds its kernels.
@@ -31,15 +32,13 @@ import os
 import shutil
 from pathlib import Path
 
-CACHE_DIR_ENV = "INFER_GRAPHS_CACHE_DIR"
+from models.paths import cache_root, deprecated_compile_cache_dir
+
 PTXAS_ENV = "TRITON_PTXAS_PATH"
 
 
 def compile_cache_dir() -> Path:
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "infer_graphs" / "compile"
+    return deprecated_compile_cache_dir() or cache_root() / "compile"
 
 
 def configure_compile_cache() -> dict[str, str]:

@@ -123,9 +123,8 @@ class StaticBuffers:
 
         On CUDA the copy is one kernel (custom_ops.step_upload) that also writes the new table entries
         and the device ids: one launch on the stream between two decode graphs where a copy, an
-        index_copy_ and an index_select were three, with a hand-off of a few microseconds each
-        (gemma-3-1b on an H100: ITL over replay 1.017-1.018x at batch 64 against 1.025-1.033x with the
-        copy; bench/results/h100-2026-11-27/stage-kernel-landed/). Every step takes it, mixed ones too,
+        index_copy_ and an index_select were three, with a hand-off of a few microseconds each.
+        Every step takes it, mixed ones too,
         so one path serves CUDA; the torch ops below serve the CPU.
         """
         if len(step_indices) > self.step_indices.numel():

@@ -180,7 +180,11 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
             if isinstance(prompt, str) and prompt and tokenizer is not None:  # the engine would encode it alike
                 prompt = await loop.run_in_executor(tokenize_pool, encode, prompt)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = Choices(engine, prompt, req.sampling_params(default_max), request_id, req.n)
+        try:
+            params = req.sampling_params(default_max)  # SamplingParams validate when made
+        except InvalidRequestError as exc:
+            return _refused(exc, req)
+        choices = Choices(engine, prompt, params, request_id, req.n)
         watcher = asyncio.create_task(_abort_on_disconnect(request, choices))
         try:
             await choices.accepted()

@@ -1,0 +1,112 @@
+"""The command line: mistakes are one `error:` line naming the flag, refused before the model loads
+where the model is not needed to see them; the `infer-graphs` console script is the same main."""
+from __future__ import annotations
+
+import configparser
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import engine
+from engine.entrypoints import cli
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to build an engine fails the test: these mistakes must be seen before it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mistake was refused")
+    monkeypatch.setattr(engine, "LLM", refuse)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-tokens", "0"], "error: --max-tokens 0 is invalid: expected an int >= 1"),
+    (["--temperature", "-1"], "error: --temperature -1.0 is invalid: expected a finite number >= 0"),
+    (["--top-p", "1.5"], "error: --top-p 1.5 is invalid: expected a number in (0, 1]"),
+    (["--top-k", "-3"], "error: --top-k -3 is invalid"),
+    (["--prompt", ""], "error: --prompt is empty"),
+    (["--max-num-seqs", "0"], "error: --max-num-seqs 0 is invalid: expected an int >= 1"),
+    (["--kv-memory-fraction", "2"], "error: --kv-memory-fraction 2.0 is invalid"),
+])
+def test_a_mistake_is_refused_before_the_model_loads_naming_the_flag(no_model_load, capsys, flags, message):
+    argv = ["generate", "--model", "/nonexistent/never-read", "--prompt", "hi", *flags]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_a_gpu_says_to_use_device_cpu(no_model_load, capsys):
+    assert cli.main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
+    assert "error: --device cuda: no CUDA device is visible to torch here; use --device cpu" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_engine_option_before_loading(no_model_load, capsys):
+    assert cli.main(["serve", "--model", "/nonexistent", "--block-size", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --block-size 0 is invalid")
+
+
+def test_an_unknown_flag_is_named(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--prompt", "hi", "--max-tokns-typo", "3"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --max-tokns-typo" in capsys.readouterr().err
+
+
+def test_a_missing_hub_model_is_refused_before_loading(no_model_load, capsys, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["generate", "--model", "no-org/no-model", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: model 'no-org/no-model' is not a local path, and not in the Hugging Face "
+                          f"cache {tmp_path}")
+
+
+def test_a_prompt_longer_than_max_model_len_names_both_flags(tmp_path, capsys):
+    """Seen only once the tokenizer has counted the prompt's tokens; still in the flags' words."""
+    vocab = save_tiny_tokenizer(tmp_path)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "The capital of France is Paris. " * 8,
+            "--max-model-len", "16", "--block-size", "4", "--no-compile", "--device", "cpu"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --prompt has ") and err.endswith("tokens, longer than --max-model-len (16)"), err
+
+
+def test_engine_errors_are_put_in_the_flags_words():
+    assert cli._in_flags("request '0.1': SamplingParams.top_k=-2 is invalid: expected an int") == \
+        "--top-k -2 is invalid: expected an int"
+    assert cli._in_flags("EngineConfig.max_model_len=0 is invalid") == "--max-model-len 0 is invalid"
+    assert cli._in_flags("EngineConfig.model='' is invalid") == "EngineConfig.model='' is invalid"  # no flag
+
+
+def test_the_console_script_is_the_cli_under_its_own_name(capsys, monkeypatch):
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    scripts = dict(line.split(" = ") for line in setup["options.entry_points"]["console_scripts"].split("\n") if line)
+    module, func = scripts["infer-graphs"].split(":")
+    entry = getattr(importlib.import_module(module), func)
+    assert entry is cli.console_main
+    monkeypatch.setattr("sys.argv", ["infer-graphs", "--help"])
+    with pytest.raises(SystemExit) as info:
+        entry()
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: infer-graphs") and "generate" in out and "serve" in out
+
+
+def test_python_dash_m_engine_keeps_working():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m engine generate"), out.stderr
