@@ -17,9 +17,54 @@ import torch
 from custom_ops.layers import AttentionLayer
 from custom_ops.metadata import AttentionMetadata
 from custom_ops.rope import QKRotary, rotate_qk
+from custom_ops import triton_launch
 from custom_ops.triton_decode import launch_decode
 from custom_ops.triton_kv_store import store_kv
-from custom_ops.triton_prefill import launch_prefill
+from custom_ops.triton_prefill import _prefill_kernel, launch_prefill
+
+# Where a prefill launch of one layer differs from the same step's launch of another layer of the
+# same kind, it is in the tensors' addresses only: q, k, v, out and the layer's cache. A plan keeps the
+# rest of a launch (grid, strides, the step's metadata tensors, the compiled variant) per step and per
+# layer kind, so the other layers' calls bind five tensors and launch. Between two piecewise graphs
+# that call is host time the GPU waits for, once per layer; re-deriving the launch (checks, tile
+# config, strides, the variant's key over 33 arguments) was most of it.
+_MAX_PLANS = 64  # a step makes a plan per (metadata, layer kind); older steps' plans are dropped in bulk
+_plans: dict[tuple, "_PrefillPlan"] = {}
+_cache_halves: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id -> (cache, keys, values)
+
+
+class _PrefillPlan:
+    __slots__ = ("meta", "entry", "grid", "args")
+
+    def __init__(self, meta: AttentionMetadata, entry, grid: tuple[int, int, int], args: tuple) -> None:
+        self.meta, self.entry, self.grid, self.args = meta, entry, grid, list(args)
+
+    def run(self, q, k, v, out, keys, values) -> None:
+        args = self.args.copy()
+        args[0], args[1], args[2], args[3], args[7], args[8] = q, keys, values, out, k, v
+        triton_launch.run_variant(self.entry, self.grid, args)
+
+
+def _plan_key(q, k, v, out, layer, kv_cache, meta) -> tuple | None:
+    """What fixes a prefill launch but the addresses; None where the launch cannot be planned (a
+    tensor whose last dimension is strided, or not 16-byte aligned: the variant is specialized on it)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | kv_cache.data_ptr()) & 15:
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or out.stride(-1) != 1:
+        return None
+    return (id(meta), layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale, layer.sliding_window,
+            layer.logit_softcap, q.dtype, kv_cache.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(),
+            out.stride(), kv_cache.shape, kv_cache.stride())
+
+
+def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache[0] and kv_cache[1], made once per cache (an engine's caches live as long as it does)."""
+    held = _cache_halves.get(id(kv_cache))
+    if held is None or held[0] is not kv_cache:
+        if len(_cache_halves) >= 4 * _MAX_PLANS:
+            _cache_halves.clear()
+        held = _cache_halves[id(kv_cache)] = (kv_cache, kv_cache[0], kv_cache[1])
+    return held[1], held[2]
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> None:
@@ -69,6 +114,13 @@ def paged_attention(
     if rotary is not None and not (meta.is_uniform_decode and fuse_store):
         q, k = rotate_qk(q, k, rotary)
         rotary = None
+    plan_key = None
+    if not meta.is_uniform_decode and fuse_store and config is None and triton_launch.fast_path_open(_prefill_kernel):
+        plan_key = _plan_key(q, k, v, out, layer, kv_cache, meta)
+        plan = _plans.get(plan_key) if plan_key is not None else None
+        if plan is not None and plan.meta is meta:
+            plan.run(q, k, v, out, *_halves(kv_cache))
+            return
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     _check_qkv(q, k, v, out, layer)
     n = meta.num_actual_tokens
@@ -91,9 +143,17 @@ def paged_attention(
         if n < out.shape[0]:
             out[n:].zero_()
     else:
-        launch_prefill(q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs,
-                       max_query_len=meta.max_query_len, block_tables=meta.block_tables,
-                       query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                       page_size=kv_cache.shape[2], new_kv=new_kv,
-                       zero_from=None if meta.real_tokens_on_device or n >= out.shape[0] else n,
-                       zero_tail_on_device=meta.real_tokens_on_device, **common)
+        keys, values = _halves(kv_cache)
+        launched = launch_prefill(
+            q, keys, values, out, paged=True, num_seqs=meta.num_seqs, max_query_len=meta.max_query_len,
+            block_tables=meta.block_tables, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+            page_size=kv_cache.shape[2], new_kv=new_kv,
+            zero_from=None if meta.real_tokens_on_device or n >= out.shape[0] else n,
+            zero_tail_on_device=meta.real_tokens_on_device, **common)
+        if plan_key is not None and launched is not None:
+            grid, args, options = launched
+            entry = triton_launch.variant(_prefill_kernel, args, options)
+            if entry is not None:
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[plan_key] = _PrefillPlan(meta, entry, grid, args)

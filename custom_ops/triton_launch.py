@@ -132,6 +132,32 @@ def _hooked(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def fast_path_open(kernel: Any) -> bool:
+    """Whether `launch` may call a compiled variant of kernel directly now (module doc: no interpreter,
+    no pre-run or launch hooks)."""
+    return not (interpreting() or getattr(kernel, "pre_run_hooks", None)
+                or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook))
+
+
+def variant(kernel: Any, args: tuple, options: dict[str, Any]) -> _Compiled | None:
+    """The compiled variant a call `launch(kernel, grid, args, options)` made before would take now, or
+    None. A caller that keeps it and later calls `run_variant` with arguments of the same
+    specialization (every integer of the same class, every tensor of the same dtype and 16-byte
+    alignment, the same options) skips the key; that sameness is the caller's to keep."""
+    cache = _caches.get(kernel)
+    if cache is None:
+        return None
+    return cache.entries.get(_key(args, options, torch.cuda.current_device(), cache.unspecialized, cache.unaligned))
+
+
+def run_variant(entry: _Compiled, grid: tuple[int, int, int], args: tuple | list) -> None:
+    """Launch a variant from `variant` with `args` (the positional arguments) over a 3-axis grid."""
+    stats["hits"] += 1
+    compiled = entry.kernel
+    compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(torch.cuda.current_device()),
+                 compiled.function, compiled.packed_metadata, None, None, None, *args, *entry.tail)
+
+
 def launch(kernel: Any, grid: tuple[int, ...], args: tuple, options: dict[str, Any]) -> None:
     """`kernel[grid](*args, **options)`, taking the compiled launcher directly where a call of the same
     specialization was made before (module doc)."""

@@ -334,7 +334,7 @@ def launch_prefill(
     seq_lens: torch.Tensor | None = None, page_size: int = 1, config: dict | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, zero_from: int | None = None,
     zero_tail_on_device: bool = False,
-) -> None:
+) -> tuple[tuple[int, int, int], tuple, dict] | None:
     """Launch the prefill kernel. Paged: ``k_src/v_src`` are ``cache[0]/cache[1]`` ``[NB, BS, Hkv, D]``;
     dense: ``[T, Hkv, D]`` with ``dense_len = T`` and ``num_seqs = 1``.
 
@@ -342,7 +342,10 @@ def launch_prefill(
     read from ``k, v`` and written to their slots by the same launch (the cache need not hold them).
     ``zero_from``: out's rows from there on are padding (no sequence owns them); the launch writes them
     as zeros. ``zero_tail_on_device``: the same from ``query_start_loc[num_seqs]`` on, read by the launch
-    when it runs (a graph replayed for steps of any real token count up to out's rows)."""
+    when it runs (a graph replayed for steps of any real token count up to out's rows).
+
+    Returns the launch it made, (grid, positional arguments, keyword options) of `_prefill_kernel`,
+    or None where there was nothing to launch."""
     if new_kv is not None and not paged:
         raise ValueError("launch_prefill: new_kv (a fused store) needs the paged cache")
     cfg = dict(prefill_config(head_dim, q.dtype, max_query_len))
@@ -351,7 +354,7 @@ def launch_prefill(
     if max_query_len <= 0 or num_seqs <= 0:
         if zero_from is not None and paged and zero_from < out.shape[0]:
             out[zero_from:].zero_()  # nothing to attend; the padding rows are still written
-        return
+        return None
     if paged:
         stride_kb, stride_ko, stride_kh = k_src.stride()[:3]
         stride_vb, stride_vo, stride_vh = v_src.stride()[:3]
@@ -383,16 +386,19 @@ def launch_prefill(
         grid = (num_heads, num_tiles, 1)
     q_strides, out_strides = q.stride(), out.stride()
     k_new_strides, v_new_strides = k_new.stride(), v_new.stride()
-    launch(_prefill_kernel, grid, (
+    args = (
         q, k_src, v_src, out, block_tables, query_start_loc, seq_lens, k_new, v_new, slots,
         q_strides[0], q_strides[1], out_strides[0], out_strides[1],
         stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
         k_new_strides[0], k_new_strides[1], v_new_strides[0], v_new_strides[1], num_stores,
         dense_len, pad_start, pad_end, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
         num_seqs,
-    ), dict(
+    )
+    options = dict(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged,
         SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window), DOT_PRECISION=dot_precision(q.dtype),
         FUSE_STORE=new_kv is not None, PAD_START_ON_DEVICE=zero_tail_on_device, **cfg,
-    ))
+    )
+    launch(_prefill_kernel, grid, args, options)
+    return grid, args, options

@@ -36,6 +36,15 @@ class StepResult:
     argmax_keys: torch.Tensor | None = None
 
 
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """The KV slots of positions start..end-1 onto `slots`: one range per block, not a Python step per
+    token (a 512-token chunk is the host's longest loop of a prefill step)."""
+    for block in range(start // block_size, (end - 1) // block_size + 1):
+        first = block * block_size
+        base = table[block] * block_size - first
+        slots.extend(range(base + max(start, first), base + min(end, first + block_size)))
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, forward: Forward, block_size: int, max_model_len: int,
                  max_tokens: int, max_seqs: int, device: torch.device,
@@ -160,10 +169,9 @@ class ModelRunner:
                 if end > len(known):
                     ids.extend([0] * (end - max(start, len(known))))
                 positions.extend(range(start, end))
-                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+                _extend_slots(slots, table, start, end, block_size)
                 for g, group_table in enumerate(extra):
-                    group_slots[g].extend(group_table[p // block_size] * block_size + p % block_size
-                                          for p in range(start, end))
+                    _extend_slots(group_slots[g], group_table, start, end, block_size)
                     group_tables[g].append(group_table)
             query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
             seq_lens.append(end)
