@@ -59,6 +59,9 @@ def test_the_engine_snippet_runs_as_written():
 
 def test_the_bare_model_snippet_runs_as_written_and_predicts_what_the_eager_model_does():
     _needs_default_model()
+    # As in the fresh process a reader runs it in: Dynamo has compiled no other model's forward (a
+    # recompile of models.base's forward for a model whose norm eps differs would make eps symbolic).
+    torch._dynamo.reset()
     namespace, printed = _run(_snippets()[1])
     model, ids, pos = namespace["model"], namespace["ids"], namespace["pos"]
     with torch.no_grad():
