@@ -319,4 +319,6 @@ def test_vllm_spellings_enforce_eager_and_sampling_params_are_taken(saved_models
     monkeypatch.setattr(EngineConfig, "from_kwargs", capture)
     with pytest.raises(Stop):
         LLM(str(saved_models["llama"][0]), enforce_eager=True, max_num_seqs=3)
-    assert seen == {"cuda_graphs": False, "prefill_graphs": False, "max_num_seqs": 3}
+    assert seen == {"cudagraph_mode": "NONE", "max_num_seqs": 3}
+    with pytest.raises(ConfigError, match="enforce_eager=True and cudagraph_mode='FULL' disagree"):
+        LLM(str(saved_models["llama"][0]), enforce_eager=True, cudagraph_mode="FULL")

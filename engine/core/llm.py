@@ -58,7 +58,7 @@ class LLM:
         `revision`), a .gguf file, "default", or an already built models.CausalLM.
 
         `config_fields` are EngineConfig fields (max_num_seqs=..., prefill_graphs=..., ...), and vLLM's
-        `enforce_eager=True` (no CUDA graphs of either kind; the model is still compiled).
+        `enforce_eager=True` (cudagraph_mode NONE: no CUDA graphs; the model is still compiled).
         `tokenizer`: a transformers tokenizer, or the name / path of one to load (EngineConfig.tokenizer,
         which must then load); by default the model directory's own, if it has one.
         """
@@ -69,8 +69,10 @@ class LLM:
         if isinstance(tokenizer, str):
             config_fields["tokenizer"], tokenizer = tokenizer, None
         if config_fields.pop("enforce_eager", False):
-            config_fields.setdefault("cuda_graphs", False)
-            config_fields.setdefault("prefill_graphs", False)
+            mode = config_fields.setdefault("cudagraph_mode", "NONE")
+            if str(mode).upper() != "NONE":
+                raise ConfigError(f"enforce_eager=True and cudagraph_mode={mode!r} disagree: enforce_eager means "
+                                  "cudagraph_mode='NONE'")
         name = model if isinstance(model, str) else f"<{type(model).__name__} instance>"
         if isinstance(model, str) and (revision is not None or models.paths.is_hub_id(model)):
             # resolved once here: every later reader (the load, the tokenizer, the other ranks) gets
