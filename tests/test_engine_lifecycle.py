@@ -171,6 +171,16 @@ def test_startup_timeline_is_reported_and_its_phases_add_up_to_the_total(saved):
     assert 0.9 * total <= phases <= total, startup
 
 
+def test_an_eager_cpu_engine_warms_up_at_start_up_not_in_the_first_request(saved):
+    """The kernels' lazy set-up (the first forward, the sampler) runs in start-up's warm-up phases,
+    a small prefill then a decode, and leaves no request or KV block behind."""
+    path, _, _ = saved["llama"]
+    with LLM(str(path), **SMALL) as llm:
+        stats = llm.stats()
+    assert [p["name"] for p in stats["startup"]["phases"]].count("warm-up") == 2
+    assert stats["steps"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks"] - 1
+
+
 def test_a_prompt_of_exactly_max_model_len_gets_its_one_token(saved):
     path, _, hf = saved["llama"]
     prompt = [1] + [(7 * i) % 90 + 3 for i in range(31)]
