@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops import triton_launch
 from custom_ops.layers import AttentionLayer
 from custom_ops.metadata import AttentionMetadata
 from custom_ops.rope import QKRotary, rotate_qk
-from custom_ops import triton_launch
 from custom_ops.triton_decode import launch_decode
 from custom_ops.triton_kv_store import store_kv
 from custom_ops.triton_prefill import _prefill_kernel, launch_prefill
@@ -30,18 +30,26 @@ from custom_ops.triton_prefill import _prefill_kernel, launch_prefill
 # config, strides, the variant's key over 33 arguments) was most of it.
 _MAX_PLANS = 64  # a step makes a plan per (metadata, layer kind); older steps' plans are dropped in bulk
 _plans: dict[tuple, "_PrefillPlan"] = {}
-_cache_halves: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id -> (cache, keys, values)
+_BOUND = (0, 1, 2, 3, 7, 8)  # the arguments a layer binds: q, its cache's keys and values, out, k, v
+
+
+def clear_plans() -> None:
+    """Drop every plan (and the metadata tensors they hold): for an engine that closes."""
+    _plans.clear()
 
 
 class _PrefillPlan:
     __slots__ = ("meta", "entry", "grid", "args")
 
     def __init__(self, meta: AttentionMetadata, entry, grid: tuple[int, int, int], args: tuple) -> None:
-        self.meta, self.entry, self.grid, self.args = meta, entry, grid, list(args)
+        self.meta, self.entry, self.grid = meta, entry, grid
+        # The bound slots hold nothing between calls: a plan must not keep a layer's activations or
+        # KV cache alive (the metadata it keeps are small views of the engine's step buffers).
+        self.args = [None if i in _BOUND else a for i, a in enumerate(args)]
 
-    def run(self, q, k, v, out, keys, values) -> None:
+    def run(self, q, k, v, out, kv_cache) -> None:
         args = self.args.copy()
-        args[0], args[1], args[2], args[3], args[7], args[8] = q, keys, values, out, k, v
+        args[0], args[1], args[2], args[3], args[7], args[8] = q, kv_cache[0], kv_cache[1], out, k, v
         triton_launch.run_variant(self.entry, self.grid, args)
 
 
@@ -55,16 +63,6 @@ def _plan_key(q, k, v, out, layer, kv_cache, meta) -> tuple | None:
     return (id(meta), layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale, layer.sliding_window,
             layer.logit_softcap, q.dtype, kv_cache.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(),
             out.stride(), kv_cache.shape, kv_cache.stride())
-
-
-def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_cache[0] and kv_cache[1], made once per cache (an engine's caches live as long as it does)."""
-    held = _cache_halves.get(id(kv_cache))
-    if held is None or held[0] is not kv_cache:
-        if len(_cache_halves) >= 4 * _MAX_PLANS:
-            _cache_halves.clear()
-        held = _cache_halves[id(kv_cache)] = (kv_cache, kv_cache[0], kv_cache[1])
-    return held[1], held[2]
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: AttentionLayer) -> None:
@@ -119,7 +117,7 @@ def paged_attention(
         plan_key = _plan_key(q, k, v, out, layer, kv_cache, meta)
         plan = _plans.get(plan_key) if plan_key is not None else None
         if plan is not None and plan.meta is meta:
-            plan.run(q, k, v, out, *_halves(kv_cache))
+            plan.run(q, k, v, out, kv_cache)
             return
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     _check_qkv(q, k, v, out, layer)
@@ -143,9 +141,8 @@ def paged_attention(
         if n < out.shape[0]:
             out[n:].zero_()
     else:
-        keys, values = _halves(kv_cache)
         launched = launch_prefill(
-            q, keys, values, out, paged=True, num_seqs=meta.num_seqs, max_query_len=meta.max_query_len,
+            q, kv_cache[0], kv_cache[1], out, paged=True, num_seqs=meta.num_seqs, max_query_len=meta.max_query_len,
             block_tables=meta.block_tables, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
             page_size=kv_cache.shape[2], new_kv=new_kv,
             zero_from=None if meta.real_tokens_on_device or n >= out.shape[0] else n,

@@ -95,6 +95,9 @@ class Runtime:
             runner.mixed_graphs.release()
             runner.mixed_graphs = None
         self.kv_cache.release()
+        if runner.device.type == "cuda":
+            from custom_ops.triton_attention import clear_plans  # lazy: Triton is imported where it runs
+            clear_plans()  # launch plans hold this engine's step metadata
         if self.compiled is not None:
             self.compiled.release()
         runner.forward = None
