@@ -196,9 +196,38 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str], revision: str | None = None) -> Any:
-    """transformers AutoTokenizer for the resolved model directory."""
+    """transformers AutoTokenizer for the resolved model directory (a directory converted from GGUF
+    here: `converted_tokenizer`)."""
+    path = resolve_model_path(name_or_path, revision)
+    converted = converted_tokenizer(Path(path))
+    if converted is not None:
+        return converted
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path, revision))
+    return AutoTokenizer.from_pretrained(path)
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
+
+
+def converted_tokenizer(path: Path) -> Any | None:
+    """The tokenizer of a directory this package converted from GGUF (its marker file): a
+    PreTrainedTokenizerFast straight over its tokenizer.json, with the special tokens its
+    tokenizer_config.json names; None for any other directory.
+
+    The same tokenizer as AutoTokenizer's (a test compares them on the default model), in a third of
+    the time: AutoTokenizer parses the default model's 33 MB tokenizer.json in Python before the Rust
+    library parses it again (4.7 s against 1.6 s on a 2-core CPU machine, every engine start)."""
+    file, config_file = path / "tokenizer.json", path / "tokenizer_config.json"
+    if not ((path / _DONE_MARKER).is_file() and file.is_file() and config_file.is_file()):
+        return None
+    config = json.loads(config_file.read_text())
+    if config.get("chat_template") is not None:  # kept by AutoTokenizer only: take that path
+        return None
+    from transformers import PreTrainedTokenizerFast
+    special = {name: config[name] for name in _SPECIAL_TOKENS if isinstance(config.get(name), str)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(file), **special)
+    tokenizer.name_or_path = str(path)
+    return tokenizer
 
 
 def deprecated_compile_cache_dir() -> Path | None:
