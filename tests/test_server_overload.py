@@ -22,6 +22,7 @@ from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
 
 ENGINE = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_gpu_blocks=300,
               max_waiting_requests=2)
+LONG = ENGINE["max_model_len"] - 3  # a 3-token prompt's most tokens
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
 
@@ -96,12 +97,12 @@ def test_max_waiting_requests_must_be_none_or_a_positive_int(value):
 
 def test_a_full_queue_gets_503_with_retry_after_at_once_while_admitted_requests_complete(server):
     url = server[1]
-    body = {"model": NAME, "prompt": [2, 40, 41], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+    body = {"model": NAME, "prompt": [2, 40, 41], "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
 
-    async def stream(client, started: asyncio.Event) -> tuple[int, str | None, bool]:
+    async def stream(client, started: asyncio.Event, max_tokens: int) -> tuple[int, str | None, bool]:
         tokens, reason, done = 0, None, False
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": max_tokens}) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
                 if line == "data: [DONE]":
@@ -116,9 +117,11 @@ def test_a_full_queue_gets_503_with_retry_after_at_once_while_admitted_requests_
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
             running = [asyncio.Event(), asyncio.Event()]
-            tasks = [asyncio.create_task(stream(client, e)) for e in running]
+            # the running two long enough (the most max_model_len allows) that the two after them must
+            # wait: short ones could end before those arrive, and then nothing would ever wait
+            tasks = [asyncio.create_task(stream(client, e, LONG)) for e in running]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running)), 30)  # both slots taken
-            tasks += [asyncio.create_task(stream(client, asyncio.Event())) for _ in range(2)]
+            tasks += [asyncio.create_task(stream(client, asyncio.Event(), 60)) for _ in range(2)]
             deadline = time.monotonic() + 30
             while _metric(url, "infer_graphs_requests_waiting") < 2:  # the queue is full
                 assert time.monotonic() < deadline
@@ -142,7 +145,7 @@ def test_a_full_queue_gets_503_with_retry_after_at_once_while_admitted_requests_
         assert (error["code"], error["type"]) == ("server_overloaded", "server_error") and "waiting" in error["message"]
         assert seconds < 1.0, seconds  # refused before tokenizing, not after the engine's next step
     assert health.status_code == 200 and health_s < 1.0
-    assert results == [(60, "length", True)] * 4  # everything let in ran to its end
+    assert results == [(LONG, "length", True)] * 2 + [(60, "length", True)] * 2  # everything let in ran to its end
     assert _metric(url, "infer_graphs_requests_rejected_total{reason=queue_full}") == 2
     assert _metric(url, "infer_graphs_requests_waiting_limit") == 2
     assert _metric(url, "infer_graphs_requests_waiting") == 0 and _metric(url, "infer_graphs_kv_blocks_used") == 0
