@@ -128,3 +128,14 @@ def test_llm_stats_report_the_mode(saved_models):  # noqa: F811
     with LLM(str(path), **SMALL) as llm:
         stats = llm.stats()
     assert stats["cudagraph_mode"] == "NONE" and stats["mixed_graphs"] == 0
+
+
+def test_the_cli_takes_the_mode_in_any_case_and_names_the_choices(capsys):
+    from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+    parser = OneLineErrorParser(prog="infer-graphs generate")
+    add_engine_args(parser)
+    assert engine_config_fields(parser.parse_args(["--cudagraph-mode", "full"])) == {"cudagraph_mode": "FULL"}
+    assert "cudagraph_mode" not in engine_config_fields(parser.parse_args([]))  # the engine's default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cudagraph-mode", "full_graph"])
+    assert "--cudagraph-mode" in capsys.readouterr().err
