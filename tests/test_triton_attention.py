@@ -675,3 +675,49 @@ def test_split_workspace_grows_only_when_needed_and_keeps_what_a_graph_recorded(
     workspace.captured = True  # as if a graph had recorded it: replacing it must keep it alive
     assert workspace.take(2000, 1000, cpu).numel() == 2000 and workspace.buffer.numel() == 2000
     assert len(workspace.retired) == 1 and workspace.retired[0].data_ptr() == first.data_ptr()
+
+
+def test_a_prefill_plan_binds_exactly_what_differs_between_layers_of_a_kind(monkeypatch):
+    """Per step and layer kind a prefill launch is planned once (custom_ops.triton_attention): a later
+    layer's planned launch must equal the launch derived from scratch for that layer, argument by
+    argument, and a layer of another kind or with an unaligned tensor never takes another's plan. The
+    launches are recorded, not run (the plan path is the GPU's; its kernels run in the GPU tests)."""
+    from custom_ops import triton_attention, triton_launch, triton_prefill
+    derived, planned = [], []
+    monkeypatch.setattr(triton_prefill, "launch", lambda kernel, grid, args, options: derived.append((grid, args)))
+    monkeypatch.setattr(triton_launch, "fast_path_open", lambda kernel: True)
+    monkeypatch.setattr(triton_launch, "variant", lambda kernel, args, options: "variant")
+    monkeypatch.setattr(triton_launch, "run_variant", lambda entry, grid, args: planned.append((grid, tuple(args))))
+    monkeypatch.setattr(triton_attention, "_plans", {})
+    full, sliding = make_layer(4, 2, 16), make_layer(4, 2, 16, window=5)
+    _, _, _, cache, meta = make_batch([0, 5, 19], [7, 1, 12], full, block_size=8, dtype=torch.float32,
+                                      device="cpu", pad_tokens=3)
+
+    def layer_tensors(seed):
+        g = torch.Generator().manual_seed(seed)
+        t = meta.slot_mapping.shape[0]
+        qkv = torch.randn(t, 8, 16, generator=g)  # v a strided view of a fused projection, as in the models
+        return qkv[:, :4].contiguous(), qkv[:, 4:6].contiguous(), qkv[:, 6:], torch.empty(t, 4, 16), cache.clone()
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return (isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                    and a.stride() == b.stride() and a.dtype == b.dtype)
+        return a == b and type(a) is type(b)
+
+    layers = [layer_tensors(seed) for seed in range(3)]
+    triton_attention.paged_attention(*layers[0][:4], full, layers[0][4], meta)  # derives, and plans
+    assert len(derived) == 1 and not planned
+    for q, k, v, out, kv in layers[1:]:
+        triton_attention.paged_attention(q, k, v, out, full, kv, meta)
+        grid, args = planned.pop()
+        triton_attention._plans.clear()  # the same launch derived from scratch
+        triton_attention.paged_attention(q, k, v, out, full, kv, meta)
+        assert grid == derived[-1][0] and len(args) == len(derived[-1][1])
+        assert all(same(a, b) for a, b in zip(args, derived[-1][1]))
+    assert not planned
+    triton_attention.paged_attention(*layers[1][:4], sliding, layers[1][4], meta)  # another kind: derived
+    q, k, v, out, kv = layers[2]
+    unaligned = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # 4 bytes off: another variant
+    triton_attention.paged_attention(unaligned, k, v, out, full, kv, meta)
+    assert not planned and len(derived) == 5
