@@ -252,16 +252,20 @@ async def ping_health(client: Any, url: str, phase: list[str], samples: dict[str
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
-async def read_metrics(client: Any, url: str) -> dict[str, float]:
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus text page as {'name' or 'name{label=value,...}' (labels sorted): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = (await client.get(f"{url}/metrics", timeout=60.0)).text
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return values
+
+
+async def read_metrics(client: Any, url: str) -> dict[str, float]:
+    return parse_metrics((await client.get(f"{url}/metrics", timeout=60.0)).text)
 
 
 async def discover(client: Any, url: str) -> Target:

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.soak import parse_metrics
 from engine import LLM, SamplingParams, TokenLogprobs
 from engine.config import EngineConfig
 from engine.entrypoints.cli import main as cli_main
@@ -111,13 +111,7 @@ def _auth() -> dict:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def _chat_prompt_ids(reference: LLM, messages) -> list[int]:

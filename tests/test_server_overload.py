@@ -17,7 +17,7 @@ from engine import LLM, ConfigError, EngineConfig, InvalidRequestError, Sampling
 from engine.core.llm import QueueFullError
 from engine.entrypoints.cli import main as cli_main
 from engine.entrypoints.server import load_chat_template
-from tests.test_server import MESSAGES, NAME, _flags, start_server, stop_server
+from tests.test_server import MESSAGES, NAME, _flags, _metrics, start_server, stop_server
 from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
 
 ENGINE = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_gpu_blocks=300,
@@ -49,13 +49,7 @@ def server(model_dir, tmp_path_factory):
 
 
 def _metric(url: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            if (f"{sample.name}{{{labels}}}" if labels else sample.name) == name:
-                return sample.value
-    raise KeyError(name)
+    return _metrics(url)[name]
 
 
 # -- the LLM API --------------------------------------------------------------------------------------
