@@ -32,7 +32,8 @@ import logging
 import sys
 import time
 from collections import Counter
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
@@ -51,6 +52,47 @@ def frozen_gc() -> Iterator[None]:
 
 def free_memory_gib(device: torch.device) -> float:
     return torch.cuda.mem_get_info(device)[0] / 2**30
+
+
+@dataclass
+class CaptureRun:
+    """One capture loop's progress bar, and after it the loop's seconds and the memory its graphs hold."""
+    show_progress: bool
+    bar: Any = None
+    seconds: float = 0.0
+    graph_bytes: int = 0
+
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, line: str) -> None:
+        if self.show_progress:
+            print(line, file=sys.stderr)
+        logger.info(line)
+
+
+@contextlib.contextmanager
+def capture_run(device: torch.device, total: int, desc: str, show_progress: bool) -> Iterator[CaptureRun]:
+    """The guards and the accounting every capture loop shares: garbage collection frozen and paused,
+    a progress bar of `total` graphs, and (once the loop ended without an error) its time and the
+    device memory it took."""
+    torch.cuda.synchronize(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    start = time.perf_counter()
+    run = CaptureRun(show_progress)
+    if show_progress:
+        from tqdm import tqdm
+        run.bar = tqdm(total=total, desc=desc, unit="graph", file=sys.stderr, leave=False)
+    try:
+        with frozen_gc():
+            yield run
+    finally:
+        if run.bar is not None:
+            run.bar.close()
+    torch.cuda.synchronize(device)
+    run.seconds = time.perf_counter() - start
+    run.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
 
 
 class DecodeGraphs:
@@ -164,34 +206,17 @@ class DecodeGraphs:
 
     def capture(self, sizes: tuple[int, ...], show_progress: bool) -> None:
         device = self.runner.device
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
-        start = time.perf_counter()
         ordered = sorted(sizes, reverse=True)  # largest first: smaller graphs reuse its pool memory
-        bar = None
-        if show_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ordered), desc="decode graphs", unit="graph", file=sys.stderr, leave=False)
-        try:
-            with frozen_gc():
-                metas = self._metadata(ordered)
-                self._warm_up(metas)
-                for batch_size in ordered:
-                    self.graphs[batch_size] = self._record(metas[batch_size], batch_size)
-                    if bar is not None:
-                        bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        torch.cuda.synchronize(device)
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
-        line = (f"captured {len(self.graphs)} decode graphs (batch {ordered[-1]}..{ordered[0]}) in "
-                f"{self.capture_seconds:.2f} s ({self.capture_seconds / len(ordered) * 1e3:.0f} ms each), "
-                f"graph memory {self.graph_bytes / 2**20:.1f} MiB, {free_memory_gib(device):.2f} GiB free")
-        if show_progress:
-            print(line, file=sys.stderr)
-        logger.info(line)
+        with capture_run(device, len(ordered), "decode graphs", show_progress) as run:
+            metas = self._metadata(ordered)
+            self._warm_up(metas)
+            for batch_size in ordered:
+                self.graphs[batch_size] = self._record(metas[batch_size], batch_size)
+                run.tick()
+        self.capture_seconds, self.graph_bytes = run.seconds, run.graph_bytes
+        run.report(f"captured {len(self.graphs)} decode graphs (batch {ordered[-1]}..{ordered[0]}) in "
+                   f"{self.capture_seconds:.2f} s ({self.capture_seconds / len(ordered) * 1e3:.0f} ms each), "
+                   f"graph memory {self.graph_bytes / 2**20:.1f} MiB, {free_memory_gib(device):.2f} GiB free")
 
     def release(self) -> None:
         self.graphs.clear()

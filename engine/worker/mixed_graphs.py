@@ -19,17 +19,12 @@ garbage collection frozen and paused.
 """
 from __future__ import annotations
 
-import logging
-import sys
-import time
 from collections import Counter
 
 import torch
 
 from custom_ops import RuntimeMode
-from engine.worker.decode_graphs import free_memory_gib, frozen_gc
-
-logger = logging.getLogger("engine")
+from engine.worker.decode_graphs import capture_run, free_memory_gib, frozen_gc
 
 
 class MixedGraphs:
@@ -86,34 +81,17 @@ class MixedGraphs:
     def capture(self, sizes: tuple[int, ...], show_progress: bool) -> None:
         from compile_backend.pool import weak_tensor
         device = self.runner.device
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
-        start = time.perf_counter()
         ordered = sorted(sizes, reverse=True)  # largest first: smaller graphs reuse its pool memory
-        bar = None
-        if show_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ordered), desc="mixed graphs", unit="graph", file=sys.stderr, leave=False)
-        try:
-            with frozen_gc():
-                for n in ordered:
-                    self.graphs[n], hidden = self._warm_up_and_record(n)
-                    self.hidden[n] = weak_tensor(hidden)
-                    del hidden
-                    if bar is not None:
-                        bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        torch.cuda.synchronize(device)
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
-        line = (f"captured {len(self.graphs)} mixed-step graphs ({ordered[-1]}..{ordered[0]} tokens) in "
-                f"{self.capture_seconds:.2f} s, graph memory {self.graph_bytes / 2**20:.1f} MiB, "
-                f"{free_memory_gib(device):.2f} GiB free")
-        if show_progress:
-            print(line, file=sys.stderr)
-        logger.info(line)
+        with capture_run(device, len(ordered), "mixed graphs", show_progress) as run:
+            for n in ordered:
+                self.graphs[n], hidden = self._warm_up_and_record(n)
+                self.hidden[n] = weak_tensor(hidden)
+                del hidden
+                run.tick()
+        self.capture_seconds, self.graph_bytes = run.seconds, run.graph_bytes
+        run.report(f"captured {len(self.graphs)} mixed-step graphs ({ordered[-1]}..{ordered[0]} tokens) in "
+                   f"{self.capture_seconds:.2f} s, graph memory {self.graph_bytes / 2**20:.1f} MiB, "
+                   f"{free_memory_gib(device):.2f} GiB free")
 
     def release(self) -> None:
         self.graphs.clear()
