@@ -204,21 +204,22 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
         with timeline.phase("piecewise capture"):
             rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
     decode_graphs = None
-    memory["decode_graph_reserve_bytes"] = 0
+    memory["decode_graph_reserve_bytes"] = memory["mixed_graph_reserve_bytes"] = 0
     if config.cuda_graphs:
         decode_graphs = DecodeGraphs(runner, rt.pool.handle)
         with timeline.phase("decode measure"):
-            memory["decode_graph_reserve_bytes"] = _measure_decode_graphs(runner, config.decode_graph_sizes)
+            memory["decode_graph_reserve_bytes"] = _measure_graphs(DecodeGraphs, runner, config.decode_graph_sizes)
     mixed_graphs, mixed_sizes = None, mixed_graph_sizes(config)
     if mixed_sizes:
         mixed_graphs = MixedGraphs(runner, rt.pool.handle)
         with timeline.phase("mixed measure"):
-            memory["decode_graph_reserve_bytes"] += _measure_mixed_graphs(runner, mixed_sizes)
+            memory["mixed_graph_reserve_bytes"] = _measure_graphs(MixedGraphs, runner, mixed_sizes)
     with timeline.phase("kv pool"):
         torch.cuda.empty_cache()  # cached-but-free warm-up blocks count as free (near-free after the measure)
         free_bytes = torch.cuda.mem_get_info(device)[0]
         memory["free_bytes_before_pool"] = free_bytes
-        spare = free_bytes - memory["activation_peak_bytes"] - memory["decode_graph_reserve_bytes"]
+        spare = (free_bytes - memory["activation_peak_bytes"] - memory["decode_graph_reserve_bytes"]
+                 - memory["mixed_graph_reserve_bytes"])
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
             if num_blocks * kv_cache.bytes_per_block > spare:
@@ -233,11 +234,11 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
         _allocate_pool(rt, num_blocks, config, spare)
         memory["kv_pool_bytes"] = kv_cache.pool_bytes
     logger.info("KV pool: %s blocks of %d tokens (%.2f GiB); free before pool %.2f GiB, warm-up peak "
-                "%.2f GiB, decode graph reserve %.2f GiB",
+                "%.2f GiB, graph reserve %.2f GiB decode + %.2f GiB mixed",
                 " + ".join(f"{n} {g.kind}" for n, g in zip(kv_cache.num_blocks_by_group, kv_cache.groups)),
                 config.block_size,
                 kv_cache.pool_bytes / 2**30, free_bytes / 2**30, memory["activation_peak_bytes"] / 2**30,
-                memory["decode_graph_reserve_bytes"] / 2**30)
+                memory["decode_graph_reserve_bytes"] / 2**30, memory["mixed_graph_reserve_bytes"] / 2**30)
     if decode_graphs is not None:
         with timeline.phase("decode capture"):
             decode_graphs.capture(config.decode_graph_sizes, config.show_progress)
@@ -392,16 +393,10 @@ def _capture_piecewise(runner: ModelRunner, backend: InferGraphsBackend, config:
     return seconds
 
 
-def _measure_mixed_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> int:
-    """Memory to reserve for the mixed-step graphs, measured by a throwaway capture of the largest one."""
-    probe = MixedGraphs(runner, torch.cuda.graph_pool_handle())  # a pool of its own, dropped with it
-    released = probe.measure(max(sizes))
-    return released + len(sizes) * GRAPH_OVERHEAD_BYTES
-
-
-def _measure_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> int:
-    """Memory to reserve for the decode graphs, measured by a throwaway capture of the largest one."""
-    probe = DecodeGraphs(runner, torch.cuda.graph_pool_handle())  # a pool of its own, dropped with it
+def _measure_graphs(kind: type[DecodeGraphs] | type[MixedGraphs], runner: ModelRunner, sizes: tuple[int, ...]) -> int:
+    """Memory to reserve for a kind of full graphs (decode or mixed-step), measured by a throwaway
+    capture of its largest size."""
+    probe = kind(runner, torch.cuda.graph_pool_handle())  # a pool of its own, dropped with it
     released = probe.measure(max(sizes))
     # Every graph also holds a little device memory outside the allocator (its instantiated
     # executable): a fixed margin per graph keeps the real capture from running out.
