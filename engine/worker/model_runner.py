@@ -74,11 +74,9 @@ class ModelRunner:
         next step is loaded)."""
         batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode)
         dispatch = self.dispatcher.dispatch(batch)
-        full = dispatch.mode is RuntimeMode.FULL
-        num_padded = dispatch.descriptor.num_tokens
-        mixed = full and not dispatch.descriptor.uniform_decode
-        meta, num_sampling = self._prepare(out, pool, num_padded, full and not mixed, step_indices, device_ids,
-                                           mixed)
+        full, uniform = dispatch.mode is RuntimeMode.FULL, dispatch.descriptor.uniform_decode
+        meta, num_sampling = self._prepare(out, pool, dispatch.descriptor.num_tokens, full and uniform, step_indices,
+                                           device_ids, mixed=full and not uniform)
         if self.on_staged is not None:  # after the upload resolved device_ids: the other ranks get real ids
             self.on_staged(batch, dispatch, meta, num_sampling, len(out.chunks))
         return self.run_staged(dispatch, meta, num_sampling, len(out.chunks))
