@@ -40,8 +40,8 @@ CUDAGRAPH_MODES: dict[str, tuple[bool, bool, bool]] = {
 
 def cudagraph_mode_of(cuda_graphs: bool, prefill_graphs: bool) -> str:
     """The mode name of the two simple switches (they cannot spell FULL)."""
-    return {(False, False): "NONE", (False, True): "PIECEWISE", (True, False): "FULL_DECODE_ONLY",
-            (True, True): "FULL_AND_PIECEWISE"}[(bool(cuda_graphs), bool(prefill_graphs))]
+    graphs = (bool(cuda_graphs), bool(prefill_graphs), False)
+    return next(mode for mode, captured in CUDAGRAPH_MODES.items() if captured == graphs)
 
 
 class ConfigError(ValueError):
