@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from compile_backend.config import default_capture_sizes
+from engine.spec.config import SpeculativeConfig, SpeculativeConfigError
 
 logger = logging.getLogger("engine")
 
@@ -115,6 +116,9 @@ class EngineConfig:
     # server answers 503 + Retry-After past it. None: unbounded. generate() is not bounded: it waits
     # for its own prompts, so a queue bound would only refuse what the caller is about to run.
     max_waiting_requests: int | None = None
+    # speculative decoding, in vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} (engine.spec); None: one token per step
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -150,6 +154,10 @@ class EngineConfig:
         _check(self.full_graph_compile is None or self.full_graph_compile in _FULL_GRAPH_COMPILES,
                "full_graph_compile", self.full_graph_compile, f"None or one of {', '.join(_FULL_GRAPH_COMPILES)}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        try:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as exc:
+            raise ConfigError(f"EngineConfig.{exc}") from None
         if self.max_waiting_requests is not None:
             _check_int("max_waiting_requests", self.max_waiting_requests, 1, "None (unbounded) or an int >= 1")
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):
@@ -193,6 +201,15 @@ class EngineConfig:
     def mixed_graphs(self) -> bool:
         """Whether steps that are not uniform decodes replay full graphs (cudagraph_mode FULL)."""
         return self.cudagraph_mode is not None and CUDAGRAPH_MODES[self.cudagraph_mode][2]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    @property
+    def max_logits_rows(self) -> int:
+        """Rows a step computes logits for at most: a sequence verifying k proposals has 1 + k."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -33,6 +33,7 @@ from engine.core.step_loop import StepLoop
 from engine.outputs import RequestOutput
 from engine.params import InvalidRequestError, SamplingParams, check_prompt
 from engine.request import FinishReason, Request
+from engine.spec.proposer import Proposer
 from engine.worker.startup import build_runtime
 from engine.worker.timeline import StartupTimeline
 
@@ -129,7 +130,9 @@ class LLM:
         try:
             self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                        self.config.max_num_batched_tokens, self.config.max_model_len,
-                                       tuple(model.config.eos_token_ids), self.config.enable_prefix_caching)
+                                       tuple(model.config.eos_token_ids), self.config.enable_prefix_caching,
+                                       Proposer(self.config.speculative_config) if self.config.speculative_config
+                                       else None)
         except BaseException:
             self.runtime.close()  # a refused configuration leaves nothing behind
             self.runtime = None
@@ -235,7 +238,7 @@ class LLM:
             launched, sampling = self._loop.step()
         self._detokenize(sampling)
         self.num_steps += launched
-        self.num_generated_tokens += len(sampling)
+        self.num_generated_tokens = self._loop.num_tokens_read
         for request in sampling:
             if request.is_finished:
                 del self._requests[request.request_id]

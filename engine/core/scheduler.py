@@ -27,8 +27,13 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from engine.kv.block_pool import BlockPool
 from engine.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.spec.proposer import Proposer
 
 logger = logging.getLogger("engine")
 
@@ -37,8 +42,12 @@ logger = logging.getLogger("engine")
 class ScheduledChunk:
     request: Request
     start: int        # position of the chunk's first token (= tokens already cached)
-    num_tokens: int   # tokens computed this step
+    num_tokens: int   # tokens computed this step (the proposals included)
     samples: bool     # the chunk reaches the end of the request's tokens: its last logits give the next one
+    # Speculative decoding: tokens proposed after the request's last one (engine.spec). The chunk is
+    # then a verify chunk: its last token and the proposals, num_tokens = 1 + len(proposals), and
+    # every one of its rows gives logits (engine.spec.sampling).
+    proposals: tuple[int, ...] = ()
 
     @classmethod
     def next_for(cls, request: Request, num_tokens: int) -> ScheduledChunk:
@@ -60,6 +69,13 @@ class SchedulerOutput:
         return bool(self.chunks) and all(c.num_tokens == 1 for c in self.chunks)
 
     @property
+    def is_verify(self) -> bool:
+        """Some chunk verifies proposals and every chunk is a decode (of one token or with proposals):
+        a step of uniform shape that speculation's graphs serve (engine.worker.dispatch)."""
+        return (any(c.proposals for c in self.chunks)
+                and all(c.samples and c.num_tokens == 1 + len(c.proposals) for c in self.chunks))
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
@@ -67,7 +83,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (),
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, proposer: Proposer | None = None) -> None:
         if block_pool.blocks_for(max_model_len) > block_pool.num_usable_blocks:
             raise ValueError(
                 f"the KV pool has {block_pool.num_usable_blocks} usable blocks of {block_pool.block_size} "
@@ -84,6 +100,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.proposer = proposer  # speculative decoding (engine.spec.proposer), or None
+        self.num_schedules = 0    # schedule() calls: the clock of the proposer's back-off
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -92,16 +110,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def wants_known_tokens(self) -> bool:
+        """Whether the next schedule may propose for a running request: proposals continue the
+        request's tokens, so every token of the step in flight must be read first (engine.core.step_loop)."""
+        return self.proposer is not None and any(self.proposer.eligible(r, self.num_schedules) for r in self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.num_schedules += 1
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, num_new, out):
-                out.chunks.append(ScheduledChunk.next_for(request, num_new))
-                budget -= num_new
+                chunk = ScheduledChunk.next_for(request, num_new)
+                if self.proposer is not None and num_new == 1 and chunk.samples:
+                    chunk = self._with_proposals(chunk, budget)
+                out.chunks.append(chunk)
+                budget -= chunk.num_tokens
                 i += 1
             else:  # the request preempted itself: it was the newest, nothing after it runs
                 break
@@ -123,6 +150,26 @@ class Scheduler:
             out.chunks.append(ScheduledChunk.next_for(request, num_new))
             budget -= num_new
         return self._checked(out)
+
+    def _with_proposals(self, chunk: ScheduledChunk, budget: int) -> ScheduledChunk:
+        """A decode chunk with the proposer's tokens after it where they fit: the step's token budget,
+        max_tokens and max_model_len (the last token a verify step can add is its extra one), and the
+        free blocks (proposals never preempt anyone: without a block they are dropped)."""
+        request = chunk.request
+        if request.num_inflight_tokens or not self.proposer.eligible(request, self.num_schedules):
+            return chunk
+        room = min(budget, self.max_model_len - request.num_tokens)
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - (request.num_tokens - request.num_prompt_tokens))
+        room -= 1
+        proposals = self.proposer.propose(request, room, self.num_schedules) if room > 0 else []
+        if not proposals:
+            return chunk
+        end = chunk.start + 1 + len(proposals)
+        if not (self.pool.holds(request.request_id, end, chunk.start) or self.pool.grow(request.request_id, end)):
+            self.proposer.dropped(len(proposals))
+            return chunk
+        return ScheduledChunk(request, chunk.start, 1 + len(proposals), True, tuple(proposals))
 
     def _checked(self, out: SchedulerOutput) -> SchedulerOutput:
         """Under debug checks: no chunk writes into a shared or published block, and the pool adds up."""
@@ -188,6 +235,24 @@ class Scheduler:
             self.finish(request, reason)
         return reason
 
+    def resolve_verified(self, chunk: ScheduledChunk, tokens: list[int], now: float) -> int:
+        """A verify chunk's result is read: `tokens` are its accepted proposals and the one token after
+        them. The rejected proposals' positions leave the computed count (their K/V is overwritten by
+        a later step before anything reads it), then the tokens are appended one by one as
+        resolve_token does, until one ends the request. Returns the tokens appended."""
+        request = chunk.request
+        if request.is_finished:
+            return 0
+        accepted = len(tokens) - 1
+        request.num_computed_tokens -= len(chunk.proposals) - accepted
+        self.proposer.verified(request, len(chunk.proposals), accepted, self.num_schedules)
+        for i, token in enumerate(tokens):
+            if i:
+                request.num_inflight_tokens += 1  # resolve_token reads one in-flight token each
+            if self.resolve_token(request, token, now) is not None:
+                return i + 1
+        return len(tokens)
+
     def update(self, out: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
         """`advance` and `resolve_token` at once (the step's tokens are known): `sampled` holds one
         token per sampling chunk, in chunk order. Returns the requests that finished."""
@@ -241,6 +306,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.pool.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.num_inflight_tokens = 0  # whatever a step still in flight samples for it is dropped

@@ -45,6 +45,7 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
         "async_overlapped_steps": llm._loop.num_overlapped_steps,
         "async_discarded_tokens": llm._loop.num_discarded_tokens,
         **llm.runtime.memory,
+        "spec_decode": _spec_stats(llm),
         "startup": llm.startup.as_dict(),
     }
     if llm.runtime.backend is not None:
@@ -57,3 +58,16 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
         # graph counts and fallbacks of every rank; a failed group can only report its failure
         stats["ranks"] = llm.tp.rank_stats() if llm.tp.failure is None else llm.tp.failure
     return stats
+
+
+def _spec_stats(llm: LLM) -> dict[str, Any] | None:
+    """Speculative decoding's counts (engine.spec.proposer.SpecStats), or None without it."""
+    proposer = llm.scheduler.proposer
+    if proposer is None:
+        return None
+    config = proposer.config
+    return {"method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
+            **proposer.stats.as_dict(),
+            "waits": llm._loop.num_spec_waits,  # steps planned after reading the step in flight
+            "verify_graph_fallbacks": sum(n for reason, n in llm.runtime.runner.dispatcher.fallback_counts.items()
+                                          if reason.startswith("verify"))}

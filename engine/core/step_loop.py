@@ -44,8 +44,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.request import Request
+from engine.sample.staging import host_to_device
+from engine.spec.sampling import VerifyLayout, sample_verify
 from engine.worker.input_buffers import DeviceIds
 
 if TYPE_CHECKING:
@@ -133,6 +135,10 @@ class _InFlight:
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # device tensors the step reads
     logprob_rows: list[int] = field(default_factory=list)  # rows of `sampling` that asked for logprobs
     host_logprobs: torch.Tensor | None = None  # their Sampler.logprobs tensor's read-back buffer
+    # A step that verifies proposals (engine.spec): its sampling chunks, whose tokens are `width` a
+    # chunk (accepted proposals + one, then -1), and whose logprob rows are logits rows
+    verify: list[ScheduledChunk] | None = None
+    layout: VerifyLayout | None = None
 
 
 class StepLoop:
@@ -144,11 +150,16 @@ class StepLoop:
         self.depth = depth
         self.device = runtime.runner.device
         self.slots = TokenSlots(2 * scheduler.max_num_seqs, self.device)
-        self._read_back = ReadBack(scheduler.max_num_seqs, self.device) if self.device.type == "cuda" else None
+        proposer = scheduler.proposer
+        self.width = 1 + (proposer.config.num_speculative_tokens if proposer is not None else 0)
+        self._read_back = (ReadBack(scheduler.max_num_seqs * self.width, self.device)
+                           if self.device.type == "cuda" else None)
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0  # launched while the previous step was still in flight
         self.num_drains = 0            # the host had to read the in-flight step before scheduling more
         self.num_discarded_tokens = 0  # sampled after their request had finished
+        self.num_spec_waits = 0        # the host read the in-flight step before scheduling, for proposals
+        self.num_tokens_read = 0       # tokens appended to requests (a verify chunk adds up to 1 + k)
 
     def has_inflight(self) -> bool:
         """True while a launched step samples for a live request (it may have left the running list)."""
@@ -156,10 +167,20 @@ class StepLoop:
 
     def step(self) -> tuple[bool, list[Request]]:
         """(whether a step was launched, the requests whose token was read, in chunk order)."""
+        early: list[Request] = []
+        if self._inflight is not None and (self._inflight.verify is not None or self.scheduler.wants_known_tokens()):
+            # Proposals continue a request's tokens, and a verify step's token count is known only
+            # once read: the step in flight is read before this one is planned (engine.spec.proposer's
+            # back-off keeps this to the steps where speculation pays).
+            previous, self._inflight = self._inflight, None
+            early = self._resolve(previous)
+            self.num_spec_waits += 1
         out = self.scheduler.schedule()
         previous, self._inflight = self._inflight, None
         if out.is_empty:
             if previous is None:
+                if early:
+                    return False, early
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
                 return False, []
@@ -174,15 +195,16 @@ class StepLoop:
             # flight keeps its tokens.
             self._inflight = previous
             raise
-        resolved = []
+        resolved = early
         if previous is not None:
             self.num_overlapped_steps += 1
             resolved = self._resolve(previous)
         for chunk in out.chunks:  # every token below num_computed_tokens is known now
-            if not chunk.request.is_finished:
+            # (a verify chunk's computed count holds its proposals until it is read: published then)
+            if not chunk.request.is_finished and not chunk.proposals:
                 self.scheduler.publish_filled(chunk)
         if self.depth == 0:
-            return True, self._resolve(launched)
+            return True, resolved + self._resolve(launched)
         self._inflight = launched
         return True, resolved
 
@@ -211,7 +233,8 @@ class StepLoop:
         for chunk in out.chunks:  # rows in the order ModelRunner flattens the chunks
             request = chunk.request
             known = request.num_tokens
-            if chunk.start + chunk.num_tokens > known:  # its input reaches a token still in flight
+            # its input reaches a token still in flight (a verify chunk's proposals are the host's own)
+            if chunk.start + chunk.num_tokens - len(chunk.proposals) > known:
                 newest = request.num_planned_tokens - 1
                 if chunk.start + chunk.num_tokens - 1 != newest or known != newest:
                     raise RuntimeError(f"request {request.request_id!r}: chunk [{chunk.start}, "
@@ -221,6 +244,8 @@ class StepLoop:
                 gather_slots.append(self.slots.slot(request))
             row += chunk.num_tokens
         sampling = [c.request for c in out.chunks if c.samples]
+        if any(c.proposals for c in out.chunks):
+            return self._launch_verify(out, sampling, DeviceIds(self.slots.tokens, gather_rows, gather_slots))
         sample_slots = [self.slots.slot(r) for r in sampling]
         slot_tokens = self.slots.tokens  # after any growth above
         # The input ids of the gathered rows are written with the step's upload (on CUDA one kernel that
@@ -249,6 +274,29 @@ class StepLoop:
         self.scheduler.advance(out)
         return _InFlight(sampling, host_tokens, ready, keep, logprob_rows, host_logprobs)
 
+    def _launch_verify(self, out: SchedulerOutput, sampling: list[Request], device_ids: DeviceIds) -> _InFlight:
+        """A step with proposals: its tokens are read before the next step is planned (`step`), so none
+        goes through a token slot; logprobs, where asked, are of every token a chunk adds."""
+        runtime = self.runtime
+        result = runtime.runner.execute(out, runtime.block_pool, device_ids)
+        chunks = [c for c in out.chunks if c.samples]
+        layout = VerifyLayout(sampling, [c.proposals for c in chunks], self.width)
+        tokens = sample_verify(runtime.sampler, result.logits, layout)
+        keep, host_tokens, ready, logprob_rows, host_logprobs = [tokens], tokens.view(-1), None, [], None
+        if any(r.params.logprobs is not None for r in sampling):
+            cells = host_to_device(layout.row_cells(), torch.int64, tokens.device)
+            row_tokens = tokens.view(-1).index_select(0, cells).clamp(min=0)
+            logprobs = runtime.sampler.logprobs(result.logits, row_tokens, layout.row_requests())
+            if logprobs is not None:
+                logprob_rows, host_logprobs = logprobs
+                keep += [cells, row_tokens]
+        if tokens.is_cuda:
+            if host_logprobs is not None:
+                keep.append(host_logprobs)
+            host_tokens, host_logprobs, ready = self._read_back.copy(tokens.view(-1), host_logprobs)
+        self.scheduler.advance(out)
+        return _InFlight(sampling, host_tokens, ready, keep, logprob_rows, host_logprobs, chunks, layout)
+
     def _resolve(self, step: _InFlight) -> list[Request]:
         """Read the step's tokens into their requests (the scheduler finishes those they end); the
         requests that got a token."""
@@ -256,6 +304,8 @@ class StepLoop:
             return []
         if step.ready is not None:
             step.ready.synchronize()
+        if step.verify is not None:
+            return self._resolve_verify(step)
         tokens = step.host_tokens.tolist()
         logprobs = {}
         if step.logprob_rows:
@@ -272,5 +322,39 @@ class StepLoop:
                 request.logprobs.append(logprobs[row])
             if self.scheduler.resolve_token(request, token, now) is not None:
                 self.slots.release(request)  # a step still in flight may write it once more (TokenSlots.release)
+            resolved.append(request)
+        self.num_tokens_read += len(resolved)
+        return resolved
+
+    def _resolve_verify(self, step: _InFlight) -> list[Request]:
+        flat = step.host_tokens.tolist()
+        width, layout = self.width, step.layout
+        logprobs = {}
+        if step.logprob_rows:
+            row_tokens = [flat[cell] for cell in layout.row_cells()]
+            logprobs = dict(self.runtime.sampler.unpack(step.logprob_rows, step.host_logprobs.tolist(), row_tokens,
+                                                        layout.row_requests()))
+        now = time.perf_counter()
+        resolved = []
+        for i, (chunk, row) in enumerate(zip(step.verify, layout.row_starts)):
+            request = chunk.request
+            if request.is_finished:
+                self.num_discarded_tokens += 1
+                self.slots.release(request)
+                continue
+            tokens = [t for t in flat[i * width:(i + 1) * width] if t >= 0]
+            if chunk.proposals:
+                appended = self.scheduler.resolve_verified(chunk, tokens, now)
+                if not request.is_finished:
+                    self.scheduler.publish_filled(chunk)  # its computed count holds only accepted tokens now
+            else:
+                appended = 1
+                self.scheduler.resolve_token(request, tokens[0], now)
+            self.num_tokens_read += appended
+            for j in range(appended):
+                if row + j in logprobs:
+                    request.logprobs.append(logprobs[row + j])
+            if request.is_finished:
+                self.slots.release(request)
             resolved.append(request)
         return resolved

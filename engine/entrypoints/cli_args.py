@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from typing import Any, NoReturn
 
@@ -19,6 +20,16 @@ def _sizes(text: str) -> tuple[int, ...]:
         return tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _set(field: str, value: Any, help: str) -> tuple[str, dict[str, Any]]:
@@ -70,6 +81,9 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--max-waiting-requests": ("max_waiting_requests", dict(
         type=int, help="requests allowed to wait for a slot; past it add_request refuses and the server answers "
                        "503 + Retry-After (default: unbounded)")),
+    "--speculative-config": ("speculative_config", dict(
+        type=_json_object, help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                                '"prompt_lookup_max": 4}\' (docs/engine.md)')),
     "--engine-seed": ("seed", dict(type=int, help="sampling seed of requests that give none of their own")),
     "--no-progress": _set("show_progress", False, "no progress bar during graph capture"),
 }

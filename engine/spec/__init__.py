@@ -1,3 +1,14 @@
-"""Speculative decoding's pieces that do not depend on the step loop: proposals from the request's own
-tokens (ngram.py) and the verification of proposals against the target model (verify.py). The engine
-does not call them yet (issue 40: the verify step, its graphs and the scheduler's accounting)."""
+"""Speculative decoding (EngineConfig.speculative_config): more than one token per pass over the weights.
+
+- config.py   SpeculativeConfig, parsed from vLLM's dict shape;
+- ngram.py    prompt-lookup proposals from the request's own tokens;
+- proposer.py which requests propose, the adaptive back-off, the counts (llm.stats()["spec_decode"]);
+- verify.py   greedy and rejection-sampling verification, batched, on the device;
+- sampling.py a verify step's tokens from its logits (plain chunks through the Sampler).
+
+The step's path: the Scheduler appends proposals to eligible decode chunks (a verify chunk of 1 + k
+tokens), the runner computes logits at every row of such chunks, sampling.py verifies them, and the
+StepLoop reads the result before the next step is planned, rolling the rejected positions out of the
+request's computed count (Scheduler.resolve_verified). Verify steps replay the mixed-step graphs
+where decode graphs are on (engine.worker.dispatch).
+"""

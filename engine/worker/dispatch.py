@@ -9,6 +9,11 @@ PIECEWISE  with prefill graphs on, any other step whose token count fits a piece
            replays its per-piece graphs at the padded token count.
 NONE       everything else: the compiled (or eager) model, no graph.
 
+VERIFY     speculative decoding's verify steps (decodes of 1 + k tokens, engine.spec) replay the
+           mixed-step graphs whenever decode graphs are on (those graphs are then captured up to the
+           largest verify step), whatever serves the other steps: a FULL step of uniform shape, not a
+           piecewise one with attention launched from the host between pieces.
+
 A uniform decode batch past the largest decode graph takes the other steps' graphs where it fits them
 (counted as a fallback: it wanted a decode graph).
 
@@ -33,6 +38,7 @@ logger = logging.getLogger("engine")
 class BatchDescriptor:
     num_tokens: int
     uniform_decode: bool  # every sequence contributes exactly one token (so num_tokens == num_seqs)
+    verify: bool = False  # a speculative verify step (SchedulerOutput.is_verify)
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ def _pad_table(sizes: tuple[int, ...]) -> list[int]:
 class Dispatcher:
     def __init__(self, decode_sizes: tuple[int, ...] = (), piecewise_sizes: tuple[int, ...] = (),
                  decode_graphs_wanted: bool = False, piecewise_graphs_wanted: bool = False,
-                 mixed_sizes: tuple[int, ...] = (), mixed_graphs_wanted: bool = False) -> None:
+                 mixed_sizes: tuple[int, ...] = (), mixed_graphs_wanted: bool = False,
+                 verify_graphs_wanted: bool = False) -> None:
         if piecewise_graphs_wanted and mixed_graphs_wanted:
             raise ValueError("Dispatcher: piecewise and mixed graphs serve the same steps; a mode has one of them")
         self.decode_sizes = tuple(sorted(decode_sizes))
@@ -62,6 +69,7 @@ class Dispatcher:
         self._decode_wanted = decode_graphs_wanted
         self._piecewise_wanted = piecewise_graphs_wanted
         self._mixed_wanted = mixed_graphs_wanted
+        self._verify_wanted = verify_graphs_wanted or mixed_graphs_wanted
         self._full_pad = _pad_table(self.decode_sizes)
         self._piece_pad = _pad_table(self.piecewise_sizes)
         self._mixed_pad = _pad_table(self.mixed_sizes)
@@ -93,6 +101,11 @@ class Dispatcher:
                 return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True)), None
             fallback = f"decode batch of {n} > largest decode graph {self.decode_sizes[-1] if self.decode_sizes else 0}"
             kind = "decode"
+        if batch.verify and self._verify_wanted:
+            if 1 < n < len(self._mixed_pad):
+                return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._mixed_pad[n], False, True)), None
+            fallback = f"verify step of {n} tokens > largest mixed graph {self.mixed_sizes[-1] if self.mixed_sizes else 0}"
+            kind = "verify"
         if self._piecewise_wanted:
             if n < len(self._piece_pad):
                 return Dispatch(RuntimeMode.PIECEWISE, BatchDescriptor(self._piece_pad[n], batch.uniform_decode),

@@ -43,8 +43,11 @@ class StaticBuffers:
     the slab's share (a prefill) sends them through each table's own staging.
     """
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 max_logits_rows: int | None = None) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
+        # rows a step computes logits for: one per sequence, or 1 + k per sequence verifying k proposals
+        self.max_logits_rows = max_logits_rows or max_seqs
         self._pin, self._device = device.type == "cuda", device
         self._lay_out(num_groups=1)
         self._loaded = False
@@ -68,7 +71,7 @@ class StaticBuffers:
         self._table_capacity = 2 * seqs * num_groups
         # query_start_loc [seqs + 1] and seq_lens [seqs], int32, fill seqs + 1 int64 words; the table
         # entries' int32 values fill capacity / 2 words
-        regions = [("logits_indices", seqs), ("int32", seqs + 1), ("step_indices", seqs),
+        regions = [("logits_indices", self.max_logits_rows), ("int32", seqs + 1), ("step_indices", seqs),
                    ("table_index", self._table_capacity),
                    ("table_value", self._table_capacity // 2), ("input_ids", tokens), ("positions", tokens),
                    ("slot_mapping", tokens)] + [(f"group_slots_{g}", tokens) for g in range(1, num_groups)]

@@ -29,7 +29,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor   # [N, V], row i for the i-th sampling chunk
+    logits: torch.Tensor   # [N, V], row i for the i-th sampling chunk (a verify chunk: 1 + its proposals rows)
     dispatch: Dispatch
     # [N, tiles] int64: the LM head's per-tile argmax keys of those logits (a decode graph whose LM
     # head stores them, engine.worker.decode_graphs), from which greedy rows need not read the logits again
@@ -48,7 +48,8 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bloc
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, forward: Forward, block_size: int, max_model_len: int,
                  max_tokens: int, max_seqs: int, device: torch.device,
-                 mark_dynamic: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+                 mark_dynamic: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 max_logits_rows: int | None = None) -> None:
         self.model = model
         self.forward = forward
         self.mark_dynamic = mark_dynamic
@@ -56,7 +57,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.max_seqs = max_seqs
-        self.buffers = StaticBuffers(max_tokens, max_seqs, -(-max_model_len // block_size), device)
+        self.buffers = StaticBuffers(max_tokens, max_seqs, -(-max_model_len // block_size), device, max_logits_rows)
         self.dispatcher = Dispatcher()
         self.decode_graphs = None  # engine.worker.decode_graphs.DecodeGraphs, once captured
         self.mixed_graphs = None   # engine.worker.mixed_graphs.MixedGraphs (cudagraph_mode FULL), once captured
@@ -72,7 +73,7 @@ class ModelRunner:
         """`device_ids`: input ids that live on the device (engine.core.step_loop), written with the step's
         upload. `step_indices` reach `self.buffers.step_indices` in the step's one copy (valid until the
         next step is loaded)."""
-        batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode)
+        batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode, out.is_verify)
         dispatch = self.dispatcher.dispatch(batch)
         full, uniform = dispatch.mode is RuntimeMode.FULL, dispatch.descriptor.uniform_decode
         meta, num_sampling = self._prepare(out, pool, dispatch.descriptor.num_tokens, full and uniform, step_indices,
@@ -164,7 +165,9 @@ class ModelRunner:
                     group_tables[g].append(group_table)
             else:
                 ids.extend(known[start:end])
-                if end > len(known):
+                if chunk.proposals:  # a verify chunk: the request's last token, then the proposals
+                    ids.extend(chunk.proposals)
+                elif end > len(known):
                     ids.extend([0] * (end - max(start, len(known))))
                 positions.extend(range(start, end))
                 _extend_slots(slots, table, start, end, block_size)
@@ -174,8 +177,8 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
             seq_lens.append(end)
             tables.append(table)
-            if chunk.samples:
-                logits_indices.append(query_start_loc[-1] - 1)
+            if chunk.samples:  # the last row; a verify chunk's every row
+                logits_indices.extend(range(query_start_loc[-1] - 1 - len(chunk.proposals), query_start_loc[-1]))
         num_tokens, num_seqs = len(ids), len(out.chunks)
         pad = num_padded - num_tokens
         ids += [0] * pad

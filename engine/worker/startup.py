@@ -137,7 +137,7 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
             forward = compiled
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
-                             config.max_num_seqs, device, mark_dynamic)
+                             config.max_num_seqs, device, mark_dynamic, config.max_logits_rows)
         kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device,
                            by_kind=config.hybrid_kv_cache)
         runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
@@ -253,15 +253,22 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
         decode_graphs.sizes if decode_graphs else (),
         config.prefill_graph_sizes if config.prefill_graphs else (),
         decode_graphs_wanted=config.cuda_graphs, piecewise_graphs_wanted=config.prefill_graphs,
-        mixed_sizes=mixed_graphs.sizes if mixed_graphs else (), mixed_graphs_wanted=config.mixed_graphs)
+        mixed_sizes=mixed_graphs.sizes if mixed_graphs else (), mixed_graphs_wanted=config.mixed_graphs,
+        verify_graphs_wanted=config.cuda_graphs and config.num_speculative_tokens > 0)
 
 
 def mixed_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
-    """The token buckets of the mixed-step graphs (cudagraph_mode FULL): the prefill graph sizes from 2
-    tokens (a one-token step is a uniform decode, a decode graph's)."""
-    if not config.mixed_graphs:
+    """The token buckets of the mixed-step graphs: under cudagraph_mode FULL the prefill graph sizes
+    from 2 tokens (a one-token step is a uniform decode, a decode graph's); with decode graphs and
+    speculative decoding, those up to the largest verify step (max_num_seqs decodes of 1 + k tokens),
+    which is captured too: verify steps replay them (engine.worker.dispatch)."""
+    if config.mixed_graphs:
+        return tuple(n for n in config.prefill_graph_sizes if n >= 2)
+    k = config.num_speculative_tokens
+    if not (config.cuda_graphs and k):
         return ()
-    return tuple(n for n in config.prefill_graph_sizes if n >= 2)
+    largest = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k))
+    return tuple(sorted({n for n in config.prefill_graph_sizes if 2 <= n <= largest} | {largest}))
 
 
 def _allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_bytes: int | None = None) -> None:

@@ -70,6 +70,15 @@ class _EngineStats:
         for key, value in (s.get("prefix_cache") or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 yield gauge(f"prefix_cache_{key}", f"LLM.stats()['prefix_cache']['{key}']", value)
+        spec = s.get("spec_decode")
+        if spec:  # speculative decoding (engine.spec.proposer.SpecStats)
+            yield counter("spec_decode_verify_chunks", "requests' verify chunks (a decode with proposals)",
+                          spec["verify_chunks"])
+            yield counter("spec_decode_proposed_tokens", "proposed tokens verified", spec["proposed_tokens"])
+            yield counter("spec_decode_accepted_tokens", "proposed tokens accepted", spec["accepted_tokens"])
+            yield gauge("spec_decode_acceptance_rate", "accepted / proposed tokens", spec["acceptance_rate"])
+            yield gauge("spec_decode_mean_accepted_length", "tokens a verify chunk adds (accepted + 1)",
+                        spec["mean_accepted_length"])
         if self.device.type == "cuda":
             yield gauge("cuda_memory_allocated_bytes", "memory torch's allocator hands out on the engine's device",
                         torch.cuda.memory_allocated(self.device))

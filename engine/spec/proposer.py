@@ -1,0 +1,102 @@
+"""Proposer: which requests get proposals this step, what they are, and what speculation has earned.
+
+Proposals come from the request's own tokens (engine.spec.ngram). A request is eligible when its
+sampling does not change its logits from earlier tokens of the same step (logit bias, penalties and
+min_tokens make a row's distribution depend on the rows before it: those requests decode one token a
+step) and it is not backing off.
+
+Back-off, so that speculation costs little where it does not pay: a verify step waits for the step
+before it (proposals continue tokens the host must have read), so every step in which some request is
+eligible gives up the host/device overlap of async scheduling. A request whose attempt gains nothing
+(no proposal found, or none accepted) twice in a row stops being eligible for 1, 2, 4, ... up to
+MAX_BACKOFF_STEPS steps; one accepted proposal makes it eligible every step again. Free generation
+thus settles at one probe in ~MAX_BACKOFF_STEPS steps, and copy-heavy text speculates every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import Request
+from engine.spec.config import SpeculativeConfig
+from engine.spec.ngram import ngram_propose
+
+MAX_BACKOFF_STEPS = 32
+MISSES_BEFORE_BACKOFF = 2
+
+
+@dataclass
+class SpecStats:
+    verify_chunks: int = 0     # chunks that carried proposals
+    proposed: int = 0          # proposed tokens verified
+    accepted: int = 0          # of them accepted
+    no_proposal: int = 0       # attempts of an eligible request that found nothing to propose
+    dropped: int = 0           # proposed tokens dropped for want of a KV block
+    backoffs: int = 0          # times a request started backing off
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "verify_chunks": self.verify_chunks,
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            # tokens a verify chunk adds: its accepted proposals and the one after them
+            "mean_accepted_length": (self.accepted + self.verify_chunks) / self.verify_chunks
+            if self.verify_chunks else 0.0,
+            "no_proposal": self.no_proposal,
+            "dropped_tokens": self.dropped,
+            "backoffs": self.backoffs,
+        }
+
+
+@dataclass
+class _Backoff:
+    misses: int = 0
+    until: int = 0  # not eligible before this schedule count
+
+
+class Proposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecStats()
+        self._backoff: dict[Request, _Backoff] = {}
+
+    def eligible(self, request: Request, now: int) -> bool:
+        if request.params.adjusts_logits:
+            return False
+        state = self._backoff.get(request)
+        return state is None or now >= state.until
+
+    def propose(self, request: Request, max_tokens: int, now: int) -> list[int]:
+        """Up to min(k, max_tokens) tokens to verify after the request's last one; [] counts as a miss."""
+        config = self.config
+        tokens = ngram_propose(request.token_ids, min(config.num_speculative_tokens, max_tokens),
+                               config.prompt_lookup_min, config.prompt_lookup_max)
+        if not tokens:
+            self.stats.no_proposal += 1
+            self._miss(request, now)
+        return tokens
+
+    def verified(self, request: Request, proposed: int, accepted: int, now: int) -> None:
+        stats = self.stats
+        stats.verify_chunks += 1
+        stats.proposed += proposed
+        stats.accepted += accepted
+        if accepted:
+            self._backoff.pop(request, None)
+        else:
+            self._miss(request, now)
+
+    def dropped(self, num_tokens: int) -> None:
+        self.stats.dropped += num_tokens
+
+    def forget(self, request: Request) -> None:
+        """A finished request leaves the back-off table."""
+        self._backoff.pop(request, None)
+
+    def _miss(self, request: Request, now: int) -> None:
+        state = self._backoff.setdefault(request, _Backoff())
+        state.misses += 1
+        if state.misses >= MISSES_BEFORE_BACKOFF:
+            if state.misses == MISSES_BEFORE_BACKOFF:
+                self.stats.backoffs += 1
+            state.until = now + 1 + min(2 ** (state.misses - MISSES_BEFORE_BACKOFF), MAX_BACKOFF_STEPS)

@@ -1,0 +1,100 @@
+"""The tokens of a step that verifies proposals, on the device and without a host sync.
+
+The step's logits hold one row per plain sampling chunk and 1 + k rows per verify chunk (its last
+token's, then each proposal's: ModelRunner._prepare). The result is a [chunks, 1 + K] int64 tensor
+(K the engine's num_speculative_tokens): row i holds chunk i's tokens, its accepted proposals and the
+one after them, then -1.
+
+- Plain chunks (no proposal this step, or a request whose sampling adjusts logits) go through the
+  Sampler as in any step, so penalties, bias and min_tokens hold.
+- Greedy verify chunks: the target's argmax at each row (engine.spec.verify.verify_greedy), so the
+  output is token for token that of decoding without speculation.
+- Sampled verify chunks: the Sampler's own temperature / top-k / top-p / min-p distribution per row,
+  then rejection sampling against the one-hot n-gram proposal (verify_sampled): the tokens are
+  distributed exactly as the target's. The uniforms come from the request's generator where it has
+  one (a seeded request reproduces), else the engine's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+from engine.sample.sampler import Sampler
+from engine.sample.staging import host_to_device
+from engine.spec.verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class VerifyLayout:
+    """Where each sampling chunk's rows are in the step's logits."""
+    requests: list[Request]          # per sampling chunk
+    proposals: list[tuple[int, ...]]  # per sampling chunk (empty: a plain chunk)
+    width: int                       # 1 + K: the columns of the result
+
+    @property
+    def row_starts(self) -> list[int]:
+        starts, row = [], 0
+        for proposals in self.proposals:
+            starts.append(row)
+            row += 1 + len(proposals)
+        return starts
+
+    def row_requests(self) -> list[Request]:
+        """The request of every logits row."""
+        return [r for r, p in zip(self.requests, self.proposals) for _ in range(1 + len(p))]
+
+    def row_cells(self) -> list[int]:
+        """Each logits row's cell in the flattened [chunks, width] result: (chunk, j) -> chunk * width + j."""
+        return [i * self.width + j for i, p in enumerate(self.proposals) for j in range(1 + len(p))]
+
+
+def sample_verify(sampler: Sampler, logits: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
+    """[chunks, width] int64 tokens (-1 past each chunk's own), on the logits' device."""
+    device, width = logits.device, layout.width
+    requests, proposals = layout.requests, layout.proposals
+    starts = layout.row_starts
+    out = torch.full((len(requests), width), -1, dtype=torch.int64, device=device)
+    plain = [i for i, p in enumerate(proposals) if not p]
+    if plain:
+        rows = host_to_device([starts[i] for i in plain], torch.int64, device)
+        tokens = sampler.sample(logits.index_select(0, rows), [requests[i] for i in plain])
+        out[:, 0].index_copy_(0, host_to_device(plain, torch.int64, device), tokens)
+    speculated = [i for i, p in enumerate(proposals) if p]
+    greedy = [i for i in speculated if requests[i].params.temperature == 0]
+    sampled = [i for i in speculated if requests[i].params.temperature != 0]
+    for chosen, verify in ((greedy, _verify_greedy), (sampled, _verify_sampled)):
+        if chosen:
+            # row (i, j) of the verify: chunk i's row j, its last row for j past its proposals (never
+            # read by the verification, which stops at each chunk's own count)
+            index = host_to_device([[starts[i] + min(j, len(proposals[i])) for j in range(width)] for i in chosen],
+                                   torch.int64, device)
+            padded = host_to_device([list(proposals[i]) + [-1] * (width - 1 - len(proposals[i])) for i in chosen],
+                                    torch.int64, device)
+            counts = host_to_device([len(proposals[i]) for i in chosen], torch.int64, device)
+            tokens = verify(sampler, logits, index, padded, counts, [requests[i] for i in chosen])
+            out.index_copy_(0, host_to_device(chosen, torch.int64, device), tokens)
+    return out
+
+
+def _verify_greedy(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor,
+                   counts: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    # torch's argmax, not the Sampler's per-row-count Triton variants: a verify step's row count
+    # varies with the proposals, and each new count would compile mid-serving; both take the first
+    # index of a tie, as greedy decoding without speculation does
+    target = logits.index_select(0, index.flatten()).argmax(dim=-1).view(index.shape)
+    return verify_greedy(target, proposals, counts).tokens
+
+
+def _verify_sampled(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor,
+                    counts: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    batch, width = index.shape
+    rows = logits.index_select(0, index.flatten()).float()
+    row_requests = [r for r in requests for _ in range(width)]
+    temperature = host_to_device([r.params.temperature for r in row_requests], torch.float32, logits.device)
+    probs = Sampler._filtered_probs(rows / temperature[:, None], row_requests).view(batch, width, -1)
+    uniforms = torch.empty(batch, width, dtype=torch.float32, device=logits.device)
+    for i, request in enumerate(requests):
+        uniforms[i].uniform_(generator=request.generator or sampler.generator)
+    return verify_sampled(probs, proposals, counts, uniforms[:, :width - 1], uniforms[:, width - 1]).tokens

@@ -1,0 +1,246 @@
+"""Speculative decoding through the engine on the CPU: greedy outputs identical to decoding without it
+(every architecture, both step-loop depths, prefix caching, preemption, limits, stop tokens, aborts,
+logprobs), sampled outputs distributed as without it, the config and CLI, the back-off, the dispatch.
+
+The verification itself against its definition is tests/test_spec_verify.py.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from engine import LLM, ConfigError, SamplingParams
+from engine.entrypoints.cli import build_parser
+from engine.request import Request
+from engine.spec.config import SpeculativeConfig
+from engine.spec.proposer import MAX_BACKOFF_STEPS, Proposer
+from engine.worker.dispatch import BatchDescriptor, Dispatcher
+from custom_ops import RuntimeMode
+from tests.spec_helpers import replay
+from tests.test_engine_generate import ARCHS, _build_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+CONFIG = dict(device="cpu", block_size=4, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16)
+PROMPTS = [[1, 5, 9, 13, 5, 9, 13, 5, 9], [1, 40, 41, 42, 43, 40, 41, 42, 43, 40], [1, 7],
+           [1, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 20, 21, 22]]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    dirs = {}
+    for arch in ARCHS:
+        path = tmp_path_factory.mktemp(f"spec_{arch}")
+        _build_hf(arch).save_pretrained(path)
+        dirs[arch] = str(path)
+    return dirs
+
+
+def _reference(path: str, prompts, params: SamplingParams, **config):
+    """(outputs of an engine without speculation, prompt -> prompt + output tokens)."""
+    with LLM(path, **{**CONFIG, **config}) as llm:
+        outs = llm.generate(prompts, params)
+    return outs, {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, outs)}
+
+
+def _speculating(path: str, k: int = 3, **config) -> LLM:
+    return LLM(path, **{**CONFIG, **config}, speculative_config={**NGRAM, "num_speculative_tokens": k})
+
+
+# -- greedy: identical token for token -----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,async_scheduling", [("llama", True), ("llama", False), ("qwen3", True),
+                                                   ("gemma3", True), ("gemma3", False)])
+def test_greedy_identical_with_proposals_of_every_quality(model_dirs, arch, async_scheduling):
+    path = model_dirs[arch]
+    params = SamplingParams(max_tokens=40)
+    ref, continuations = _reference(path, PROMPTS, params, async_scheduling=async_scheduling)
+    with _speculating(path, async_scheduling=async_scheduling) as llm:
+        free = llm.runtime.block_pool.num_free_blocks
+        proposer = replay(llm, continuations, wrong=0.25)
+        # every prompt twice: the second copies hit the prefix cache the first published
+        outs = llm.generate(PROMPTS + PROMPTS, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref] * 2
+        stats = llm.stats()["spec_decode"]
+        assert stats["verify_chunks"] > 20 and 0 < stats["accepted_tokens"] < stats["proposed_tokens"]
+        assert stats["accepted_tokens"] == proposer.stats.accepted
+        assert llm.stats()["generated_tokens"] == 2 * sum(len(o.token_ids) for o in ref)
+        if arch != "gemma3":  # its sliding layers' blocks leave the window: no full-prompt hits
+            assert llm.stats()["prefix_cache"]["hit_tokens"] > 0
+        assert llm.runtime.block_pool.num_free_blocks == free  # nothing held once all finished
+        if async_scheduling:
+            assert stats["waits"] > 0
+
+
+def test_prompt_lookup_runs_and_changes_nothing(model_dirs):
+    path = model_dirs["llama"]
+    params = SamplingParams(max_tokens=24)
+    ref, _ = _reference(path, PROMPTS, params)
+    with _speculating(path) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in ref]
+        stats = llm.stats()["spec_decode"]
+    assert stats["verify_chunks"] > 0 and stats["proposed_tokens"] > 0
+    # a random model accepts little: the back-off must have stopped most of the attempts
+    assert stats["backoffs"] > 0
+
+
+def test_limits_stop_tokens_and_preemption(model_dirs):
+    """max_tokens and max_model_len never overshoot, a stop token ends where it would without
+    proposals (tokens after it in the same verify are dropped), and preempted requests recompute."""
+    path = model_dirs["llama"]
+    base = SamplingParams(max_tokens=30)
+    ref, continuations = _reference(path, PROMPTS, base)
+    stop = ref[1].token_ids[12]
+    params = [SamplingParams(max_tokens=7), SamplingParams(max_tokens=30, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=200), base]
+    small = dict(num_gpu_blocks=14, max_model_len=40)
+    expected, _ = _reference(path, PROMPTS, params, **small)
+    with _speculating(path, k=4, **small) as llm:
+        replay(llm, continuations, wrong=0.1)
+        outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+        assert [o.finish_reason for o in outs] == [o.finish_reason for o in expected]
+        assert len(outs[0].token_ids) == 7
+        assert len(PROMPTS[2]) + len(outs[2].token_ids) == 40  # max_model_len
+        assert llm.stats()["preemptions"] > 0
+
+
+def test_logprobs_are_of_the_tokens_emitted(model_dirs):
+    path = model_dirs["qwen3"]
+    params = SamplingParams(max_tokens=20, logprobs=2)
+    ref, continuations = _reference(path, PROMPTS, params)
+    with _speculating(path) as llm:
+        replay(llm, continuations, wrong=0.3)
+        outs = llm.generate(PROMPTS, params)
+        assert llm.stats()["spec_decode"]["accepted_tokens"] > 0
+    for got, want in zip(outs, ref):
+        assert got.token_ids == want.token_ids
+        assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_abort_with_a_verify_step_in_flight(model_dirs):
+    path = model_dirs["llama"]
+    params = SamplingParams(max_tokens=40)
+    ref, continuations = _reference(path, PROMPTS, params)
+    with _speculating(path) as llm:
+        free = llm.runtime.block_pool.num_free_blocks
+        replay(llm, continuations, wrong=0.0)
+        ids = [llm.add_request(p, params) for p in PROMPTS]
+        outputs = collections.defaultdict(list)
+        aborted = False
+        for _ in range(200):
+            for out in llm.step():
+                outputs[out.request_id] += out.new_token_ids
+            if not aborted and len(outputs[ids[1]]) >= 5:
+                assert llm.abort(ids[1])
+                aborted = True
+            if not llm.has_unfinished_requests():
+                break
+        assert aborted and not llm.has_unfinished_requests()
+        for i, request_id in enumerate(ids):
+            if i == 1:  # a prefix of its tokens, nothing after the abort
+                assert outputs[request_id] == ref[1].token_ids[:len(outputs[request_id])]
+            else:
+                assert outputs[request_id] == ref[i].token_ids
+        assert llm.runtime.block_pool.num_free_blocks == free
+
+
+# -- sampled: the target's distribution, reproducible with a seed --------------------------------------------
+
+def _sampled_tokens(path: str, speculate: bool, greedy_continuation=None, n: int = 320) -> list[tuple[int, ...]]:
+    params = [SamplingParams(max_tokens=3, temperature=1.3, top_k=3, seed=1000 + i) for i in range(n)]
+    prompt = PROMPTS[3]
+    config = dict(max_num_seqs=8, max_num_batched_tokens=64)
+    with (_speculating(path, **config) if speculate else LLM(path, **{**CONFIG, **config})) as llm:
+        if speculate:
+            replay(llm, {tuple(prompt): greedy_continuation}, wrong=0.0)
+        outs = llm.generate([prompt] * n, params)
+        if speculate:
+            assert llm.stats()["spec_decode"]["accepted_tokens"] > n // 4
+    return [tuple(o.token_ids) for o in outs]
+
+
+def test_sampled_tokens_follow_the_target_distribution(model_dirs):
+    """Proposals of the most likely continuation are accepted with probability p, not always: each
+    position's token frequencies match sampling without speculation (a verifier that accepted every
+    proposal would put far more mass on it)."""
+    path = model_dirs["llama"]
+    _, continuations = _reference(path, [PROMPTS[3]], SamplingParams(max_tokens=4))
+    greedy = continuations[tuple(PROMPTS[3])]
+    plain = _sampled_tokens(path, False)
+    spec = _sampled_tokens(path, True, greedy)
+    assert spec == _sampled_tokens(path, True, greedy)  # seeded: the same tokens again
+    for position in range(2):  # the first token (a prefill's) and the first a verify step decides
+        a = collections.Counter(t[position] for t in plain)
+        b = collections.Counter(t[position] for t in spec)
+        tv = sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / (2 * len(plain))
+        assert tv < 0.12, (position, a, b)
+    for position in (1, 2):  # how often the proposed token comes out: p(proposal), not 1
+        proposed = greedy[len(PROMPTS[3]) + position]
+        rates = [sum(t[position] == proposed for t in run) / len(run) for run in (plain, spec)]
+        assert abs(rates[0] - rates[1]) < 0.1 and rates[1] < 0.9, (position, rates)
+
+
+# -- parts ------------------------------------------------------------------------------------------------
+
+def test_config_parse_and_errors():
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)  # vLLM's default
+    config = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
+    for bad, words in [({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                       ({"num_speculative_tokens": 2, "method": "eagle"}, "method"),
+                       ({"num_speculative_tokens": 2, "model": "/some/draft"}, "draft-model"),
+                       ({"num_speculative_tokens": 2, "lookahead": 1}, "lookahead")]:
+        with pytest.raises(ConfigError, match="speculative_config") as info:
+            LLM("unused", device="cpu", speculative_config=bad)
+        assert words in str(info.value)
+
+
+def test_cli_takes_a_json_object(capsys):
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--speculative-config", "[1, 2]"])
+    assert "JSON object" in capsys.readouterr().err
+
+
+def test_back_off_after_misses_and_recovery():
+    proposer = Proposer(SpeculativeConfig.parse(NGRAM))
+    request = Request("r", [1, 2, 3], SamplingParams())
+    assert proposer.eligible(request, 0)
+    waits = []
+    now = 0
+    for _ in range(9):  # every attempt gains nothing
+        proposer.verified(request, 3, 0, now)
+        skipped = 0
+        now += 1
+        while not proposer.eligible(request, now):
+            skipped += 1
+            now += 1
+        waits.append(skipped)
+    assert waits[0] == 0 and waits[1:5] == [1, 2, 4, 8] and max(waits) == MAX_BACKOFF_STEPS
+    proposer.verified(request, 3, 2, now)  # one acceptance: eligible every step again
+    assert proposer.eligible(request, now + 1)
+    assert not proposer.eligible(Request("p", [1], SamplingParams(presence_penalty=0.5)), 0)
+
+
+def test_verify_steps_replay_mixed_graphs():
+    dispatcher = Dispatcher((1, 2, 4), (8, 16), decode_graphs_wanted=True, piecewise_graphs_wanted=True,
+                            mixed_sizes=(2, 4, 8), verify_graphs_wanted=True)
+    verify = dispatcher.dispatch(BatchDescriptor(5, False, verify=True))
+    assert verify.mode is RuntimeMode.FULL and verify.descriptor.num_tokens == 8 and not verify.descriptor.uniform_decode
+    assert dispatcher.dispatch(BatchDescriptor(5, False)).mode is RuntimeMode.PIECEWISE  # a prefill
+    too_big = dispatcher.dispatch(BatchDescriptor(12, False, verify=True))
+    assert too_big.mode is RuntimeMode.PIECEWISE and too_big.fallback.startswith("verify step of 12")
+    assert dispatcher.fallbacks == 1
