@@ -15,7 +15,7 @@ import os
 import sys
 
 SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity", "kernels",
-          "gemm", "knockout", "gemv_graph", "host", "tokenizer", "soak")
+          "gemm", "knockout", "gemv_graph", "host", "tokenizer", "soak", "spec")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                         "e2e: default 1,16,64; host: 64 (CPU: 4); kernels, gemm: 1,8")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768; "
                         "kernels: one context (default 512); knockout, gemv_graph: one context (default 576)")
+    parser.add_argument("--ks", help="spec: numbers of speculative tokens, comma-separated (default 2,4)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")

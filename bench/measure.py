@@ -121,7 +121,8 @@ class Report:
 
     def write(self, out_dir: str) -> tuple[str, ...]:
         os.makedirs(out_dir, exist_ok=True)
-        stem = os.path.join(out_dir, f"{self.suite}-{self.model}")
+        # a model given as a directory is named by its last component
+        stem = os.path.join(out_dir, f"{self.suite}-{os.path.basename(os.path.normpath(self.model))}")
         paths = [stem + ".json", stem + ".md"]
         images = []
         for name, make in self.plots:

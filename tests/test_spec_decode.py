@@ -244,3 +244,28 @@ def test_verify_steps_replay_mixed_graphs():
     too_big = dispatcher.dispatch(BatchDescriptor(12, False, verify=True))
     assert too_big.mode is RuntimeMode.PIECEWISE and too_big.fallback.startswith("verify step of 12")
     assert dispatcher.fallbacks == 1
+
+
+def test_bench_spec_rows(model_dirs, tmp_path):
+    """`python -m bench spec` on a tiny model: every variant's row, the replayed greedy output accepted
+    in full, and no row whose output differs from decoding without speculation."""
+    from bench.spec import run
+    report = run(model_dirs["llama"], batches="1,2", ks="2", prompt_len=12, output_len=10, repeats=1)
+    rows = {(r["batch"], r["variant"]): r for r in report.rows}
+    assert set(rows) == {(b, v) for b in (1, 2) for v in ("none", "ngram", "ceiling", "ceiling_80", "rejected")}
+    for b in (1, 2):
+        assert rows[b, "ceiling"]["acceptance"] == 1.0 and rows[b, "ceiling"]["steps"] < rows[b, "none"]["steps"]
+        assert rows[b, "rejected"]["acceptance"] == 0.0 and rows[b, "rejected"]["verify_chunks"] > 0
+    assert not any("DIFFERS" in note for note in report.notes), report.notes
+
+
+def test_verify_graph_sizes_follow_the_decode_buckets():
+    import dataclasses
+
+    from engine import EngineConfig
+    from engine.worker.startup import mixed_graph_sizes
+    config = EngineConfig(device="cpu", max_num_seqs=8, speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    config = dataclasses.replace(config.resolve(64), cuda_graphs=True, cudagraph_mode="FULL_DECODE_ONLY")
+    assert config.decode_graph_sizes == (1, 2, 4, 8)
+    assert mixed_graph_sizes(config) == (2, 3, 4, 5, 10, 20, 40)
+    assert config.max_logits_rows == 8 * 5

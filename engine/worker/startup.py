@@ -260,15 +260,17 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
 def mixed_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
     """The token buckets of the mixed-step graphs: under cudagraph_mode FULL the prefill graph sizes
     from 2 tokens (a one-token step is a uniform decode, a decode graph's); with decode graphs and
-    speculative decoding, those up to the largest verify step (max_num_seqs decodes of 1 + k tokens),
-    which is captured too: verify steps replay them (engine.worker.dispatch)."""
-    if config.mixed_graphs:
-        return tuple(n for n in config.prefill_graph_sizes if n >= 2)
+    speculative decoding, one per decode bucket B of B verify chunks of 1 + k tokens (the seeds' uniform
+    batches of query length 1 + k), and 2..k + 1 tokens (a lone request with fewer proposals):
+    verify steps replay them (engine.worker.dispatch). Under FULL those sizes join the prefill ones."""
     k = config.num_speculative_tokens
-    if not (config.cuda_graphs and k):
-        return ()
-    largest = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k))
-    return tuple(sorted({n for n in config.prefill_graph_sizes if 2 <= n <= largest} | {largest}))
+    sizes: set[int] = set()
+    if config.mixed_graphs:
+        sizes.update(n for n in config.prefill_graph_sizes if n >= 2)
+    if config.cuda_graphs and k:
+        verify = {b * (1 + k) for b in config.decode_graph_sizes} | set(range(2, k + 2))
+        sizes.update(n for n in verify if n <= config.max_num_batched_tokens)
+    return tuple(sorted(sizes))
 
 
 def _allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_bytes: int | None = None) -> None:

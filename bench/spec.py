@@ -1,0 +1,137 @@
+"""Suite `spec`: speculative decoding through `LLM.generate`, next to no speculation in the same engine.
+
+One engine with speculative_config {"method": "ngram", "num_speculative_tokens": max k} (its verify
+graphs cover every k up to it); each row swaps the engine's proposer, so the rows share the graphs,
+the KV pool and the process:
+  none        no proposer: plain decoding (the async loop, host and device overlapped)
+  ngram       prompt lookup (the engine's own proposer, k tokens, lookup 1..3) on free generation
+              from random prompts: what speculation costs where it finds little (goal >= 0.97x none)
+  ceiling     proposals replaying the greedy output of the `none` row (acceptance 1): what a draft
+              equal to the target gives without the draft's cost, the mechanism's ceiling
+  ceiling_80  the same with a fifth of the proposed tokens wrong
+  rejected    every proposal wrong: each verify step adds one token, so its ITL over `none` is the
+              cost of a verify step of 1 + k tokens against a plain decode step (goal <= 1.15x at k 4)
+The models carry random weights, so no proposer but the replay sees text a real model would copy;
+the copy-heavy workload of the issue (summaries that repeat their prompt) needs real weights.
+
+Per batch B (B requests of prompt_len random tokens, output_len tokens out, greedy, ignore_eos):
+  tok_per_s    B * (output_len - 1) over the median request's decode time (first token to last)
+  ms_per_token the median request's decode time / (output_len - 1)
+  speedup      tok_per_s over the `none` row's of the same batch
+  acceptance, accepted_len  from llm.stats()["spec_decode"] over the row's generate calls
+"""
+from __future__ import annotations
+
+import random
+import statistics
+
+import torch
+
+from bench.common import build_model, parse_ints
+from bench.configs import load_config
+from bench.measure import Report, ratio
+from engine.request import Request
+from engine.spec.config import SpeculativeConfig
+from engine.spec.proposer import Proposer
+
+BATCHES = (1, 8, 32)
+KS = (2, 4)
+PROMPT_LEN = 256
+OUTPUT_LEN = 128
+VARIANTS = ("none", "ngram", "ceiling", "ceiling_80", "rejected")
+
+COLUMNS = ["batch", "variant", "k", "tok_per_s", "ms_per_token", "speedup", "acceptance", "accepted_len",
+           "verify_chunks", "steps"]
+
+
+def run(model: str, batches=None, ks=None, prompt_len: int | None = None, output_len: int | None = None,
+        repeats: int = 2, **_: object) -> Report:
+    from engine import LLM, SamplingParams
+
+    batches = parse_ints(batches, BATCHES)
+    ks = parse_ints(ks, KS)
+    prompt_len, output_len = int(prompt_len or PROMPT_LEN), int(output_len or OUTPUT_LEN)
+    vocab = load_config(model)["vocab_size"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = Report("spec", model, device, COLUMNS)
+    net = build_model(model)
+    max_k = max(ks)
+    llm = LLM(net, max_num_seqs=max(batches), max_model_len=prompt_len + output_len + 16, show_progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": max_k,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    report.meta.update(batches=batches, ks=ks, prompt_len=prompt_len, output_len=output_len, repeats=repeats,
+                       torch=torch.__version__, cudagraph_mode=llm.config.cudagraph_mode,
+                       mixed_graphs=llm.stats()["mixed_graphs"])
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    for b in batches:
+        prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(b)]
+        llm.scheduler.proposer = None
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up (prefix cache, graphs)
+        base = _measure(llm, prompts, params, repeats)
+        greedy = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, base["outputs"])}
+        report.add(batch=b, variant="none", k=0, **base["row"], speedup=1.0)
+        for k in ks:
+            for variant in VARIANTS[1:]:
+                config = SpeculativeConfig(k, 1, 3)
+                if variant == "ngram":
+                    proposer = Proposer(config)
+                else:
+                    wrong = {"ceiling": 0.0, "ceiling_80": 0.2, "rejected": 1.0}[variant]
+                    proposer = ReplayProposer(config, greedy, vocab, wrong, backoff=variant != "rejected")
+                llm.scheduler.proposer = proposer
+                got = _measure(llm, prompts, params, repeats)
+                if [o.token_ids for o in got["outputs"]] != [o.token_ids for o in base["outputs"]]:
+                    report.notes.append(f"batch {b} {variant} k {k}: OUTPUT DIFFERS from no speculation")
+                stats = proposer.stats.as_dict()
+                report.add(batch=b, variant=variant, k=k, **got["row"],
+                           speedup=ratio(got["row"]["tok_per_s"], base["row"]["tok_per_s"]),
+                           acceptance=stats["acceptance_rate"], accepted_len=stats["mean_accepted_length"],
+                           verify_chunks=stats["verify_chunks"])
+    stats = llm.stats()
+    report.notes.append(f"{repeats} measured generate calls per row (median of their medians) after one warm-up; "
+                        f"prompts of {prompt_len} random tokens, {output_len} out, greedy; engine defaults "
+                        f"(cudagraph_mode {stats['cudagraph_mode']}), speculative_config k={max_k} (verify graphs "
+                        f"for every k up to it); steps by mode {stats['modes']}, fallbacks {stats['fallback_reasons']}")
+    llm.close()
+    return report
+
+
+def _measure(llm, prompts, params, repeats: int) -> dict:
+    per_call, steps_before = [], llm.num_steps
+    outputs = None
+    for _ in range(repeats):
+        outputs = llm.generate(prompts, params)
+        per_call.append(statistics.median(sum(o.inter_token_latencies_s) for o in outputs))
+    seconds = statistics.median(per_call)
+    n = len(outputs[0].token_ids) - 1
+    return {"outputs": outputs,
+            "row": {"tok_per_s": len(prompts) * n / seconds, "ms_per_token": seconds / n * 1e3,
+                    "steps": (llm.num_steps - steps_before) // repeats}}
+
+
+class ReplayProposer(Proposer):
+    """Proposals from known continuations (prompt -> prompt + greedy output), a share `wrong` of the
+    tokens replaced by others at random. `backoff=False` keeps proposing whatever is rejected (the
+    `rejected` row: every step a verify step). The tests use it too (tests/spec_helpers.py)."""
+
+    def __init__(self, config: SpeculativeConfig, continuations: dict[tuple[int, ...], list[int]], vocab: int,
+                 wrong: float = 0.0, seed: int = 0, backoff: bool = True) -> None:
+        super().__init__(config)
+        self.continuations, self.vocab, self.wrong, self.backoff = continuations, vocab, wrong, backoff
+        self.rng = random.Random(seed)
+
+    def propose(self, request: Request, max_tokens: int, now: int) -> list[int]:
+        known = self.continuations.get(tuple(request.prompt_token_ids), [])
+        n = len(request.token_ids)
+        tokens = known[n:n + min(self.config.num_speculative_tokens, max_tokens)]
+        tokens = [t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                  for t in tokens]
+        if not tokens:
+            self.stats.no_proposal += 1
+            self._miss(request, now)
+        return tokens
+
+    def _miss(self, request: Request, now: int) -> None:
+        if self.backoff:
+            super()._miss(request, now)
