@@ -8,9 +8,10 @@ step) and it is not backing off.
 Back-off, so that speculation costs little where it does not pay: a verify step waits for the step
 before it (proposals continue tokens the host must have read), so every step in which some request is
 eligible gives up the host/device overlap of async scheduling. A request whose attempt gains nothing
-(no proposal found, or none accepted) twice in a row stops being eligible for 1, 2, 4, ... up to
-MAX_BACKOFF_STEPS steps; one accepted proposal makes it eligible every step again. Free generation
-thus settles at one probe in ~MAX_BACKOFF_STEPS steps, and copy-heavy text speculates every step.
+(no proposal found, or none accepted) twice in a row is next eligible at the next multiple of a
+window of 2, 4, ... up to MAX_BACKOFF_STEPS steps (aligned: every backing-off request probes on the
+same steps); one accepted proposal makes it eligible every step again. Free generation thus settles at
+one probe in MAX_BACKOFF_STEPS steps for the whole batch, and copy-heavy text speculates every step.
 """
 from __future__ import annotations
 
@@ -99,4 +100,8 @@ class Proposer:
         if state.misses >= MISSES_BEFORE_BACKOFF:
             if state.misses == MISSES_BEFORE_BACKOFF:
                 self.stats.backoffs += 1
-            state.until = now + 1 + min(2 ** (state.misses - MISSES_BEFORE_BACKOFF), MAX_BACKOFF_STEPS)
+            window = min(2 ** (state.misses - MISSES_BEFORE_BACKOFF + 1), MAX_BACKOFF_STEPS)
+            # The next probe at a multiple of the window: a multiple of a window is one of every smaller
+            # window too, so the probes of all backing-off requests fall on the same steps, and a batch
+            # of them waits for the step in flight once per window, not whenever one of them probes.
+            state.until = (now // window + 1) * window
