@@ -720,3 +720,29 @@ def test_the_server_on_two_tensor_parallel_ranks_streams_what_one_rank_generates
     finally:
         stop_server(proc)
     assert proc.returncode is not None
+
+
+def test_a_speculating_server_answers_as_the_engine_without_speculation(model_dir, reference, tmp_path):
+    """`serve --speculative-config`: streamed and plain completions equal LLM.generate without
+    speculation, and /metrics carries the speculation counters."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 2})
+    proc, url = start_server(model_dir, tmp_path / "stderr.txt", "--device", "cpu", "--api-key", KEY,
+                             "--speculative-config", spec, *_flags(ENGINE))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=60, max_retries=0)
+        prompt = [2, 40, 41, 42, 43, 40, 41, 42, 43, 40, 41]
+        want = reference.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0].text
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        metrics = _metrics(url)
+        # prompt lookup ran for every decode it was eligible for: found proposals, or counted a miss
+        assert (metrics["infer_graphs_spec_decode_verify_chunks_total"]
+                + metrics["infer_graphs_spec_decode_no_proposal_total"]) > 0
+        assert "infer_graphs_spec_decode_acceptance_rate" in metrics
+    finally:
+        stop_server(proc)

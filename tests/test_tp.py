@@ -325,3 +325,21 @@ def test_leaving_by_abort_lets_the_next_engine_of_the_process_make_its_group():
         dist.all_reduce(t)
         leave_process_group(abort=True)
         assert not dist.is_initialized()
+
+
+def test_speculative_decoding_on_two_ranks_matches_one_rank(saved):
+    """Proposals are made on rank 0; the verify step (1 + k tokens a chunk, logits at every row)
+    reaches the other rank like any staged step, and the tokens are those of one rank."""
+    from tests.spec_helpers import replay
+    expected = _one_rank(saved["llama"])
+    continuations = {tuple(p): list(p) + e for p, e in zip(PROMPTS, expected)}
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        replay(llm, continuations, wrong=0.25)
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        stats = llm.stats()
+        assert stats["spec_decode"]["accepted_tokens"] > 0
+        _check_rank_stats(stats)
+    finally:
+        llm.close()

@@ -74,6 +74,8 @@ class _EngineStats:
         if spec:  # speculative decoding (engine.spec.proposer.SpecStats)
             yield counter("spec_decode_verify_chunks", "requests' verify chunks (a decode with proposals)",
                           spec["verify_chunks"])
+            yield counter("spec_decode_no_proposal", "decodes of eligible requests with nothing to propose",
+                          spec["no_proposal"])
             yield counter("spec_decode_proposed_tokens", "proposed tokens verified", spec["proposed_tokens"])
             yield counter("spec_decode_accepted_tokens", "proposed tokens accepted", spec["accepted_tokens"])
             yield gauge("spec_decode_acceptance_rate", "accepted / proposed tokens", spec["acceptance_rate"])
