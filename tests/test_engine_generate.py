@@ -136,6 +136,9 @@ class _EagerDecodeGraphs:
     def argmax_keys(self, batch_size, num_real):
         return None  # the LM head stores argmax keys only on CUDA (CausalLM.argmax_key_tiles)
 
+    def release(self):  # LLM.close: nothing captured
+        pass
+
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
 def test_padded_full_and_piecewise_steps_give_the_same_tokens(saved_models, arch):

@@ -8,9 +8,10 @@ step) and it is not backing off.
 Back-off, so that speculation costs little where it does not pay: a verify step waits for the step
 before it (proposals continue tokens the host must have read), so every step in which some request is
 eligible gives up the host/device overlap of async scheduling. A request whose attempt gains nothing
-(no proposal found, or none accepted) twice in a row is next eligible at the next multiple of a
-window of 2, 4, ... up to MAX_BACKOFF_STEPS steps (aligned: every backing-off request probes on the
-same steps); one accepted proposal makes it eligible every step again. Free generation thus settles at
+(no proposal found, or none accepted) is next eligible at the next multiple of a window of 4, 16, 64
+steps as its misses go on (aligned: every backing-off request probes on the same steps, and a probe
+at batch 32 costs the GPU a whole host step, ~1.5 ms on an H200, so the windows grow fast); one
+accepted proposal makes it eligible every step again. Free generation thus settles at
 one probe in MAX_BACKOFF_STEPS steps for the whole batch, and copy-heavy text speculates every step.
 """
 from __future__ import annotations
@@ -21,8 +22,9 @@ from engine.request import Request
 from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import ngram_propose
 
-MAX_BACKOFF_STEPS = 32
-MISSES_BEFORE_BACKOFF = 2
+MAX_BACKOFF_STEPS = 64
+MISSES_BEFORE_BACKOFF = 1
+BACKOFF_GROWTH = 4  # the window after each further miss: 4, 16, 64 steps
 
 
 @dataclass
@@ -100,7 +102,7 @@ class Proposer:
         if state.misses >= MISSES_BEFORE_BACKOFF:
             if state.misses == MISSES_BEFORE_BACKOFF:
                 self.stats.backoffs += 1
-            window = min(2 ** (state.misses - MISSES_BEFORE_BACKOFF + 1), MAX_BACKOFF_STEPS)
+            window = min(BACKOFF_GROWTH ** (state.misses - MISSES_BEFORE_BACKOFF + 1), MAX_BACKOFF_STEPS)
             # The next probe at a multiple of the window: a multiple of a window is one of every smaller
             # window too, so the probes of all backing-off requests fall on the same steps, and a batch
             # of them waits for the step in flight once per window, not whenever one of them probes.

@@ -9,10 +9,11 @@ PIECEWISE  with prefill graphs on, any other step whose token count fits a piece
            replays its per-piece graphs at the padded token count.
 NONE       everything else: the compiled (or eager) model, no graph.
 
-VERIFY     speculative decoding's verify steps (decodes of 1 + k tokens, engine.spec) replay the
-           mixed-step graphs whenever decode graphs are on (those graphs are then captured up to the
-           largest verify step), whatever serves the other steps: a FULL step of uniform shape, not a
-           piecewise one with attention launched from the host between pieces.
+VERIFY     speculative decoding's verify steps (decodes of 1 + k tokens, engine.spec) replay a decode
+           graph whenever decode graphs are on and one has as many rows as the step has tokens (every
+           token a decode row of its own: ModelRunner._prepare), else a mixed-step graph (then
+           captured for the larger verify steps too), whatever serves the other steps: a FULL step,
+           not a piecewise one with attention launched from the host between pieces.
 
 A uniform decode batch past the largest decode graph takes the other steps' graphs where it fits them
 (counted as a fallback: it wanted a decode graph).
@@ -101,6 +102,9 @@ class Dispatcher:
                 return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True)), None
             fallback = f"decode batch of {n} > largest decode graph {self.decode_sizes[-1] if self.decode_sizes else 0}"
             kind = "decode"
+        if batch.verify and self._decode_wanted and n < len(self._full_pad):
+            # every token a decode row (ModelRunner._prepare): the decode graph of n rows
+            return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True, True)), None
         if batch.verify and self._verify_wanted:
             if 1 < n < len(self._mixed_pad):
                 return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._mixed_pad[n], False, True)), None

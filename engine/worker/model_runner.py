@@ -78,9 +78,11 @@ class ModelRunner:
         full, uniform = dispatch.mode is RuntimeMode.FULL, dispatch.descriptor.uniform_decode
         meta, num_sampling = self._prepare(out, pool, dispatch.descriptor.num_tokens, full and uniform, step_indices,
                                            device_ids, mixed=full and not uniform)
+        # a verify step under a decode graph runs every token as a sequence row of its own (_prepare)
+        num_rows = out.num_tokens if full and uniform else len(out.chunks)
         if self.on_staged is not None:  # after the upload resolved device_ids: the other ranks get real ids
-            self.on_staged(batch, dispatch, meta, num_sampling, len(out.chunks))
-        return self.run_staged(dispatch, meta, num_sampling, len(out.chunks))
+            self.on_staged(batch, dispatch, meta, num_sampling, num_rows)
+        return self.run_staged(dispatch, meta, num_sampling, num_rows)
 
     def run_staged(self, dispatch: Dispatch, meta: AttentionMetadata | None, num_sampling: int,
                    num_chunks: int) -> StepResult:
@@ -155,6 +157,24 @@ class ModelRunner:
             else:
                 table, extra = pool.block_table(request.request_id), ()
             known = request.token_ids  # positions past its end are in flight: `device_ids` fills them
+            if full and chunk.proposals:
+                # A verify chunk under a decode graph: each of its tokens is a decode row of its own,
+                # attending to the keys up to its position over the request's table (the step stores
+                # every token's K/V before any row attends), so the graph needs no query length.
+                for j, token in enumerate((known[start], *chunk.proposals)):
+                    position = start + j
+                    block, offset = divmod(position, block_size)
+                    ids.append(token)
+                    positions.append(position)
+                    slots.append(table[block] * block_size + offset)
+                    for g, group_table in enumerate(extra):
+                        group_slots[g].append(group_table[block] * block_size + offset)
+                        group_tables[g].append(group_table)
+                    query_start_loc.append(query_start_loc[-1] + 1)
+                    seq_lens.append(position + 1)
+                    tables.append(table)
+                    logits_indices.append(query_start_loc[-1] - 1)
+                continue
             if end - start == 1:  # a decode token: appends, not generators (the host's step at batch 64)
                 block, offset = divmod(start, block_size)
                 ids.append(known[start] if start < len(known) else 0)
@@ -179,7 +199,7 @@ class ModelRunner:
             tables.append(table)
             if chunk.samples:  # the last row; a verify chunk's every row
                 logits_indices.extend(range(query_start_loc[-1] - 1 - len(chunk.proposals), query_start_loc[-1]))
-        num_tokens, num_seqs = len(ids), len(out.chunks)
+        num_tokens, num_seqs = len(ids), len(query_start_loc) - 1
         pad = num_padded - num_tokens
         ids += [0] * pad
         positions += [0] * pad

@@ -260,16 +260,18 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
 def mixed_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
     """The token buckets of the mixed-step graphs: under cudagraph_mode FULL the prefill graph sizes
     from 2 tokens (a one-token step is a uniform decode, a decode graph's); with decode graphs and
-    speculative decoding, one per decode bucket B of B verify chunks of 1 + k tokens (the seeds' uniform
-    batches of query length 1 + k), and 2..k + 1 tokens (a lone request with fewer proposals):
-    verify steps replay them (engine.worker.dispatch). Under FULL those sizes join the prefill ones."""
+    speculative decoding, the verify steps too large for a decode graph (whose rows serve a verify
+    step's tokens up to its largest size, engine.worker.dispatch): one per decode bucket B of B verify
+    chunks of 1 + k tokens (the seeds' uniform batches of query length 1 + k). Under FULL those sizes
+    join the prefill ones."""
     k = config.num_speculative_tokens
     sizes: set[int] = set()
     if config.mixed_graphs:
         sizes.update(n for n in config.prefill_graph_sizes if n >= 2)
     if config.cuda_graphs and k:
-        verify = {b * (1 + k) for b in config.decode_graph_sizes} | set(range(2, k + 2))
-        sizes.update(n for n in verify if n <= config.max_num_batched_tokens)
+        largest_decode = max(config.decode_graph_sizes)
+        sizes.update(n for n in (b * (1 + k) for b in config.decode_graph_sizes)
+                     if largest_decode < n <= config.max_num_batched_tokens)
     return tuple(sorted(sizes))
 
 
