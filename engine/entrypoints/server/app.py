@@ -13,7 +13,8 @@ request's inter-token latency. The same thread turns a request's logprobs into t
 Refusals that must be fast come first, before the body is tokenized: a server that is shutting down
 (503), and a full waiting queue (503 with Retry-After: the engine's max_waiting_requests; the engine
 thread's own check is exact but answers a step later). /health and /metrics never wait for a
-request: /health reads flags, /metrics waits at most for the step in progress.
+request nor a step: /health reads flags, /metrics the counters the engine thread last published
+(EngineLoop.snapshot).
 """
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ from engine.params import InvalidRequestError
 logger = logging.getLogger("engine.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-STATS_TIMEOUT_S = 60.0  # a scrape waits for the step in progress, never for ever
 # What a client refused for a full queue is told to wait: about the time for requests at the head of
 # the queue to be scheduled (a step or a few) and their places freed, without making clients idle long.
 RETRY_AFTER_S = 1
@@ -102,14 +102,9 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        try:
-            stats = await asyncio.wait_for(engine.stats(), STATS_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return _error(503, "the engine loop did not answer", type="server_error")
-        except Exception as exc:
-            return _error(503, f"the engine could not report its stats: {type(exc).__name__}: {exc}",
-                          type="server_error")
-        stats["requests_admitting"] = engine.num_admitting  # submitted, not yet added by the engine thread
+        # the engine thread's latest snapshot: a scrape never waits for the step in progress
+        stats = {**engine.snapshot, "requests_waiting": engine.num_waiting,  # published after every step
+                 "requests_admitting": engine.num_admitting}  # submitted, not yet added by the engine thread
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
