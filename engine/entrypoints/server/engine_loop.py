@@ -272,4 +272,3 @@ class EngineLoop:
 def _put_all(items: list[tuple[Stream, Any]]) -> None:
     for stream, item in items:
         stream.put(item)
-
