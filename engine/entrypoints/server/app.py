@@ -44,7 +44,6 @@ from engine.params import InvalidRequestError
 
 logger = logging.getLogger("engine.server")
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # What a client refused for a full queue is told to wait: about the time for requests at the head of
 # the queue to be scheduled (a step or a few) and their places freed, without making clients idle long.
 RETRY_AFTER_S = 1
@@ -167,16 +166,13 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
             prompt = await loop.run_in_executor(tokenize_pool, _chat_prompt, req)
             if isinstance(prompt, JSONResponse):
                 return prompt
-            default_max = max(1, max_model_len - len(prompt))
-            if req.max_completion_tokens is not None:  # OpenAI: it supersedes the deprecated max_tokens
-                req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
         else:
-            prompt, default_max = req.prompt, DEFAULT_COMPLETION_MAX_TOKENS
+            prompt = req.prompt
             if isinstance(prompt, str) and prompt and tokenizer is not None:  # the engine would encode it alike
                 prompt = await loop.run_in_executor(tokenize_pool, encode, prompt)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            params = req.sampling_params(default_max)  # SamplingParams validate when made
+            params = req.sampling_params()  # SamplingParams validate when made
         except InvalidRequestError as exc:
             return _refused(exc, req)
         choices = Choices(engine, prompt, params, request_id, req.n)
@@ -245,7 +241,7 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
 
     def _refused(exc: Exception, req: Any) -> JSONResponse:
         if isinstance(exc, InvalidRequestError):
-            return _error(400, str(exc), req.WIRE_NAMES.get(exc.param, exc.param))
+            return _error(400, str(exc), req.wire_name(exc.param))
         if isinstance(exc, QueueFullError):
             return _queue_full(f"the server is overloaded: {exc.num_waiting} requests are waiting "
                                f"(--max-waiting-requests); retry after {RETRY_AFTER_S} s")
