@@ -38,7 +38,8 @@ class SamplingParams:
     the field. List fields (stop, stop_token_ids, logit_bias) are kept as tuples, so the object
     stays hashable and immutable."""
 
-    max_tokens: int = 16
+    # None (vLLM's): no bound of its own; the request runs until EOS, a stop, or max_model_len
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -98,8 +99,8 @@ class SamplingParams:
     def _validate(self) -> None:
         """Every rule that needs nothing but the values themselves (run when the object is made)."""
         bad = self._bad
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", "an int >= 1")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an int >= 1, or None (until EOS, a stop or max_model_len)")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE:g} = greedy)")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -130,7 +131,9 @@ class SamplingParams:
             raise bad("logit_bias", "{token id (int >= 0): bias in [-100, 100]}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "a number in [0, 1] (0 = off)")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
 
     def check(self, request_id: str, vocab_size: int) -> None:

@@ -42,6 +42,21 @@ def test_a_mistake_is_refused_before_the_model_loads_naming_the_flag(no_model_lo
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("value,max_tokens", [("none", None), ("None", None), ("7", 7)])
+def test_max_tokens_none_generates_until_eos_or_max_model_len(value, max_tokens):
+    args = cli.build_parser().parse_args(["generate", "--model", "m", "--prompt", "hi", "--max-tokens", value])
+    assert args.max_tokens == max_tokens
+    cli._check_before_loading(args)  # what the engine would be given
+    assert args.params.max_tokens == max_tokens
+
+
+def test_max_tokens_that_is_neither_an_int_nor_none_is_named(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--prompt", "hi", "--max-tokens", "lots"])
+    assert info.value.code == 2
+    assert "--max-tokens: 'lots' is neither an int nor none" in capsys.readouterr().err
+
+
 def test_device_cuda_without_a_gpu_says_to_use_device_cpu(no_model_load, capsys):
     assert cli.main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
     assert "error: --device cuda: no CUDA device is visible to torch here; use --device cpu" in capsys.readouterr().err

@@ -269,6 +269,21 @@ def test_a_stream_interleaved_with_generate_still_sees_its_request_finish(saved_
     assert list(last) == [rid] and last[rid].finished and last[rid].token_ids == expected[3]
 
 
+def test_max_tokens_none_runs_until_max_model_len_or_eos_or_a_stop_as_vllm(llama_llm):
+    prompt = PROMPTS[1]
+    max_model_len = SMALL["max_model_len"]
+    [free] = llama_llm.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True))
+    assert len(prompt) + len(free.token_ids) == max_model_len and free.finish_reason == "length"
+    [bounded] = llama_llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert free.token_ids[:MAX_TOKENS] == bounded.token_ids
+    # EOS ends it: the model's EOS made the only token it can sample
+    [eos] = llama_llm.generate(prompt, SamplingParams(max_tokens=None, logit_bias={COMMON["eos_token_id"]: 100}))
+    assert eos.token_ids == [COMMON["eos_token_id"]] and eos.finish_reason == "eos"
+    stop = free.token_ids[5]
+    [stopped] = llama_llm.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True, stop_token_ids=[stop]))
+    assert stopped.token_ids == free.token_ids[:free.token_ids.index(stop) + 1] and stopped.finish_reason == "stop"
+
+
 def test_cli_generates_text_with_a_tokenizer(tmp_path, capsys, saved_models):
     """The command line on a tiny Gemma 3 that borrows the default model's tokenizer (if converted)."""
     default_dir = Path.home() / ".cache" / "infer_graphs" / "gemma-3-270m"

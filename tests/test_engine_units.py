@@ -349,7 +349,7 @@ def test_config_default_decode_sizes_end_at_max_num_seqs():
 # -- sampling params and sampler ------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("max_tokens", 2.0), ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -2),
+    ("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", "8"), ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -2),
     ("top_k", 1.5), ("top_p", 0.0), ("top_p", 1.5), ("seed", -3), ("stop_token_ids", (5, -1)), ("stop", ("",)),
     ("stop", 5), ("stop", ["ok", None]), ("ignore_eos", 1), ("logprobs", 21), ("min_p", -0.1),
     ("min_tokens", 17), ("logit_bias", {5: 100.5}), ("presence_penalty", 3),
@@ -375,6 +375,16 @@ def test_sampling_params_stop_takes_none_a_string_or_a_list_as_vllm(stop, expect
     params = SamplingParams(stop=stop)
     assert params.stop == expected
     hash(params)  # a list would make the frozen dataclass unhashable
+
+
+def test_sampling_params_max_tokens_none_means_no_bound_of_its_own_as_vllm():
+    params = SamplingParams(max_tokens=None, min_tokens=10_000)  # min_tokens has no max_tokens to stay under
+    assert params.max_tokens is None
+    hash(params)
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=None, min_tokens=-1)
+    with pytest.raises(InvalidRequestError, match=r"max_tokens=0 is invalid: expected an int >= 1, or None"):
+        SamplingParams(max_tokens=0)
 
 
 def test_sampling_params_take_vllm_spellings_of_off_and_none():

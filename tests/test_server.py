@@ -164,6 +164,30 @@ def test_chat_greedy_equals_llm_generate_on_the_chat_template(client, reference)
     assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
 
 
+def test_max_tokens_omitted_and_null_mean_what_they_mean_in_vllm(url):
+    """Completions: omitted is OpenAI's 16, null no bound (until EOS, a stop or max_model_len); chat:
+    omitted and null are no bound. The bound here is max_model_len: EOS is ignored."""
+    prompt = [2, 40, 41]
+    unbounded = ENGINE["max_model_len"] - len(prompt)
+    messages_len = None
+    for route, body, want in [
+            ("completions", {"prompt": prompt}, 16),
+            ("completions", {"prompt": prompt, "max_tokens": None}, unbounded),
+            ("chat/completions", {"messages": MESSAGES}, None),
+            ("chat/completions", {"messages": MESSAGES, "max_tokens": None, "max_completion_tokens": None}, None)]:
+        resp = httpx.post(f"{url}/v1/{route}", headers=_auth(), timeout=60,
+                          json={"model": NAME, "temperature": 0, "ignore_eos": True, **body})
+        assert resp.status_code == 200, resp.text
+        usage = resp.json()["usage"]
+        if want is None:  # chat: its prompt is the rendered template's
+            messages_len = messages_len or usage["prompt_tokens"]
+            want = ENGINE["max_model_len"] - messages_len
+        assert usage["completion_tokens"] == want and resp.json()["choices"][0]["finish_reason"] == "length"
+    zero = httpx.post(f"{url}/v1/chat/completions", headers=_auth(), timeout=30,
+                      json={"model": NAME, "messages": MESSAGES, "max_completion_tokens": 0})
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_completion_tokens"
+
+
 def test_sse_framing_stop_strings_and_eos_as_stop_over_raw_http(url, reference):
     """What the SDK hides: each event is 'data: ...' and a blank line, the stream ends with [DONE]."""
     [base] = reference.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True))

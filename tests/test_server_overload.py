@@ -6,9 +6,14 @@ of its own and gets one from --chat-template FILE.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
+import socket
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -17,6 +22,9 @@ from engine import LLM, ConfigError, EngineConfig, InvalidRequestError, Sampling
 from engine.core.llm import QueueFullError
 from engine.entrypoints.cli import main as cli_main
 from engine.entrypoints.server import load_chat_template
+from engine.entrypoints.server.app import build_app
+from engine.entrypoints.server.engine_loop import EngineLoop
+from bench.soak import parse_metrics
 from tests.test_server import MESSAGES, NAME, _flags, _metrics, start_server, stop_server
 from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
 
@@ -146,6 +154,75 @@ def test_a_full_queue_gets_503_with_retry_after_at_once_while_admitted_requests_
     assert _metric(url, "process_resident_memory_bytes") > 0
     ok = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200  # room again
+
+
+@contextlib.contextmanager
+def _serve_in_thread(llm: LLM) -> Iterator[str]:
+    """serve_llm's parts (engine loop, app, uvicorn) in this process, without its signal handling;
+    the base URL of a server on 127.0.0.1 and a free port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    engine = EngineLoop(llm)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, NAME, pool), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    engine.start()
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+        sock.close()
+
+
+def test_health_and_metrics_answer_within_100_ms_while_a_step_is_in_progress(model_dir):
+    llm = LLM(str(model_dir), device="cpu", max_model_len=64, max_num_seqs=2, block_size=4, num_gpu_blocks=64,
+              max_waiting_requests=2)
+    runner = llm.runtime.runner
+    execute, slow, in_step, release = runner.execute, threading.Event(), threading.Event(), threading.Event()
+
+    def slow_execute(*args, **kwargs):
+        if slow.is_set():  # the step is scheduled and its forward not yet run: the middle of a step
+            in_step.set()
+            release.wait(5)
+        return execute(*args, **kwargs)
+
+    runner.execute = slow_execute
+    body = {"model": NAME, "prompt": [2, 40, 41], "max_tokens": 2, "ignore_eos": True}
+    with _serve_in_thread(llm) as url, httpx.Client(timeout=10) as client, \
+            concurrent.futures.ThreadPoolExecutor(1) as background:
+        assert client.get(f"{url}/metrics").status_code == 200  # the first scrape's imports are not timed
+        slow.set()
+        answer = background.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30)
+        assert in_step.wait(10), "the request's step did not start"
+        latencies_s: dict[str, list[float]] = {"/health": [], "/metrics": []}
+        for _ in range(5):
+            for path, seen in latencies_s.items():
+                start = time.perf_counter()
+                resp = client.get(f"{url}{path}")
+                seen.append(time.perf_counter() - start)
+                assert resp.status_code == 200, (path, resp.text)
+        metrics = parse_metrics(resp.text)
+        still_in_step = not answer.done()
+        release.set()
+        slow.clear()
+        assert answer.result(30).status_code == 200
+    llm.close()
+    assert still_in_step  # every answer above came while the step waited
+    assert max(max(s) for s in latencies_s.values()) < 0.1, latencies_s
+    for name in ("requests_waiting", "requests_admitting", "requests_running", "kv_blocks_used",
+                 "requests_rejected_total{reason=queue_full}", "requests_waiting_limit"):
+        assert f"infer_graphs_{name}" in metrics
 
 
 # -- --chat-template ----------------------------------------------------------------------------------

@@ -285,8 +285,10 @@ class Scheduler:
         return None
 
     def _at_length(self, request: Request, num_tokens: int) -> bool:
-        """Whether a request of num_tokens tokens has reached max_tokens or max_model_len."""
-        return num_tokens - request.num_prompt_tokens >= request.params.max_tokens or num_tokens >= self.max_model_len
+        """Whether a request of num_tokens tokens has reached max_tokens (None: no bound) or max_model_len."""
+        max_tokens = request.params.max_tokens
+        return num_tokens >= self.max_model_len or (
+            max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens)
 
     def stop_string_matched(self, request: Request) -> None:
         """The request's text reached one of its stop strings (engine.core.detokenizer): it ends with

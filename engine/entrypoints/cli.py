@@ -11,6 +11,7 @@ sampling values, empty prompts, the device) is checked before the model loads.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -31,7 +32,8 @@ def build_parser(prog: str = "python -m engine") -> OneLineErrorParser:
     gen = sub.add_parser("generate", help="generate from one or more prompts")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=_max_tokens, default=32, metavar="N|none",
+                     help="tokens to generate at most (default 32); none: until EOS or --max-model-len")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -52,6 +54,16 @@ def build_parser(prog: str = "python -m engine") -> OneLineErrorParser:
                        help="on SIGTERM / SIGINT: how long requests in flight may run on before they are "
                             "aborted (default 30; a second signal stops at once)")
     return parser
+
+
+def _max_tokens(value: str) -> int | None:
+    """--max-tokens: an int (SamplingParams checks its range), or none for SamplingParams.max_tokens=None."""
+    if value.lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an int nor none") from None
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:

@@ -13,7 +13,8 @@ request's inter-token latency. The same thread turns a request's logprobs into t
 Refusals that must be fast come first, before the body is tokenized: a server that is shutting down
 (503), and a full waiting queue (503 with Retry-After: the engine's max_waiting_requests; the engine
 thread's own check is exact but answers a step later). /health and /metrics never wait for a
-request: /health reads flags, /metrics waits at most for the step in progress.
+request nor a step: /health reads flags, /metrics the counters the engine thread last published
+(EngineLoop.snapshot).
 """
 from __future__ import annotations
 
@@ -43,8 +44,6 @@ from engine.params import InvalidRequestError
 
 logger = logging.getLogger("engine.server")
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-STATS_TIMEOUT_S = 60.0  # a scrape waits for the step in progress, never for ever
 # What a client refused for a full queue is told to wait: about the time for requests at the head of
 # the queue to be scheduled (a step or a few) and their places freed, without making clients idle long.
 RETRY_AFTER_S = 1
@@ -102,14 +101,9 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        try:
-            stats = await asyncio.wait_for(engine.stats(), STATS_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return _error(503, "the engine loop did not answer", type="server_error")
-        except Exception as exc:
-            return _error(503, f"the engine could not report its stats: {type(exc).__name__}: {exc}",
-                          type="server_error")
-        stats["requests_admitting"] = engine.num_admitting  # submitted, not yet added by the engine thread
+        # the engine thread's latest snapshot: a scrape never waits for the step in progress
+        stats = {**engine.snapshot, "requests_waiting": engine.num_waiting,  # published after every step
+                 "requests_admitting": engine.num_admitting}  # submitted, not yet added by the engine thread
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -172,16 +166,13 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
             prompt = await loop.run_in_executor(tokenize_pool, _chat_prompt, req)
             if isinstance(prompt, JSONResponse):
                 return prompt
-            default_max = max(1, max_model_len - len(prompt))
-            if req.max_completion_tokens is not None:  # OpenAI: it supersedes the deprecated max_tokens
-                req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
         else:
-            prompt, default_max = req.prompt, DEFAULT_COMPLETION_MAX_TOKENS
+            prompt = req.prompt
             if isinstance(prompt, str) and prompt and tokenizer is not None:  # the engine would encode it alike
                 prompt = await loop.run_in_executor(tokenize_pool, encode, prompt)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            params = req.sampling_params(default_max)  # SamplingParams validate when made
+            params = req.sampling_params()  # SamplingParams validate when made
         except InvalidRequestError as exc:
             return _refused(exc, req)
         choices = Choices(engine, prompt, params, request_id, req.n)
@@ -250,7 +241,7 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
 
     def _refused(exc: Exception, req: Any) -> JSONResponse:
         if isinstance(exc, InvalidRequestError):
-            return _error(400, str(exc), req.WIRE_NAMES.get(exc.param, exc.param))
+            return _error(400, str(exc), req.wire_name(exc.param))
         if isinstance(exc, QueueFullError):
             return _queue_full(f"the server is overloaded: {exc.num_waiting} requests are waiting "
                                f"(--max-waiting-requests); retry after {RETRY_AFTER_S} s")

@@ -10,6 +10,12 @@ A request's stream receives, in order: ACCEPTED (or the InvalidRequestError / Qu
 refused it), then RequestOutputs until one is finished, or an EngineUnavailable error (the engine
 failed a step, or the server is shutting down). One bad request or one failed step never ends the loop.
 
+What /health and /metrics read never waits for a step: the engine's counters (LLM.stats() without
+the other tensor-parallel ranks' part) are a `snapshot` this thread publishes, as one new dict, at
+most SNAPSHOT_INTERVAL_S apart while requests run and whenever it is about to go idle (before it
+delivers the outputs that finished the last request, so a client that got its answer and then scrapes
+sees it counted). A scrape during a step of any length reads the latest snapshot, at once.
+
 Back-pressure: LLM.add_request enforces EngineConfig.max_waiting_requests on this thread, but a
 request would only learn of it one step later (and after its prompt was tokenized). `queue_full`
 answers at once on the asyncio side, from the waiting count this thread publishes after every step
@@ -34,6 +40,7 @@ import time
 from typing import Any
 
 from engine.core.llm import LLM, QueueFullError
+from engine.core.stats import collect_stats
 from engine.distributed.rank_loop import TensorParallelError
 from engine.params import InvalidRequestError, SamplingParams
 
@@ -44,6 +51,9 @@ IDLE_CHECK_S = 1.0
 # A collective fails as soon as a dead rank's sockets close, which can be a moment before the
 # process can be seen to have exited: after a failed step the ranks are looked at for this long.
 RANK_EXIT_WAIT_S = 2.0
+# How stale /metrics may be while requests run: publishing costs tens of microseconds, too much
+# for every step, nothing at this interval.
+SNAPSHOT_INTERVAL_S = 0.1
 
 
 class EngineUnavailable(RuntimeError):
@@ -81,6 +91,9 @@ class EngineLoop:
         self._num_submitted = 0  # asyncio side: submissions put on the command queue
         self._num_added = 0      # engine thread: submissions it has processed (admitted or refused)
         self.num_waiting = 0     # engine thread: len(scheduler.waiting) after its latest commands / step
+        # engine thread (and this constructor, before it starts): the latest counters, never mutated
+        self.snapshot: dict[str, Any] = collect_stats(llm, gather_ranks=False)
+        self._published_at = time.monotonic()
 
     # -- the asyncio side -----------------------------------------------------------------------
 
@@ -130,11 +143,6 @@ class EngineLoop:
         """Abort a request (idempotent; a finished or unknown one is left alone)."""
         self._commands.put((self._abort, (request_id,)))
 
-    async def stats(self) -> dict[str, Any]:
-        future = asyncio.get_running_loop().create_future()
-        self._commands.put((self._stats, (future,)))
-        return await future
-
     def stop_accepting(self) -> None:
         """The drain: new API requests are refused (handlers read `accepting`), admitted ones run on.
         Safe to call from a signal handler."""
@@ -175,10 +183,9 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = ()
-            self._publish_waiting()
+            self._publish()
             if self.llm.has_unfinished_requests():
-                self._step()
-                self._publish_waiting()
+                self._step()  # publishes before it delivers
 
     def _check_ranks(self, wait_s: float = 0.0) -> None:
         """Set tp.failure if a rank has exited (looking again until wait_s has passed)."""
@@ -193,8 +200,16 @@ class EngineLoop:
                 return
             time.sleep(0.05)
 
-    def _publish_waiting(self) -> None:
+    def _publish(self) -> None:
+        """The queue depth always (back-pressure reads it), the counters when due (module docstring)."""
         self.num_waiting = len(self.llm.scheduler.waiting)
+        now = time.monotonic()
+        if now - self._published_at >= SNAPSHOT_INTERVAL_S or not self.llm.has_unfinished_requests():
+            self._published_at = now
+            try:
+                self.snapshot = collect_stats(self.llm, gather_ranks=False)
+            except Exception:  # the scrape shows the previous counters; the loop must go on
+                logger.exception("engine loop: collecting the engine's stats failed")
 
     def _step(self) -> None:
         try:
@@ -215,6 +230,7 @@ class EngineLoop:
             batch.append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
+        self._publish()
         self._deliver(batch)
 
     def _add(self, prompt: Any, params: SamplingParams, stream: Stream, bounded: bool) -> None:
@@ -241,14 +257,6 @@ class EngineLoop:
             self.llm.abort(request_id)
         self._deliver([(s, EngineUnavailable(reason)) for s in streams.values()])
 
-    def _stats(self, future: asyncio.Future) -> None:
-        try:
-            stats = self.llm.stats()
-        except Exception as exc:  # e.g. a failed tensor-parallel rank: the scrape says so at once
-            future.get_loop().call_soon_threadsafe(_set_exception, future, exc)
-            return
-        future.get_loop().call_soon_threadsafe(_set_result, future, stats)
-
     @staticmethod
     def _deliver(batch: list[tuple[Stream, Any]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
@@ -264,14 +272,3 @@ class EngineLoop:
 def _put_all(items: list[tuple[Stream, Any]]) -> None:
     for stream, item in items:
         stream.put(item)
-
-
-def _set_result(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
-

@@ -2,8 +2,8 @@
 
 Latency histograms and token counters are observed by the handlers from the outputs they receive.
 The engine's own totals (steps by mode, fallbacks, preemptions, KV blocks, prefix cache) are read
-from one `LLM.stats()` snapshot, taken on the engine thread when /metrics is scraped, and exported as
-they are (a custom collector), so no number is counted twice.
+from the latest `LLM.stats()` snapshot the engine thread published (EngineLoop.snapshot: a scrape
+never waits for a step), and exported as they are (a custom collector), so no number is counted twice.
 
 Back-pressure and leaks are visible here too: the waiting queue's depth and bound, the requests
 refused with 503 (by reason), the server process's memory (prometheus_client's process collector:

@@ -30,6 +30,8 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
+    # null: no bound of the request's own (until EOS, a stop or max_model_len), as vLLM reads it;
+    # omitted: the same for chat, OpenAI's 16 for completions (CompletionRequest)
     max_tokens: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -88,10 +90,19 @@ class _Sampling(BaseModel):
             return "response_format", f"response_format {self.response_format.get('type')!r} is not supported (only 'text')"
         return None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    @property
+    def max_new_tokens(self) -> int | None:
+        """SamplingParams.max_tokens (None: until EOS, a stop or max_model_len)."""
+        return self.max_tokens
+
+    def wire_name(self, field: str | None) -> str | None:
+        """The request field that set SamplingParams.`field` (for the `param` of a 400)."""
+        return self.WIRE_NAMES.get(field, field)
+
+    def sampling_params(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            max_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
@@ -108,6 +119,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int]]
+    max_tokens: Optional[int] = 16  # OpenAI's default when omitted; null: no bound (vLLM)
     suffix: Optional[str] = None
     logprobs: Optional[int] = None  # the k most likely tokens (and the sampled one) per token
 
@@ -142,6 +154,16 @@ class ChatRequest(_Sampling):
     tools: Optional[list[dict[str, Any]]] = None
 
     WIRE_NAMES: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens supersedes the deprecated max_tokens (OpenAI); neither: no bound."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def wire_name(self, field: str | None) -> str | None:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().wire_name(field)
 
     @property
     def num_logprobs(self) -> int | None:
