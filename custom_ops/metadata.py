@@ -48,6 +48,11 @@ class AttentionMetadata:
     # sequences past the step's own have no query rows, and the attention launch zeroes the rows from
     # query_start_loc[-1] on, reading where they start when it runs.
     real_tokens_on_device: bool = False
+    # Several rows of a uniform decode step belong to one sequence (speculative decoding's verify
+    # step, each proposed token a row: engine.worker.model_runner): row j attends to the new keys of
+    # rows before it, so every new K/V is stored before any row attends (no store fused into the
+    # decode kernel, whose programs are unordered).
+    store_first: bool = False
 
     @property
     def num_seqs(self) -> int:

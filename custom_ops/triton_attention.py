@@ -109,6 +109,7 @@ def paged_attention(
     With ``rotary`` q and k are raw (custom_ops.rope.QKRotary): a decode step's kernel normalizes and
     rotates them as it reads them; any other step runs the q/k norm + rotary kernel first.
     """
+    fuse_store = fuse_store and not meta.store_first
     if rotary is not None and not (meta.is_uniform_decode and fuse_store):
         q, k = rotate_qk(q, k, rotary)
         rotary = None

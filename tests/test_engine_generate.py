@@ -7,6 +7,7 @@ mixed with decodes) and, in one test, a KV pool so small that requests are preem
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -121,13 +122,14 @@ class _EagerDecodeGraphs:
     captured decode graph runs (the FULL forward over the bucket's static buffer slices), so the
     padded FULL metadata (padding rows on the scratch block) is checked without CUDA."""
 
-    def __init__(self, runner, sizes):
-        self.runner, self.sizes = runner, tuple(sizes)
+    def __init__(self, runner, sizes, store_first=False):
+        self.runner, self.sizes, self.store_first = runner, tuple(sizes), store_first
         self.replays, self.replays_by_size, self.capture_seconds, self.graph_bytes = 0, {}, 0.0, 0
 
     def replay(self, batch_size, num_real):
         runner = self.runner
         meta = runner.buffers.metadata(batch_size, batch_size, batch_size, 1, runner.max_model_len, True)
+        meta = dataclasses.replace(meta, store_first=self.store_first)
         logits = runner.model.compute_logits(runner.run_forward(meta, RuntimeMode.FULL, batch_size))
         self.replays += 1
         self.replays_by_size[batch_size] = self.replays_by_size.get(batch_size, 0) + 1

@@ -235,14 +235,15 @@ def test_back_off_after_misses_aligned_and_recovery():
     assert not proposer.eligible(Request("p", [1], SamplingParams(presence_penalty=0.5)), 0)
 
 
-def test_verify_steps_replay_decode_graphs_or_mixed_graphs():
+def test_verify_steps_replay_verify_graphs_or_mixed_graphs():
     dispatcher = Dispatcher((1, 2, 4), (8, 16), decode_graphs_wanted=True, piecewise_graphs_wanted=True,
-                            mixed_sizes=(10, 20), verify_graphs_wanted=True)
+                            mixed_sizes=(10, 20), verify_graphs_wanted=True, verify_sizes=(2, 4))
     small = dispatcher.dispatch(BatchDescriptor(3, False, verify=True))  # every token a decode row
-    assert small.mode is RuntimeMode.FULL and small.descriptor.num_tokens == 4 and small.descriptor.uniform_decode
+    assert small.mode is RuntimeMode.FULL and small.descriptor == BatchDescriptor(4, True, True)
     verify = dispatcher.dispatch(BatchDescriptor(5, False, verify=True))
-    assert verify.mode is RuntimeMode.FULL and verify.descriptor.num_tokens == 10 and not verify.descriptor.uniform_decode
+    assert verify.mode is RuntimeMode.FULL and verify.descriptor == BatchDescriptor(10, False, True)
     assert dispatcher.dispatch(BatchDescriptor(5, False)).mode is RuntimeMode.PIECEWISE  # a prefill
+    assert dispatcher.dispatch(BatchDescriptor(2, True)).descriptor == BatchDescriptor(2, True)  # a decode
     too_big = dispatcher.dispatch(BatchDescriptor(24, False, verify=True))
     assert too_big.mode is RuntimeMode.NONE and too_big.fallback.startswith("verify step of 24")
     assert dispatcher.fallbacks == 1
@@ -266,11 +267,12 @@ def test_verify_graph_sizes_follow_the_decode_buckets():
     import dataclasses
 
     from engine import EngineConfig
-    from engine.worker.startup import mixed_graph_sizes
+    from engine.worker.startup import mixed_graph_sizes, verify_graph_sizes
     config = EngineConfig(device="cpu", max_num_seqs=8, speculative_config={**NGRAM, "num_speculative_tokens": 4})
     config = dataclasses.replace(config.resolve(64), cuda_graphs=True, cudagraph_mode="FULL_DECODE_ONLY")
     assert config.decode_graph_sizes == (1, 2, 4, 8)
-    assert mixed_graph_sizes(config) == (10, 20, 40)  # up to 8 tokens: the decode graphs' rows
+    assert mixed_graph_sizes(config) == (10, 20, 40)  # up to 8 tokens: the verify graphs' rows
+    assert verify_graph_sizes(config) == (2, 4, 8)
     assert config.max_logits_rows == 8 * 5
 
 
@@ -289,7 +291,9 @@ def test_verify_steps_as_decode_rows_give_the_same_tokens(model_dirs, arch):
         # decode rows up to max_num_seqs (4): a lone request's verify of 1 + 3 tokens; larger verify
         # steps find no graph on the CPU (counted)
         runner.decode_graphs = _EagerDecodeGraphs(runner, (1, 2, 4))
-        runner.dispatcher = Dispatcher((1, 2, 4), decode_graphs_wanted=True, verify_graphs_wanted=True)
+        runner.verify_graphs = _EagerDecodeGraphs(runner, (2, 4), store_first=True)
+        runner.dispatcher = Dispatcher((1, 2, 4), decode_graphs_wanted=True, verify_graphs_wanted=True,
+                                       verify_sizes=(2, 4))
         replay(llm, continuations, wrong=0.25)
         dispatch, as_rows = runner.dispatcher.dispatch, []
 
@@ -302,7 +306,7 @@ def test_verify_steps_as_decode_rows_give_the_same_tokens(model_dirs, arch):
         runner.dispatcher.dispatch = spy
         outs = llm.generate(PROMPTS, params)
         stats = llm.stats()
-        replays = dict(runner.decode_graphs.replays_by_size)
+        replays = dict(runner.verify_graphs.replays_by_size)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert stats["spec_decode"]["accepted_tokens"] > 0
     assert replays.get(4, 0) > 0, replays

@@ -2,8 +2,9 @@
 
 Greedy output over the staggered workload of tests/test_engine_gpu.py is identical with and without
 speculation (float32, three architectures), under the default graph mode (decode graphs, piecewise
-graphs for prefills, mixed-step graphs for verify steps) and under FULL; every verify step within the
-captured sizes replays a graph (no verify fallback), and the steps with proposals are fewer.
+graphs for prefills, verify graphs with a decode row per token, mixed-step graphs for larger verify
+steps) and under FULL; every verify step within the captured sizes replays a graph (no verify
+fallback), and the steps with proposals are fewer.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_greedy_identical_and_verify_steps_replay_graphs(model_dirs, arch):
         assert got == expected, mode
         spec = stats["spec_decode"]
         assert spec["accepted_tokens"] > 0 and spec["verify_graph_fallbacks"] == 0, spec
-        assert stats["mixed_graph_replays"] > 0 and "none" not in stats["modes"], stats["modes"]
+        assert stats["verify_graph_replays"] > 0 and "none" not in stats["modes"], stats["modes"]
+        assert stats["mixed_graph_replays"] > 0  # verify steps of more than 8 tokens
         assert stats["steps"] < plain_steps
 
 

@@ -37,6 +37,8 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
         "decode_graph_bytes": graphs.graph_bytes if graphs else 0,
         "mixed_graphs": len(mixed.sizes) if mixed else 0,
         "mixed_graph_replays": mixed.replays if mixed else 0,
+        "verify_graphs": len(runner.verify_graphs.sizes) if runner.verify_graphs else 0,
+        "verify_graph_replays": runner.verify_graphs.replays if runner.verify_graphs else 0,
         "mixed_graph_capture_seconds": mixed.capture_seconds if mixed else 0.0,
         "piecewise_capture_seconds": llm.runtime.piecewise_capture_seconds,
         "async_scheduling": llm._loop.depth == 1,

@@ -27,6 +27,8 @@ the GPU and then cudaMalloc its memory again.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import logging
 import sys
@@ -96,10 +98,14 @@ def capture_run(device: torch.device, total: int, desc: str, show_progress: bool
 
 
 class DecodeGraphs:
-    def __init__(self, runner, pool) -> None:  # runner: engine.worker.model_runner.ModelRunner; pool: a handle
+    def __init__(self, runner, pool, store_first: bool = False) -> None:
+        """runner: engine.worker.model_runner.ModelRunner; pool: a handle. `store_first`: the graphs of
+        speculative decoding's verify steps, whose rows may share a sequence (AttentionMetadata.store_first)."""
         from compile_backend.pool import capture_stream
         self.runner = runner
         self.pool = pool
+        self.store_first = store_first
+        self.kind = "verify graphs" if store_first else "decode graphs"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None
         # Where the LM head's kernel stores per-tile argmax keys (CausalLM.argmax_key_tiles): batch size ->
@@ -123,7 +129,10 @@ class DecodeGraphs:
         """Dummy decode metadata per size, from ONE load at the largest size (block 0 only)."""
         runner, largest = self.runner, max(batch_sizes)
         runner.load_dummy(largest, largest, uniform_decode=True)
-        return {b: runner.buffers.metadata(b, b, b, 1, runner.max_model_len, True) for b in batch_sizes}
+        metas = {b: runner.buffers.metadata(b, b, b, 1, runner.max_model_len, True) for b in batch_sizes}
+        if self.store_first:
+            metas = {b: dataclasses.replace(m, store_first=True) for b, m in metas.items()}
+        return metas
 
     def _forward(self, meta: AttentionMetadata, batch_size: int) -> torch.Tensor:
         """The forward and the LM head into the static logits (and argmax keys, where stored)."""
@@ -207,14 +216,14 @@ class DecodeGraphs:
     def capture(self, sizes: tuple[int, ...], show_progress: bool) -> None:
         device = self.runner.device
         ordered = sorted(sizes, reverse=True)  # largest first: smaller graphs reuse its pool memory
-        with capture_run(device, len(ordered), "decode graphs", show_progress) as run:
+        with capture_run(device, len(ordered), self.kind, show_progress) as run:
             metas = self._metadata(ordered)
             self._warm_up(metas)
             for batch_size in ordered:
                 self.graphs[batch_size] = self._record(metas[batch_size], batch_size)
                 run.tick()
         self.capture_seconds, self.graph_bytes = run.seconds, run.graph_bytes
-        run.report(f"captured {len(self.graphs)} decode graphs (batch {ordered[-1]}..{ordered[0]}) in "
+        run.report(f"captured {len(self.graphs)} {self.kind} (batch {ordered[-1]}..{ordered[0]}) in "
                    f"{self.capture_seconds:.2f} s ({self.capture_seconds / len(ordered) * 1e3:.0f} ms each), "
                    f"graph memory {self.graph_bytes / 2**20:.1f} MiB, {free_memory_gib(device):.2f} GiB free")
 

@@ -9,11 +9,12 @@ PIECEWISE  with prefill graphs on, any other step whose token count fits a piece
            replays its per-piece graphs at the padded token count.
 NONE       everything else: the compiled (or eager) model, no graph.
 
-VERIFY     speculative decoding's verify steps (decodes of 1 + k tokens, engine.spec) replay a decode
-           graph whenever decode graphs are on and one has as many rows as the step has tokens (every
-           token a decode row of its own: ModelRunner._prepare), else a mixed-step graph (then
-           captured for the larger verify steps too), whatever serves the other steps: a FULL step,
-           not a piecewise one with attention launched from the host between pieces.
+VERIFY     speculative decoding's verify steps (decodes of 1 + k tokens, engine.spec) replay a verify
+           graph (a decode graph whose K/V are stored before any row attends) whenever decode graphs
+           are on and one has as many rows as the step has tokens (every token a decode row of its
+           own: ModelRunner._prepare), else a mixed-step graph (then captured for the larger verify
+           steps too), whatever serves the other steps: a FULL step, not a piecewise one with
+           attention launched from the host between pieces.
 
 A uniform decode batch past the largest decode graph takes the other steps' graphs where it fits them
 (counted as a fallback: it wanted a decode graph).
@@ -61,7 +62,7 @@ class Dispatcher:
     def __init__(self, decode_sizes: tuple[int, ...] = (), piecewise_sizes: tuple[int, ...] = (),
                  decode_graphs_wanted: bool = False, piecewise_graphs_wanted: bool = False,
                  mixed_sizes: tuple[int, ...] = (), mixed_graphs_wanted: bool = False,
-                 verify_graphs_wanted: bool = False) -> None:
+                 verify_graphs_wanted: bool = False, verify_sizes: tuple[int, ...] = ()) -> None:
         if piecewise_graphs_wanted and mixed_graphs_wanted:
             raise ValueError("Dispatcher: piecewise and mixed graphs serve the same steps; a mode has one of them")
         self.decode_sizes = tuple(sorted(decode_sizes))
@@ -71,6 +72,8 @@ class Dispatcher:
         self._piecewise_wanted = piecewise_graphs_wanted
         self._mixed_wanted = mixed_graphs_wanted
         self._verify_wanted = verify_graphs_wanted or mixed_graphs_wanted
+        self.verify_sizes = tuple(sorted(verify_sizes))
+        self._verify_pad = _pad_table(self.verify_sizes)
         self._full_pad = _pad_table(self.decode_sizes)
         self._piece_pad = _pad_table(self.piecewise_sizes)
         self._mixed_pad = _pad_table(self.mixed_sizes)
@@ -102,9 +105,9 @@ class Dispatcher:
                 return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True)), None
             fallback = f"decode batch of {n} > largest decode graph {self.decode_sizes[-1] if self.decode_sizes else 0}"
             kind = "decode"
-        if batch.verify and self._decode_wanted and n < len(self._full_pad):
-            # every token a decode row (ModelRunner._prepare): the decode graph of n rows
-            return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._full_pad[n], True, True)), None
+        if batch.verify and self.verify_sizes and n < len(self._verify_pad):
+            # every token a decode row (ModelRunner._prepare): the verify graph of n rows
+            return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._verify_pad[n], True, True)), None
         if batch.verify and self._verify_wanted:
             if 1 < n < len(self._mixed_pad):
                 return Dispatch(RuntimeMode.FULL, BatchDescriptor(self._mixed_pad[n], False, True)), None

@@ -61,6 +61,7 @@ class ModelRunner:
         self.dispatcher = Dispatcher()
         self.decode_graphs = None  # engine.worker.decode_graphs.DecodeGraphs, once captured
         self.mixed_graphs = None   # engine.worker.mixed_graphs.MixedGraphs (cudagraph_mode FULL), once captured
+        self.verify_graphs = None  # DecodeGraphs(store_first=True): verify steps' tokens as decode rows
         self.kv_caches: dict[str, torch.Tensor] = {}  # layer name -> this engine's cache (engine.kv.kv_cache)
         self.group_layers: list[tuple[str, ...]] = []  # layers of KV groups 1.. (engine.kv.groups)
         self.scratch_slot = SCRATCH_BLOCK * block_size  # padding tokens write here, read nothing
@@ -94,8 +95,9 @@ class ModelRunner:
             hidden = self.mixed_graphs.replay(num_padded)
             return StepResult(self.model.compute_logits(hidden[rows]), dispatch)
         if full:
-            logits = self.decode_graphs.replay(num_padded, num_chunks)
-            keys = self.decode_graphs.argmax_keys(num_padded, num_chunks)
+            graphs = self.verify_graphs if dispatch.descriptor.verify else self.decode_graphs
+            logits = graphs.replay(num_padded, num_chunks)
+            keys = graphs.argmax_keys(num_padded, num_chunks)
             if num_sampling != num_chunks:  # a 1-token chunk short of its request's end samples nothing
                 logits = logits[rows]
                 keys = None if keys is None else keys[rows]

@@ -94,6 +94,9 @@ class Runtime:
         if runner.mixed_graphs is not None:
             runner.mixed_graphs.release()
             runner.mixed_graphs = None
+        if runner.verify_graphs is not None:
+            runner.verify_graphs.release()
+            runner.verify_graphs = None
         self.kv_cache.release()
         if runner.device.type == "cuda":
             from custom_ops.triton_attention import clear_plans  # lazy: Triton is imported where it runs
@@ -203,12 +206,18 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
     if config.prefill_graphs:
         with timeline.phase("piecewise capture"):
             rt.piecewise_capture_seconds = _capture_piecewise(runner, backend, config)
-    decode_graphs = None
+    decode_graphs = verify_graphs = None
     memory["decode_graph_reserve_bytes"] = memory["mixed_graph_reserve_bytes"] = 0
+    memory["verify_graph_reserve_bytes"] = 0
     if config.cuda_graphs:
         decode_graphs = DecodeGraphs(runner, rt.pool.handle)
         with timeline.phase("decode measure"):
             memory["decode_graph_reserve_bytes"] = _measure_graphs(DecodeGraphs, runner, config.decode_graph_sizes)
+    verify_sizes = verify_graph_sizes(config)
+    if verify_sizes:
+        verify_graphs = DecodeGraphs(runner, rt.pool.handle, store_first=True)
+        with timeline.phase("verify measure"):
+            memory["verify_graph_reserve_bytes"] = _measure_graphs(DecodeGraphs, runner, verify_sizes)
     mixed_graphs, mixed_sizes = None, mixed_graph_sizes(config)
     if mixed_sizes:
         mixed_graphs = MixedGraphs(runner, rt.pool.handle)
@@ -219,7 +228,7 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
         free_bytes = torch.cuda.mem_get_info(device)[0]
         memory["free_bytes_before_pool"] = free_bytes
         spare = (free_bytes - memory["activation_peak_bytes"] - memory["decode_graph_reserve_bytes"]
-                 - memory["mixed_graph_reserve_bytes"])
+                 - memory["mixed_graph_reserve_bytes"] - memory["verify_graph_reserve_bytes"])
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
             if num_blocks * kv_cache.bytes_per_block > spare:
@@ -244,6 +253,11 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
             decode_graphs.capture(config.decode_graph_sizes, config.show_progress)
         runner.decode_graphs = decode_graphs
         memory["decode_graph_bytes"] = decode_graphs.graph_bytes
+    if verify_graphs is not None:
+        with timeline.phase("verify capture"):
+            verify_graphs.capture(verify_sizes, config.show_progress)
+        runner.verify_graphs = verify_graphs
+        memory["verify_graph_bytes"] = verify_graphs.graph_bytes
     if mixed_graphs is not None:
         with timeline.phase("mixed capture"):
             mixed_graphs.capture(mixed_sizes, config.show_progress)
@@ -254,14 +268,23 @@ def _capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimeli
         config.prefill_graph_sizes if config.prefill_graphs else (),
         decode_graphs_wanted=config.cuda_graphs, piecewise_graphs_wanted=config.prefill_graphs,
         mixed_sizes=mixed_graphs.sizes if mixed_graphs else (), mixed_graphs_wanted=config.mixed_graphs,
-        verify_graphs_wanted=config.cuda_graphs and config.num_speculative_tokens > 0)
+        verify_graphs_wanted=config.cuda_graphs and config.num_speculative_tokens > 0,
+        verify_sizes=verify_graphs.sizes if verify_graphs else ())
+
+
+def verify_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """The decode-row graphs of speculative decoding's verify steps (DecodeGraphs(store_first=True)):
+    the decode buckets from 2 rows, where a verify step's tokens are rows of their own."""
+    if not (config.cuda_graphs and config.num_speculative_tokens):
+        return ()
+    return tuple(b for b in config.decode_graph_sizes if b >= 2)
 
 
 def mixed_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
     """The token buckets of the mixed-step graphs: under cudagraph_mode FULL the prefill graph sizes
     from 2 tokens (a one-token step is a uniform decode, a decode graph's); with decode graphs and
-    speculative decoding, the verify steps too large for a decode graph (whose rows serve a verify
-    step's tokens up to its largest size, engine.worker.dispatch): one per decode bucket B of B verify
+    speculative decoding, the verify steps too large for a verify graph (decode-row graphs up to the
+    largest decode bucket, verify_graph_sizes): one per decode bucket B of B verify
     chunks of 1 + k tokens (the seeds' uniform batches of query length 1 + k). Under FULL those sizes
     join the prefill ones."""
     k = config.num_speculative_tokens
