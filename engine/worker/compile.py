@@ -21,6 +21,7 @@ which no other engine shares) without touching any other compiled model in the p
 """
 from __future__ import annotations
 
+import logging
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +29,8 @@ from typing import Any, Callable
 import torch
 
 from engine.config import EngineConfig
+
+logger = logging.getLogger("engine")
 
 
 def _call_model(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -38,18 +41,57 @@ def _call_model(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor]
 
 @dataclass
 class CompiledModel:
-    """An engine's compiled forward and the backend behind it; `release()` frees both for good."""
+    """An engine's compiled forward and the backend behind it; `release()` frees both for good.
+
+    `cache_status`: "hit" (the graph came from the compile cache: no Dynamo, no Inductor;
+    engine/worker/warm_start.py), "miss:<why>", or "off:<why>" (no cache could be used)."""
 
     forward: Callable[..., torch.Tensor] | None
     backend: Any
     code: types.CodeType | None  # the fresh code object Dynamo keys this engine's entries on
+    cache_status: str = "off: not asked"
+    binder: Any = None           # warm_start.InputBinder while an entry is being written
+    pending: Any = None          # (store, temporary entry, key fields, artifact sink) until finish_cache
+    cache_saved: str | None = None  # what finish_cache did, for the log and stats
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.forward is None:
             raise RuntimeError("this engine's compiled model was released (LLM.close)")
+        if self.binder is not None:  # Dynamo may trace in this call: the binder names its arguments
+            self.binder.call_args = (input_ids, positions)
         return self.forward(input_ids, positions)
 
+    @property
+    def dynamo_traced(self) -> bool:
+        return self.backend is not None and self.backend.stats.graphs_compiled > 0
+
+    def finish_cache(self) -> None:
+        """After a successful start-up: keep the entry the backend wrote, if it is complete (exactly one
+        traced graph, saved); otherwise drop it and say why. Never raises for the cache's sake."""
+        if self.pending is None:
+            return
+        store, tmp, fields, sink = self.pending
+        self.pending, self.binder = None, None
+        from compile_backend.artifacts import remove_tree
+        graphs = self.backend.stats.graphs_compiled if self.backend is not None else 0
+        try:
+            if graphs != 1 or sink.saved != 1 or sink.failure:
+                self.cache_saved = ("not saved: " + (sink.failure or f"{graphs} graphs traced, a warm start "
+                                                     "serves one"))
+                remove_tree(tmp)
+            else:
+                entry = store.commit(tmp, fields)
+                self.cache_saved = f"saved {entry}" if entry is not None else "another process saved this key"
+        except OSError as exc:
+            self.cache_saved = f"not saved: {exc}"
+            remove_tree(tmp)
+        logger.info("compile cache: %s", self.cache_saved)
+
     def release(self) -> None:
+        if self.pending is not None:
+            from compile_backend.artifacts import remove_tree
+            remove_tree(self.pending[1])
+            self.pending = self.binder = None
         if self.code is not None:
             from torch._dynamo.eval_frame import remove_from_cache
             remove_from_cache(self.code)  # this engine's cache entries only: nobody else has this code
@@ -73,24 +115,66 @@ def _forget_backend(backend: Any) -> None:
             del registry[key]
 
 
+def _no_marker(input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """A loaded graph needs no token-dim marks: nothing traces it."""
+
+
 def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None,
                   ) -> tuple[CompiledModel, Callable[..., None], Any]:
     """(compiled forward, token-dim marker to call before each forward, the backend for its stats).
+
+    From the compile cache when it holds this model and configuration (engine/worker/warm_start.py),
+    else traced by Dynamo on the first forward, compiled, and written to the cache once start-up
+    succeeds (CompiledModel.finish_cache).
 
     `pool`: the GraphPool the backend captures into (the engine's, shared with its decode graphs);
     None lets the backend make its own.
     """
     from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
+    from compile_backend.artifacts import ArtifactError, ArtifactSink, remove_tree
+    from engine.worker import warm_start
 
-    backend = InferGraphsBackend(BackendConfig(
+    backend_config = BackendConfig(
         piece_compiler=config.piece_compiler,
         capture_sizes=tuple(config.prefill_graph_sizes),
         cudagraphs=bool(config.prefill_graphs),
         full_graph_compile=config.full_graph_compile if config.cuda_graphs else "piecewise",
-    ), pool=pool)
+    )
+    binder = warm_start.InputBinder(model)
+    store = tmp = fields = None
+    try:
+        store = warm_start.graph_store()
+        fields = warm_start.key_fields(model, config)
+        entry = store.entry(warm_start.key_of(fields))
+        if (entry / warm_start.KEY_FILE).is_file():
+            backend = InferGraphsBackend(backend_config, pool=pool, warm_workers=False)
+            try:
+                handle, meta = backend.load(entry / "graph0")
+                if meta.get("num_outputs") != 1:
+                    raise ValueError(f"the cached graph returns {meta.get('num_outputs')} values, the forward one")
+                forward = warm_start.CachedForward(handle, *binder.bind(meta["inputs"]))
+            except (ArtifactError, ValueError, KeyError, TypeError) as exc:
+                backend.release()
+                remove_tree(entry)
+                status = f"miss: entry {entry.name} unusable, removed ({exc})"
+            else:
+                store.touch(entry)
+                logger.info("compile cache: hit %s (no trace, no compile)", entry)
+                return CompiledModel(forward, backend, None, cache_status="hit"), _no_marker, backend
+        else:
+            status = "miss: " + store.miss_reason(fields)
+        tmp = store.new_entry()
+    except OSError as exc:  # an unwritable cache directory: compile as before, keep nothing
+        status, store = f"off: {exc}", None
+    logger.info("compile cache: %s", status)
+
+    sink = ArtifactSink(tmp, binder.describe) if tmp is not None else None
+    backend = InferGraphsBackend(backend_config, pool=pool, artifacts=sink)
     template = _call_model(model)
     code = template.__code__.replace()  # a new code object: this engine's Dynamo entries live on it
     forward = types.FunctionType(code, template.__globals__, template.__name__, template.__defaults__,
                                  template.__closure__)
     compiled = torch.compile(forward, backend=backend, fullgraph=True)
-    return CompiledModel(compiled, backend, code), mark_token_dim, backend
+    pending = (store, tmp, fields, sink) if tmp is not None else None
+    return (CompiledModel(compiled, backend, code, cache_status=status, binder=binder if pending else None,
+                          pending=pending), mark_token_dim, backend)

@@ -128,13 +128,18 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         if set_decode_gemv(model, gemv) == 0 and gemv:  # the default: not a warning
             logger.info("EngineConfig.decode_gemv: %s has no models.layers.Linear, its matmuls stay as they are",
                         type(model).__name__)
-        forward, mark_dynamic, backend, compiled = model, None, None, None
-        if config.compile:
+    forward, mark_dynamic, backend, compiled = model, None, None, None
+    if config.compile:
+        # The compiled graph from the compile cache (a warm start: no trace, no compile; its load is
+        # this phase), or a forward Dynamo traces at the warm-up's first step ("compile").
+        with timeline.phase("compile cache"):
             from engine.worker.compile import compile_model
             from engine.worker.compile_cache import configure_compile_cache
             configure_compile_cache()
             compiled, mark_dynamic, backend = compile_model(model, config, pool)
             forward = compiled
+        timeline.notes["compile_cache"] = compiled.cache_status
+    with timeline.phase("buffers"):
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
                              config.max_num_seqs, device, mark_dynamic)
@@ -155,6 +160,11 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         if cuda:
             torch.cuda.empty_cache()
         raise
+    if compiled is not None:
+        compiled.finish_cache()  # only a start-up that succeeded writes its graph to the cache
+        timeline.notes["dynamo_traced"] = compiled.dynamo_traced
+        if compiled.cache_saved is not None:
+            timeline.notes["compile_cache_saved"] = compiled.cache_saved
     return rt
 
 
@@ -317,8 +327,9 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_o
     # The decode dummy runs as FULL when FULL steps have their own code (layered / unsplit), so its
     # activation peak is counted as the first run counts the pieces'.
     steps = ((max_tokens, _dummy_seqs(max_tokens, config), False), (num_seqs, num_seqs, True))
+    traces = config.compile and getattr(runner.forward, "cache_status", None) != "hit"
     for i, (tokens, seqs, uniform) in enumerate(steps):
-        phase = "compile" if i == 0 and config.compile else "warm-up"
+        phase = "compile" if i == 0 and traces else "warm-up"
         with timeline.phase(phase):
             meta = runner.load_dummy(tokens, seqs, uniform)
             mode = RuntimeMode.FULL if uniform and full_own_code else RuntimeMode.NONE

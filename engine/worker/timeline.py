@@ -34,6 +34,7 @@ class StartupTimeline:
         self.phases: list[Phase] = []
         self.total_seconds: float | None = None
         self.device: torch.device | None = None  # set once known; memory is read on CUDA only
+        self.notes: dict[str, Any] = {}  # facts of this start-up (compile_cache, dynamo_traced), in as_dict
 
     def _allocated(self) -> int:
         if self.device is None or self.device.type != "cuda":
@@ -64,4 +65,5 @@ class StartupTimeline:
                         "delta_bytes": p.delta_bytes} for p in self.phases],
             "phases_seconds": sum(p.seconds for p in self.phases),
             "total_seconds": self.total_seconds,
+            **self.notes,
         }
