@@ -196,8 +196,26 @@ def _load_artifact(directory: Path, name: str, cache: dict[str, Any], single_out
     return fn
 
 
-def load_graph(directory: Path) -> LoadedGraph:
-    """The parts save_graph wrote, loaded; ArtifactError names what could not be used."""
+def _rename_constants(piece: torch.fx.GraphModule, rename: dict[str, str]) -> None:
+    """Replace string arguments (layer names) of a piece's calls, in place."""
+    changed = False
+    for node in piece.graph.nodes:
+        if node.op == "call_function":
+            args = tuple(rename.get(a, a) if isinstance(a, str) else a for a in node.args)
+            kwargs = {k: rename.get(v, v) if isinstance(v, str) else v for k, v in node.kwargs.items()}
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        piece.recompile()
+
+
+def load_graph(directory: Path, layer_names: Any = None) -> LoadedGraph:
+    """The parts save_graph wrote, loaded; ArtifactError names what could not be used.
+
+    `layer_names`: the string arguments of the splitting ops in graph order (the attention layers'
+    names) as the caller's model has them, when they may differ from the saved graph's
+    (meta["layer_names"]; a model instance's layer prefix is its own): every piece then names the
+    caller's layers."""
     from compile_backend.compile_pieces import splitting_runner
     from compile_backend.layered import RenamedLayer
 
@@ -209,6 +227,12 @@ def load_graph(directory: Path) -> LoadedGraph:
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise ArtifactError(f"{directory / GRAPH_FILE}: format {record.get('format') if isinstance(record, dict) else '?'}, "
                             f"this code reads {FORMAT}")
+    rename: dict[str, str] = {}
+    if layer_names is not None:
+        saved = list(record["meta"].get("layer_names", ()))
+        if len(saved) != len(layer_names):
+            raise ArtifactError(f"{directory}: the graph calls {len(saved)} layers, the model has {len(layer_names)}")
+        rename = {old: new for old, new in zip(saved, layer_names) if old != new}
     summary: SplitSummary = record["summary"]
     split = SplitGraph(record["module"], summary)
     loaded: dict[str, Any] = {}
@@ -216,16 +240,21 @@ def load_graph(directory: Path) -> LoadedGraph:
     runners = {name: _load_artifact(directory, file, loaded, single) for name, file in record["pieces"].items()}
     for info in summary.pieces:
         if info.is_splitting:
+            if rename:
+                _rename_constants(split.piece(info), rename)
             runners[info.name] = splitting_runner(split.piece(info))
     full = record["full"]
     full_forward = None
     if full is not None and full["kind"] == "unsplit":
         full_forward = _load_artifact(directory, full["artifact"], loaded, single)
+        if rename:  # the names are constants inside its compiled code: rename around each call
+            full_forward = RenamedLayer(full_forward, rename)
     elif full is not None:
         module = full["module"]
         for name, (file, renamed) in full["pieces"].items():
             fn = _load_artifact(directory, file, loaded, single)
             delattr(module, name)
+            renamed = {canonical: rename.get(real, real) for canonical, real in renamed.items()}
             module.__dict__[name] = RenamedLayer(fn, renamed) if renamed else fn
         full_forward = module.forward
     return LoadedGraph(split, runners, record["piece_inputs"], full_forward, record["meta"])

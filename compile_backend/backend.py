@@ -57,6 +57,14 @@ def _num_outputs(gm: torch.fx.GraphModule) -> int | None:
     return len(value) if isinstance(value, (tuple, list)) else None
 
 
+def _splitting_strings(gm: torch.fx.GraphModule, splitting_ops: Sequence[str]) -> list[str]:
+    """The string arguments of the splitting ops' calls (attention layer names), in graph order."""
+    from compile_backend.split import is_splitting_node
+    ops = frozenset(splitting_ops)
+    return [a for n in gm.graph.nodes if is_splitting_node(n, ops)
+            for a in (*n.args, *n.kwargs.values()) if isinstance(a, str)]
+
+
 class InferGraphsBackend:
     def __init__(self, config: BackendConfig | None = None, *, pool: Any = None,
                  artifacts: ArtifactSink | None = None, warm_workers: bool = True):
@@ -113,6 +121,7 @@ class InferGraphsBackend:
             # the FULL-step code (its own copy) keeps them for the decode graphs; the pieces need not pay
             self.stats.graph_only_ops_lowered += lower_graph_only_ops(gm)
         num_outputs = _num_outputs(gm)
+        layer_names = _splitting_strings(gm, self.config.splitting_ops)
         split = split_graph(gm, self.config.splitting_ops)
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
             logger.warning("infer_graphs: no node of %s in the traced graph; it runs as one piece",
@@ -121,7 +130,8 @@ class InferGraphsBackend:
         step_inputs = step_inputs_of(fake_inputs, input_names)
         if keep:
             self._save(split, runners, full_parts, example_inputs, {
-                "input_names": input_names, "step_inputs": step_inputs, "num_outputs": num_outputs})
+                "input_names": input_names, "step_inputs": step_inputs, "num_outputs": num_outputs,
+                "layer_names": layer_names})
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
         graph = CompiledGraph(split, runners, step_inputs, self.config, self.stats, pool, full_forward=full)
         self.graphs.append(graph)
@@ -164,12 +174,14 @@ class InferGraphsBackend:
         logger.info("infer_graphs: graph %d saved to %s in %.2f s", self.stats.graphs_compiled, directory,
                     time.perf_counter() - start)
 
-    def load(self, directory: Any) -> tuple[GraphHandle, dict[str, Any]]:
+    def load(self, directory: Any, layer_names: Sequence[str] | None = None) -> tuple[GraphHandle, dict[str, Any]]:
         """A graph `_save` wrote (the artifact sink's `graph<i>` directory), ready to be called as Dynamo
-        would call it: (the callable, the meta it was saved with). Raises
-        compile_backend.artifacts.ArtifactError when the directory cannot be used."""
+        would call it: (the callable, the meta it was saved with). `layer_names`: the string arguments
+        of the splitting ops (attention layer names) the caller's model uses, in graph order, where
+        they may differ from the saved model's. Raises compile_backend.artifacts.ArtifactError when
+        the directory cannot be used."""
         start = time.perf_counter()
-        loaded = load_graph(directory)
+        loaded = load_graph(directory, layer_names)
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
         graph = CompiledGraph(loaded.split, loaded.runners, loaded.meta["step_inputs"], self.config, self.stats,
                               pool, full_forward=loaded.full_forward, piece_inputs=loaded.piece_inputs)

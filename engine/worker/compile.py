@@ -149,7 +149,7 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
         if (entry / warm_start.KEY_FILE).is_file():
             backend = InferGraphsBackend(backend_config, pool=pool, warm_workers=False)
             try:
-                handle, meta = backend.load(entry / "graph0")
+                handle, meta = backend.load(entry / "graph0", list(getattr(model, "attention_layer_names", ())))
                 if meta.get("num_outputs") != 1:
                     raise ValueError(f"the cached graph returns {meta.get('num_outputs')} values, the forward one")
                 forward = warm_start.CachedForward(handle, *binder.bind(meta["inputs"]))
