@@ -110,14 +110,16 @@ import json, sys, torch, transformers, models
 from engine import LLM, SamplingParams
 torch.set_num_threads(1)
 config = json.loads(sys.argv[1])
-model = models.from_config(transformers.LlamaConfig(**config["model"]), dtype=torch.float32, device="cpu", seed=3)
-with LLM(model, **config["engine"]) as llm:
+engine = config["engine"]
+model = models.from_config(transformers.LlamaConfig(**config["model"]), dtype=getattr(torch, engine.get("dtype", "float32")),
+                           device=engine["device"], seed=3)
+with LLM(model, **engine) as llm:
     tokens = [o.token_ids for o in llm.generate(config["prompts"], SamplingParams(max_tokens=8, ignore_eos=True))]
     print(json.dumps({"startup": llm.stats()["startup"], "tokens": tokens}))
 """
 
 
-def _child(cache_dir: Path) -> dict:
+def _child(cache_dir: Path, engine: dict = ENGINE) -> dict:
     # The graph store is the test's own; Inductor's kernel cache stays the user's (a rerun does not
     # pay gcc again): what is checked is that the warm process neither traces nor compiles.
     from engine.worker.compile_cache import compile_cache_dir
@@ -125,7 +127,7 @@ def _child(cache_dir: Path) -> dict:
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
     env["INFER_GRAPHS_CACHE"] = str(cache_dir)
     env.pop("INFER_GRAPHS_CACHE_DIR", None)
-    arg = json.dumps({"model": CONFIG, "engine": ENGINE, "prompts": PROMPTS})
+    arg = json.dumps({"model": CONFIG, "engine": engine, "prompts": PROMPTS})
     proc = subprocess.run([sys.executable, "-c", _CHILD, arg], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,3 +144,34 @@ def test_a_fresh_process_with_the_same_cache_skips_dynamo_and_inductor_and_gener
     assert warm["startup"]["compile_cache"] == "hit"
     assert warm["startup"]["dynamo_traced"] is False
     assert warm["tokens"] == cold["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_warm_start_with_graphs_loads_the_saved_graph_and_generates_the_same(tmp_path):
+    """On CUDA with decode and prefill graphs (bf16): the warm process loads the pieces and captures
+    its graphs from them; greedy tokens equal the cold process's."""
+    engine = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=64, show_progress=False)
+    cold = _child(tmp_path / "cache", engine)
+    warm = _child(tmp_path / "cache", engine)
+    assert cold["startup"]["compile_cache"].startswith("miss")
+    assert cold["startup"]["compile_cache_saved"].startswith("saved ")
+    assert warm["startup"]["compile_cache"] == "hit" and warm["startup"]["dynamo_traced"] is False
+    assert warm["tokens"] == cold["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_argmax_choice_is_timed_once_and_then_read_from_the_file(tmp_path):
+    from engine.sample.argmax import RowArgmax
+    logits = torch.randn(4, 128256, device="cuda", dtype=torch.bfloat16)
+    first = RowArgmax(tmp_path / "argmax.json")
+    first.choose(logits)
+    assert first.timed == 2  # bfloat16 and float32
+    second = RowArgmax(tmp_path / "argmax.json")
+    second.choose(logits)
+    assert second.timed == 0
+    for dtype in (torch.bfloat16, torch.float32):
+        x = logits.to(dtype)
+        assert torch.equal(second(x), x.argmax(dim=-1))

@@ -147,7 +147,11 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
                            by_kind=config.hybrid_kv_cache)
         runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
         runner.set_kv_groups(kv_cache.groups)
-        sampler = Sampler(device, config.seed, tuple(model.config.eos_token_ids))
+        choices = None
+        if cuda:  # the argmax method timed once per GPU and vocabulary, then remembered
+            from engine.worker.compile_cache import compile_cache_dir
+            choices = compile_cache_dir() / "argmax.json"
+        sampler = Sampler(device, config.seed, tuple(model.config.eos_token_ids), choices)
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
                  pool=pool)
     try:
