@@ -40,9 +40,20 @@ def _run(cache_dir: Path, **changes) -> tuple[dict, list[list[int]]]:
         return llm.stats()["startup"], tokens
 
 
+def _inductor_dirs() -> dict[str, str]:
+    """Inductor's and Triton's caches stay the user's (a rerun does not pay gcc again), while the graph
+    store is each test's own: what is checked is whether a start-up traces and compiles."""
+    from engine.worker.compile_cache import compile_cache_dir
+    return {name: os.environ.get(name) or str(compile_cache_dir() / sub)
+            for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))}
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
+    for name, value in _inductor_dirs().items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("INFER_GRAPHS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFER_GRAPHS_COMPILE_CACHE", "1")  # tests/conftest.py turns it off by default
     monkeypatch.delenv("INFER_GRAPHS_CACHE_DIR", raising=False)
     return tmp_path / "cache"
 
@@ -90,6 +101,13 @@ def test_a_truncated_artifact_is_reported_removed_and_recompiled(cache_dir):
     assert again["compile_cache"] == "hit" and tokens == expected
 
 
+def test_the_switch_turns_the_store_off(cache_dir, monkeypatch):
+    monkeypatch.setenv("INFER_GRAPHS_COMPILE_CACHE", "0")
+    stats, _ = _run(cache_dir, piece_compiler="eager")
+    assert stats["compile_cache"] == "off: INFER_GRAPHS_COMPILE_CACHE=0" and stats["dynamo_traced"] is True
+    assert not _entries(cache_dir)
+
+
 def test_an_unreadable_graph_file_with_a_matching_manifest_is_a_miss_too(cache_dir):
     _, expected = _run(cache_dir, piece_compiler="eager")
     (entry,) = _entries(cache_dir)
@@ -120,12 +138,9 @@ with LLM(model, **engine) as llm:
 
 
 def _child(cache_dir: Path, engine: dict = ENGINE) -> dict:
-    # The graph store is the test's own; Inductor's kernel cache stays the user's (a rerun does not
-    # pay gcc again): what is checked is that the warm process neither traces nor compiles.
-    from engine.worker.compile_cache import compile_cache_dir
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
+    env = {**os.environ, **_inductor_dirs(), "PYTHONPATH": str(REPO)}
     env["INFER_GRAPHS_CACHE"] = str(cache_dir)
+    env["INFER_GRAPHS_COMPILE_CACHE"] = "1"
     env.pop("INFER_GRAPHS_CACHE_DIR", None)
     arg = json.dumps({"model": CONFIG, "engine": engine, "prompts": PROMPTS})
     proc = subprocess.run([sys.executable, "-c", _CHILD, arg], env=env, cwd=REPO, capture_output=True,
@@ -134,16 +149,16 @@ def _child(cache_dir: Path, engine: dict = ENGINE) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_fresh_process_with_the_same_cache_skips_dynamo_and_inductor_and_generates_the_same(tmp_path):
-    """Inductor pieces, as the engine compiles them by default: the second process loads them."""
-    cold = _child(tmp_path / "cache")
-    assert cold["startup"]["compile_cache"] == "miss: no entry in the cache"
-    assert cold["startup"]["dynamo_traced"] is True
-    assert cold["startup"]["compile_cache_saved"].startswith("saved ")
-    warm = _child(tmp_path / "cache")
+def test_a_fresh_process_with_the_same_cache_skips_dynamo_and_inductor_and_generates_the_same(cache_dir):
+    """Inductor pieces, as the engine compiles them by default: compiled here, loaded by a new process."""
+    cold, cold_tokens = _run(cache_dir)
+    assert cold["compile_cache"] == "miss: no entry in the cache"
+    assert cold["dynamo_traced"] is True
+    assert cold["compile_cache_saved"].startswith("saved ")
+    warm = _child(cache_dir)
     assert warm["startup"]["compile_cache"] == "hit"
     assert warm["startup"]["dynamo_traced"] is False
-    assert warm["tokens"] == cold["tokens"]
+    assert warm["tokens"] == cold_tokens
 
 
 @pytest.mark.gpu

@@ -130,8 +130,7 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
     `pool`: the GraphPool the backend captures into (the engine's, shared with its decode graphs);
     None lets the backend make its own.
     """
-    from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
-    from compile_backend.artifacts import ArtifactError, ArtifactSink, remove_tree
+    from compile_backend import BackendConfig
     from engine.worker import warm_start
 
     backend_config = BackendConfig(
@@ -141,7 +140,24 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
         full_graph_compile=config.full_graph_compile if config.cuda_graphs else "piecewise",
     )
     binder = warm_start.InputBinder(model)
-    store = tmp = fields = None
+    writing = None
+    if not warm_start.enabled():
+        status = f"off: {warm_start.SWITCH_ENV}=0"
+    else:
+        found, status, writing = _look_up(model, config, backend_config, pool, binder)
+        if found is not None:
+            return found, _no_marker, found.backend
+    logger.info("compile cache: %s", status)
+    return _traced(model, backend_config, pool, binder, status, writing)
+
+
+def _look_up(model: torch.nn.Module, config: EngineConfig, backend_config: Any, pool: Any, binder: Any,
+             ) -> tuple[CompiledModel | None, str, tuple | None]:
+    """(the CompiledModel loaded from the cache, "hit", None) on a hit; else (None, the miss's status,
+    (store, a fresh temporary entry, key fields), or None where nothing can be written)."""
+    from compile_backend import InferGraphsBackend
+    from compile_backend.artifacts import ArtifactError, remove_tree
+    from engine.worker import warm_start
     try:
         store = warm_start.graph_store()
         fields = warm_start.key_fields(model, config)
@@ -160,21 +176,28 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
             else:
                 store.touch(entry)
                 logger.info("compile cache: hit %s (no trace, no compile)", entry)
-                return CompiledModel(forward, backend, None, cache_status="hit"), _no_marker, backend
+                return CompiledModel(forward, backend, None, cache_status="hit"), "hit", None
         else:
             status = "miss: " + store.miss_reason(fields)
-        tmp = store.new_entry()
+        return None, status, (store, store.new_entry(), fields)
     except OSError as exc:  # an unwritable cache directory: compile as before, keep nothing
-        status, store = f"off: {exc}", None
-    logger.info("compile cache: %s", status)
+        return None, f"off: {exc}", None
 
-    sink = ArtifactSink(tmp, binder.describe) if tmp is not None else None
+
+def _traced(model: torch.nn.Module, backend_config: Any, pool: Any, binder: Any, status: str,
+            writing: tuple | None) -> tuple[CompiledModel, Callable[..., None], Any]:
+    """The model under torch.compile: Dynamo traces it at the first forward; with `writing` (store,
+    temporary entry, key fields), the backend writes what it compiled there for finish_cache."""
+    from compile_backend import InferGraphsBackend, mark_token_dim
+    from compile_backend.artifacts import ArtifactSink
+
+    sink = ArtifactSink(writing[1], binder.describe) if writing is not None else None
     backend = InferGraphsBackend(backend_config, pool=pool, artifacts=sink)
     template = _call_model(model)
     code = template.__code__.replace()  # a new code object: this engine's Dynamo entries live on it
     forward = types.FunctionType(code, template.__globals__, template.__name__, template.__defaults__,
                                  template.__closure__)
     compiled = torch.compile(forward, backend=backend, fullgraph=True)
-    pending = (store, tmp, fields, sink) if tmp is not None else None
+    pending = (*writing, sink) if writing is not None else None
     return (CompiledModel(compiled, backend, code, cache_status=status, binder=binder if pending else None,
                           pending=pending), mark_token_dim, backend)

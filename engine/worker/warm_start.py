@@ -24,6 +24,8 @@ start and writes a new entry. A bad entry is removed, never half-loaded.
 Entries are written into a temporary directory and renamed into place only after the whole start-up
 succeeded with exactly one traced graph (a start-up that needed a second graph would be served by
 one on a warm start, so it is not kept). The store keeps the MAX_ENTRIES most recently used.
+INFER_GRAPHS_COMPILE_CACHE=0 turns the store off: every start-up traces and compiles (Inductor's own
+caches still serve the compile), as the test suite does unless a test asks for the store.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from engine.config import EngineConfig
 
 logger = logging.getLogger("engine")
 
+SWITCH_ENV = "INFER_GRAPHS_COMPILE_CACHE"  # "0": neither load nor save compiled graphs (the test suite's default)
 KEY_FILE = "key.json"
 MAX_ENTRIES = 8
 # EngineConfig fields that change nothing compiled: scheduling, the KV pool's size, requests.
@@ -55,6 +58,10 @@ _SOURCE_PACKAGES = ("compile_backend", "custom_ops", "models", "engine")
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_", "INFER_GRAPHS_PDL")
 _ENV_IGNORED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR",
                           "TRITON_OVERRIDE_DIR"})
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH_ENV, "1") != "0"
 
 
 # -- the key --------------------------------------------------------------------------------------
