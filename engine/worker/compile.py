@@ -10,6 +10,12 @@ decoder layer, identical layers compiled once; or the whole forward as one), and
 records that. One Dynamo trace serves both (tracing is most of a warm start-up), and the pieces
 keep NONE and PIECEWISE steps.
 
+Warm start: when the compile cache holds the compiled graph of this model and configuration
+(engine/worker/warm_start.py), nothing is traced or compiled: the backend loads the graph and the
+engine calls it with the model's parameters (warm_start.CachedForward). Otherwise Dynamo traces at
+the first forward, the backend writes what it compiled into a temporary entry, and `finish_cache`
+keeps it once the start-up has succeeded.
+
 Per-engine compiled code: Dynamo keeps its compiled entries on the CODE OBJECT of the frame it
 compiles. Compiling the model itself puts every engine's entry on the model class's `forward`
 code, shared by all engines: closed engines stay referenced from it and the 9th engine in a process
