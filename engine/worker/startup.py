@@ -1,7 +1,9 @@
 """Start-up: from a loaded model to a runner with its KV pool and graphs, in the one safe order.
 
 On CUDA:
-1. compile (optional) and a scratch-only KV cache (block 0), enough for dummy steps;
+1. compile (optional: the compiled graph loaded from the compile cache, engine/worker/warm_start.py,
+   or a forward Dynamo traces at the first dummy step) and a scratch-only KV cache (block 0), enough
+   for dummy steps;
 2. warm-up: a dummy step at the full token budget (the compile happens here) and a dummy decode at
    the largest batch, then the sampler on the largest batch of logits, and the LM head and sampler at
    every row count (their Triton variants compile here, not in a serving step); the measured peak is
