@@ -186,7 +186,7 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
                    graph_mib=mib(data.get("decode_graph_bytes")), note=f"{dec / n_dec:.3f} s per graph" if n_dec else None)
         report.add(cache=cache, kind="all graphs", size=n_pw + n_dec, capture_s=pw + dec,
                    graph_mib=mib(data["piecewise_pool_bytes"] + (data.get("decode_graph_bytes") or 0)))
-        startup = data.get("startup") or {}
+        startup = data.get("startup") if isinstance(data.get("startup"), dict) else {}  # older reports: a list
         report.add(cache=cache, kind="ready", size="-", capture_s=data["ready_s"],
                    graph_mib=mib(data.get("kv_pool_bytes")),
                    note=f"LLM(...) built from a loaded model; KV pool in graph_mib; process {data['process_s']:.1f} s; "
