@@ -59,6 +59,9 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
     llm = LLM(net, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, prefill_graphs=True,
               show_progress=False, **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
     ready_s = time.perf_counter() - start
+    from engine import SamplingParams
+    # the same greedy continuation cold and warm: a loaded graph computes what the traced one did
+    greedy = llm.generate([list(range(1, 17))], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     stats = llm.stats()
     backend = stats.get("backend") or {}
     graphs = llm.runtime.runner.decode_graphs
@@ -74,6 +77,7 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
         "decode_total_s": stats.get("decode_graph_capture_seconds", 0.0),
         "startup": stats.get("startup"),
         "full_graph_compile": stats.get("full_graph_compile"),
+        "greedy_tokens": list(greedy),
         **{key: stats[key] for key in MEMORY_KEYS if key in stats},
     }
     llm.close()
@@ -202,6 +206,9 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
     report.notes.append("from the engine's own stats: 'startup: ...' rows are its start-up timeline (when it has "
                         "one); graph_mib: piecewise = the backend's graph pool growth, decode = device memory the "
                         "decode captures took, 'ready' = the KV pool")
+    if "cold" in runs and "warm" in runs and "greedy_tokens" in runs["cold"]:
+        same = runs["cold"]["greedy_tokens"] == runs["warm"].get("greedy_tokens")
+        report.notes.append(f"greedy tokens after start-up (16 from a 16-token prompt): warm equals cold: {same}")
     report.plots.append(("per-size", plot_capture))
     return report
 
