@@ -4,8 +4,11 @@ Each run is a fresh subprocess that builds `engine.LLM` on the model (engine def
 on) and reads what the engine reports of its own start-up, `llm.stats()`: the start-up timeline
 (`stats["startup"]`: phases with seconds and memory) when the engine has one, else its capture
 seconds and memory keys, and the backend's per-size piecewise capture seconds. Nothing here replays
-the engine's start-up order itself. "cold" runs with empty Inductor and Triton caches, "warm" again
-with the caches the cold run filled.
+the engine's start-up order itself. "cold" runs with an empty cache root (INFER_GRAPHS_CACHE: the
+engine's graph store and argmax choices; Inductor and Triton caches), "warm" again with what the cold
+run filled: the warm engine loads its compiled graph (`compile_cache` "hit", `dynamo_traced` False:
+engine/worker/warm_start.py). Each run's process time, from its start to the JSON written, is
+`process_s`.
 
 Both runs see Python bytecode as an installed torch has it (pip writes .pyc files at install). An
 image whose site-packages hold no .pyc and that forbids writing them (PYTHONDONTWRITEBYTECODE, as the
@@ -56,6 +59,9 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
     llm = LLM(net, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, prefill_graphs=True,
               show_progress=False, **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
     ready_s = time.perf_counter() - start
+    from engine import SamplingParams
+    # the same greedy continuation cold and warm: a loaded graph computes what the traced one did
+    greedy = llm.generate([list(range(1, 17))], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     stats = llm.stats()
     backend = stats.get("backend") or {}
     graphs = llm.runtime.runner.decode_graphs
@@ -71,6 +77,7 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
         "decode_total_s": stats.get("decode_graph_capture_seconds", 0.0),
         "startup": stats.get("startup"),
         "full_graph_compile": stats.get("full_graph_compile"),
+        "greedy_tokens": list(greedy),
         **{key: stats[key] for key in MEMORY_KEYS if key in stats},
     }
     llm.close()
@@ -126,6 +133,8 @@ def bytecode_env(env: dict, cache_dir: str) -> tuple[dict, bool, str]:
 def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str | None = None,
            env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
+    env["INFER_GRAPHS_CACHE"] = os.path.join(cache_dir, "root")  # the graph store and argmax choices too
+    env.pop("INFER_GRAPHS_CACHE_DIR", None)
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
@@ -181,9 +190,13 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
                    graph_mib=mib(data.get("decode_graph_bytes")), note=f"{dec / n_dec:.3f} s per graph" if n_dec else None)
         report.add(cache=cache, kind="all graphs", size=n_pw + n_dec, capture_s=pw + dec,
                    graph_mib=mib(data["piecewise_pool_bytes"] + (data.get("decode_graph_bytes") or 0)))
+        startup = data.get("startup") if isinstance(data.get("startup"), dict) else {}  # older reports: a list
         report.add(cache=cache, kind="ready", size="-", capture_s=data["ready_s"],
                    graph_mib=mib(data.get("kv_pool_bytes")),
-                   note=f"LLM(...) built from a loaded model; KV pool in graph_mib; process {data['process_s']:.1f} s")
+                   note=f"LLM(...) built from a loaded model; KV pool in graph_mib; process {data['process_s']:.1f} s; "
+                        f"compile cache {startup.get('compile_cache', '?')}, dynamo traced {startup.get('dynamo_traced', '?')}")
+        report.add(cache=cache, kind="process", size="-", capture_s=data["process_s"], graph_mib=None,
+                   note="the child process from its start to its result (imports, model build, engine, close)")
     warm = runs.get("warm", any_run)
     report.notes.append(f"engine defaults: max_num_seqs=32 (decode batches {warm['decode_sizes']}), "
                         f"max_num_batched_tokens=1024 (piecewise sizes {warm['prefill_sizes'][0]}.."
@@ -193,6 +206,9 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
     report.notes.append("from the engine's own stats: 'startup: ...' rows are its start-up timeline (when it has "
                         "one); graph_mib: piecewise = the backend's graph pool growth, decode = device memory the "
                         "decode captures took, 'ready' = the KV pool")
+    if "cold" in runs and "warm" in runs and "greedy_tokens" in runs["cold"]:
+        same = runs["cold"]["greedy_tokens"] == runs["warm"].get("greedy_tokens")
+        report.notes.append(f"greedy tokens after start-up (16 from a 16-token prompt): warm equals cold: {same}")
     report.plots.append(("per-size", plot_capture))
     return report
 

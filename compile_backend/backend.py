@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
+from compile_backend.artifacts import ArtifactSink, keeps_artifact, load_graph, save_graph
 from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs, lower_graph_only_ops
-from compile_backend.compiled_graph import CompiledGraph, GraphHandle
+from compile_backend.compiled_graph import CompiledGraph, GraphHandle, step_inputs_of
 from compile_backend.config import BackendConfig
 from compile_backend.layered import compile_layered
 from compile_backend.pool import GraphPool, gc_frozen, pool_handle
@@ -49,11 +50,29 @@ def _inductor_options(config: BackendConfig) -> contextlib.AbstractContextManage
     return inductor_config.patch({"triton.enable_pdl": config.pdl and pdl_wanted()})
 
 
+def _num_outputs(gm: torch.fx.GraphModule) -> int | None:
+    """How many values the traced graph returns (a tuple), or None for another output structure."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    value = output.args[0]
+    return len(value) if isinstance(value, (tuple, list)) else None
+
+
+def _splitting_strings(gm: torch.fx.GraphModule, splitting_ops: Sequence[str]) -> list[str]:
+    """The string arguments of the splitting ops' calls (attention layer names), in graph order."""
+    from compile_backend.split import is_splitting_node
+    ops = frozenset(splitting_ops)
+    return [a for n in gm.graph.nodes if is_splitting_node(n, ops)
+            for a in (*n.args, *n.kwargs.values()) if isinstance(a, str)]
+
+
 class InferGraphsBackend:
-    def __init__(self, config: BackendConfig | None = None, *, pool: Any = None):
+    def __init__(self, config: BackendConfig | None = None, *, pool: Any = None,
+                 artifacts: ArtifactSink | None = None, warm_workers: bool = True):
         """`pool`: the GraphPool (or raw handle) this backend captures into; None makes one of its own on
         first use (compile_backend/pool.py states the rule). The engine passes its own, shared with its
-        decode graphs."""
+        decode graphs. `artifacts`: where to write each graph it compiles, for `load` in a later process
+        (compile_backend/artifacts.py). `warm_workers=False`: do not start Inductor's compile workers
+        (a caller that will only `load`)."""
         if config is not None and not isinstance(config, BackendConfig):
             raise TypeError(f"InferGraphsBackend expects a BackendConfig, got {type(config).__name__}")
         self.config = config or BackendConfig()
@@ -62,7 +81,8 @@ class InferGraphsBackend:
         self._handles: list[GraphHandle] = []  # what Dynamo holds, one per graph
         self._pool = pool
         self._owns_pool = False
-        if self.config.piece_compiler == "inductor" and torch.cuda.is_available():
+        self.artifacts = artifacts
+        if warm_workers and self.config.piece_compiler == "inductor" and torch.cuda.is_available():
             _warm_compile_workers()
 
     @property
@@ -94,19 +114,26 @@ class InferGraphsBackend:
         start = time.perf_counter()
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode, fake_inputs = graph_fake_inputs(example_inputs)
-        full = None
+        keep = self.artifacts is not None
+        full, full_parts = None, None
         if self.config.full_graph_compile != "piecewise":  # before the split, which rewrites gm
-            full = self._compile_full(gm, fake_mode, fake_inputs)
+            full, full_parts = self._compile_full(gm, fake_mode, fake_inputs, keep)
             # the FULL-step code (its own copy) keeps them for the decode graphs; the pieces need not pay
             self.stats.graph_only_ops_lowered += lower_graph_only_ops(gm)
+        num_outputs = _num_outputs(gm)
+        layer_names = _splitting_strings(gm, self.config.splitting_ops)
         split = split_graph(gm, self.config.splitting_ops)
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
             logger.warning("infer_graphs: no node of %s in the traced graph; it runs as one piece",
                            ", ".join(self.config.splitting_ops))
-        runners, distinct = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler)
+        runners, distinct = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler, keep)
+        step_inputs = step_inputs_of(fake_inputs, input_names)
+        if keep:
+            self._save(split, runners, full_parts, example_inputs, {
+                "input_names": input_names, "step_inputs": step_inputs, "num_outputs": num_outputs,
+                "layer_names": layer_names})
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
-        graph = CompiledGraph(split, runners, fake_inputs, input_names, self.config, self.stats, pool,
-                              full_forward=full)
+        graph = CompiledGraph(split, runners, step_inputs, self.config, self.stats, pool, full_forward=full)
         self.graphs.append(graph)
         summary = split.summary
         self.stats.graphs_compiled += 1
@@ -123,20 +150,74 @@ class InferGraphsBackend:
         self._handles.append(handle)
         return handle
 
-    def _compile_full(self, gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any]) -> Callable[..., Any]:
-        """The code FULL steps run, with the splitting ops inside (config.full_graph_compile)."""
+    def _save(self, split: Any, runners: dict[str, Any], full_parts: dict[str, Any] | None,
+              example_inputs: Sequence[Any], meta: dict[str, Any]) -> None:
+        """Write this graph to the artifact sink (graph i to its directory i); a graph that cannot be
+        written is compiled and served all the same, and the sink says why it was not kept."""
+        sink = self.artifacts
+        directory = sink.directory / f"graph{self.stats.graphs_compiled}"
+        start = time.perf_counter()
+        try:
+            unsaveable = [name for name, fn in runners.items()
+                          if not keeps_artifact(fn) and name in {p.name for p in split.summary.pieces if not p.is_splitting}]
+            if unsaveable:
+                raise ValueError(f"compute pieces {unsaveable} have no artifact")
+            if sink.describe_inputs is not None:
+                meta = {**meta, "inputs": sink.describe_inputs(example_inputs)}
+            directory.mkdir(parents=True, exist_ok=False)
+            save_graph(directory, split, runners, full_parts, meta)
+        except Exception as exc:  # noqa: BLE001 - not keeping a graph never fails the compile
+            sink.failure = f"graph {self.stats.graphs_compiled} not saved: {type(exc).__name__}: {exc}"
+            logger.warning("infer_graphs: %s", sink.failure)
+            return
+        sink.saved += 1
+        logger.info("infer_graphs: graph %d saved to %s in %.2f s", self.stats.graphs_compiled, directory,
+                    time.perf_counter() - start)
+
+    def load(self, directory: Any, layer_names: Sequence[str] | None = None) -> tuple[GraphHandle, dict[str, Any]]:
+        """A graph `_save` wrote (the artifact sink's `graph<i>` directory), ready to be called as Dynamo
+        would call it: (the callable, the meta it was saved with). `layer_names`: the string arguments
+        of the splitting ops (attention layer names) the caller's model uses, in graph order, where
+        they may differ from the saved model's. Raises compile_backend.artifacts.ArtifactError when
+        the directory cannot be used."""
+        start = time.perf_counter()
+        loaded = load_graph(directory, layer_names)
+        pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
+        graph = CompiledGraph(loaded.split, loaded.runners, loaded.meta["step_inputs"], self.config, self.stats,
+                              pool, full_forward=loaded.full_forward, piece_inputs=loaded.piece_inputs)
+        self.graphs.append(graph)
+        summary = loaded.split.summary
+        self.stats.graphs_loaded += 1
+        self.stats.pieces += len(summary.pieces)
+        self.stats.compute_pieces += summary.num_compute_pieces
+        self.stats.splitting_pieces += summary.num_splitting_pieces
+        seconds = time.perf_counter() - start
+        self.stats.load_seconds += seconds
+        logger.info("infer_graphs: loaded %d pieces from %s in %.2f s (no trace, no compile)", len(summary.pieces),
+                    directory, seconds)
+        handle = GraphHandle(graph)
+        self._handles.append(handle)
+        return handle, loaded.meta
+
+    def _compile_full(self, gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any],
+                      keep: bool) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The code FULL steps run, with the splitting ops inside (config.full_graph_compile), and its
+        parts for save_graph."""
         start = time.perf_counter()
         if (self.config.full_graph_compile == "layered" and self.config.piece_compiler == "inductor"
                 and self.config.splitting_ops):
-            full, pieces, compiles = compile_layered(gm, fake_mode, self.config.splitting_ops)
+            layered = compile_layered(gm, fake_mode, self.config.splitting_ops, keep)
+            full, pieces, compiles = layered.forward, layered.num_pieces, layered.num_compiles
+            parts = {"kind": "layered", "module": layered.module, "pieces": layered.layers, "graphs": layered.graphs}
         else:  # "unsplit", or nothing to cut at / no Inductor: the whole graph as one callable
-            full = compile_unsplit(gm, fake_mode, fake_inputs, self.config.piece_compiler)
+            full = compile_unsplit(gm, fake_mode, fake_inputs, self.config.piece_compiler, keep)
             pieces, compiles = 1, int(self.config.piece_compiler == "inductor")
+            parts = {"kind": "unsplit", "fn": full, "module": gm}
         self.stats.full_graph_pieces += pieces
         self.stats.full_graph_compilations += compiles
         logger.info("infer_graphs: FULL-step code (%s): %d graphs, %d compiled, in %.1f s",
                     self.config.full_graph_compile, pieces, compiles, time.perf_counter() - start)
-        return full
+        return full, parts
 
     def split_summary(self, graph_index: int = -1) -> SplitSummary:
         """The split of a compiled graph (default: the latest); print it for a readable table."""

@@ -133,21 +133,35 @@ def _private_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def compile_unsplit(gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any], compiler: str,
-                    ) -> Callable[..., Any]:
+                    keep_artifacts: bool = False) -> Callable[..., Any]:
     """The whole traced graph as one callable (FULL steps under full_graph_compile="unsplit"). Call it
     before the split, which rewrites gm's graph (torch.Size rebuilds); gm itself is left as it was."""
     if compiler != "inductor":
         return _private_copy(gm).forward
     with fake_mode:
-        return _compile_inductor(gm, fake_inputs)
+        return _compile_inductor(gm, fake_inputs, keep_artifacts)
 
 
-def _compile_inductor(piece: torch.fx.GraphModule, fake_args: Sequence[Any]) -> Callable[..., Any]:
-    from torch._inductor.compile_fx import compile_fx
+# Inductor's own cudagraphs stay off: this backend captures per token count itself. Kernels are tuned
+# when first run, as compile_fx does by default (standalone_compile would tune at compile time, at the
+# unbacked token count's fallback size).
+_INDUCTOR_PATCHES = {"triton.cudagraphs": False}
+_ARTIFACT_PATCHES = {**_INDUCTOR_PATCHES, "triton.autotune_at_compile_time": False}
+
+
+def _compile_inductor(piece: torch.fx.GraphModule, fake_args: Sequence[Any],
+                      keep_artifact: bool = False) -> Callable[..., Any]:
+    """Inductor's code for the piece. `keep_artifact`: through `torch._inductor.standalone_compile`,
+    whose result can also be saved and loaded in another process (compile_backend/artifacts.py); it
+    compiles the same way, inside the trace's own shape environment."""
     # Inductor rewrites the module it compiles (one with a single output comes to return a 1-tuple):
-    # it gets a copy, and the piece stays what its caller runs. Inductor's own cudagraphs stay off:
-    # this backend captures per token count itself.
-    return compile_fx(_private_copy(piece), list(fake_args), config_patches={"triton.cudagraphs": False})
+    # it gets a copy, and the piece stays what its caller runs.
+    if keep_artifact:
+        from torch._inductor import standalone_compile
+        return standalone_compile(_private_copy(piece), list(fake_args), dynamic_shapes="from_tracing_context",
+                                  options={"config_patches": dict(_ARTIFACT_PATCHES)})
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(_private_copy(piece), list(fake_args), config_patches=dict(_INDUCTOR_PATCHES))
 
 
 def _target_name(target: Any) -> str:
@@ -191,11 +205,11 @@ def structural_key(piece: torch.fx.GraphModule, args: Sequence[Any]) -> str | No
 
 
 def _compile_deduplicated(piece: torch.fx.GraphModule, args: Sequence[Any],
-                          by_key: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
+                          by_key: dict[str, Callable[..., Any]], keep_artifacts: bool = False) -> Callable[..., Any]:
     key = structural_key(piece, args)
     compiled = by_key.get(key) if key is not None else None
     if compiled is None:
-        compiled = _compile_inductor(piece, args)
+        compiled = _compile_inductor(piece, args, keep_artifacts)
         if key is not None:
             by_key[key] = compiled
     return compiled
@@ -219,8 +233,9 @@ class _PieceCompiler(torch.fx.Interpreter):
     """Propagates fake values through the split module, compiling each compute piece with Inductor on
     its way (the fallback for pieces whose input values the trace did not record)."""
 
-    def __init__(self, split: SplitGraph):
+    def __init__(self, split: SplitGraph, keep_artifacts: bool = False):
         super().__init__(split.module)
+        self.keep_artifacts = keep_artifacts
         self.compute = {p.name for p in split.summary.pieces if not p.is_splitting}
         self.compiled: dict[str, Callable[..., Any]] = {}
         self.by_key: dict[str, Callable[..., Any]] = {}   # structural key -> compiled callable
@@ -228,8 +243,8 @@ class _PieceCompiler(torch.fx.Interpreter):
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         piece = self.fetch_attr(target)
         if target in self.compute:
-            self.compiled[target] = (_compile_deduplicated(piece, args, self.by_key) if not kwargs
-                                     else _compile_inductor(piece, args))
+            self.compiled[target] = (_compile_deduplicated(piece, args, self.by_key, self.keep_artifacts)
+                                     if not kwargs else _compile_inductor(piece, args, self.keep_artifacts))
         return piece(*args, **kwargs)
 
 
@@ -245,9 +260,10 @@ def graph_fake_inputs(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
 
 
 def compile_pieces(split: SplitGraph, fake_mode: Any, fake_inputs: Sequence[Any],
-                   compiler: str) -> tuple[dict[str, Callable[..., Any]], int]:
+                   compiler: str, keep_artifacts: bool = False) -> tuple[dict[str, Callable[..., Any]], int]:
     """(name -> callable for every piece: compiled compute pieces and direct-call splitting pieces,
-    number of distinct compilations)."""
+    number of distinct compilations). `keep_artifacts`: Inductor pieces that can be saved
+    (compile_backend/artifacts.py)."""
     compute = [info for info in split.summary.pieces if not info.is_splitting]
     if compiler != "inductor":
         compiled = {info.name: split.piece(info).forward for info in compute}
@@ -258,10 +274,10 @@ def compile_pieces(split: SplitGraph, fake_mode: Any, fake_inputs: Sequence[Any]
             # split module on fake tensors to find them costs about as much as the warm-cache compile.
             by_key: dict[str, Callable[..., Any]] = {}
             with fake_mode:
-                compiled = {info.name: _compile_deduplicated(split.piece(info), args, by_key)
+                compiled = {info.name: _compile_deduplicated(split.piece(info), args, by_key, keep_artifacts)
                             for info, args in zip(compute, recorded)}
         else:
-            interpreter = _PieceCompiler(split)
+            interpreter = _PieceCompiler(split, keep_artifacts)
             with fake_mode:
                 interpreter.run(*fake_inputs)
             compiled = interpreter.compiled

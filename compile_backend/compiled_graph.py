@@ -63,10 +63,17 @@ class GraphHandle:
         self.graph = None
 
 
+def step_inputs_of(fake_inputs: Sequence[Any], input_names: Sequence[str]) -> list[tuple[int, int, str]]:
+    """(input index, token dim, name) of every graph input whose shape has the token dimension."""
+    return [(i, d, input_names[i]) for i, v in enumerate(fake_inputs) if (d := _token_dim(v)) is not None]
+
+
 class CompiledGraph:
-    def __init__(self, split: SplitGraph, runners: dict[str, Any], fake_inputs: Sequence[Any],
-                 input_names: Sequence[str], config: BackendConfig, stats: BackendStats, pool: Any,
-                 full_forward: Any = None):
+    def __init__(self, split: SplitGraph, runners: dict[str, Any], step_inputs: Sequence[tuple[int, int, str]],
+                 config: BackendConfig, stats: BackendStats, pool: Any, full_forward: Any = None,
+                 piece_inputs: dict[str, tuple[str, ...]] | None = None):
+        """`step_inputs`: step_inputs_of the graph's inputs. `piece_inputs`: each compute piece's
+        placeholder names, where the split module holds no piece to read them from (a loaded graph)."""
         self.split = split
         self.config = config
         self.stats = stats
@@ -77,8 +84,10 @@ class CompiledGraph:
         for info in split.summary.pieces:
             fn = runners[info.name]
             if not info.is_splitting:
-                piece = split.piece(info)
-                names = tuple(n.name for n in piece.graph.nodes if n.op == "placeholder")
+                if piece_inputs is not None:
+                    names = tuple(piece_inputs[info.name])
+                else:
+                    names = tuple(n.name for n in split.piece(info).graph.nodes if n.op == "placeholder")
                 fn = PieceRunner(info.name, info.index, fn, self.plan, names, pool, stats, config.debug_checks,
                                  config.warm_up_every_size)
                 self.pieces.append(fn)
@@ -88,8 +97,7 @@ class CompiledGraph:
             split.module.__dict__[info.name] = fn
         self.forward = split.module.forward
         self.full_forward = full_forward or self.forward
-        self.step_inputs = [(i, d, input_names[i]) for i, v in enumerate(fake_inputs)
-                            if (d := _token_dim(v)) is not None]
+        self.step_inputs = [tuple(entry) for entry in step_inputs]
         self.static_inputs: dict[int, torch.Tensor] = {}       # input index -> buffer at max size
         self.static_views: dict[int, list[torch.Tensor]] = {}  # token count -> views, one per step input
         self._warned_fallback = False

@@ -20,6 +20,7 @@ same process (a fresh model, a fresh prefix) finds the pieces in Inductor's cach
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -74,15 +75,29 @@ def _canonical_names(piece: torch.fx.GraphModule, splitting_ops: frozenset[str])
     return names
 
 
+@dataclass
+class LayeredCode:
+    """compile_layered's result: the forward FULL steps run and what it is made of."""
+
+    forward: Callable[..., Any]
+    num_pieces: int
+    num_compiles: int                                           # distinct Inductor compiles
+    module: torch.fx.GraphModule                                # calls the layers in order
+    layers: dict[str, tuple[Callable[..., Any], dict[str, str]]]  # piece -> (compiled code, renamed layers)
+    graphs: dict[str, torch.fx.GraphModule]                     # piece -> the FX module it was compiled from
+
+
 def compile_layered(gm: torch.fx.GraphModule, fake_mode: Any, splitting_ops: tuple[str, ...],
-                    ) -> tuple[Callable[..., Any], int, int]:
-    """(forward over the same inputs as gm, layer pieces, distinct Inductor compiles). gm is left as it
-    was: the split works on a copy. A piece whose key cannot be formed (it reads module state) is
-    compiled on its own."""
+                    keep_artifacts: bool = False) -> LayeredCode:
+    """The layered FULL-step code over the same inputs as gm. gm is left as it was: the split works
+    on a copy. A piece whose key cannot be formed (it reads module state) is compiled on its own.
+    `keep_artifacts`: compiled so it can be saved (compile_backend/artifacts.py)."""
     split = split_after(_shallow_copy(gm), splitting_ops)
     ops = frozenset(splitting_ops)
     by_key: dict[str, Callable[..., Any]] = {}  # structural key -> compiled layer (names canonical)
     compiled_layers: set[int] = set()
+    layers: dict[str, tuple[Callable[..., Any], dict[str, str]]] = {}
+    graphs: dict[str, torch.fx.GraphModule] = {}
     with fake_mode:
         for info in split.summary.pieces:
             piece = split.piece(info)
@@ -91,11 +106,13 @@ def compile_layered(gm: torch.fx.GraphModule, fake_mode: Any, splitting_ops: tup
                 raise RuntimeError(f"infer_graphs: piece {info.name} of the FULL-step split has an input "
                                    "with no value recorded by the trace")
             names = _canonical_names(piece, ops)  # first: equal layers now have equal keys
-            compiled = _compile_deduplicated(piece, args, by_key)
+            compiled = _compile_deduplicated(piece, args, by_key, keep_artifacts)
             compiled_layers.add(id(compiled))
             renamed = {f"{CANONICAL_PREFIX}.{i}": name for i, name in enumerate(names)}
+            layers[info.name], graphs[info.name] = (compiled, renamed), piece
             _install(split, info.name, RenamedLayer(compiled, renamed) if renamed else compiled)
-    return split.module.forward, len(split.summary.pieces), len(compiled_layers)
+    return LayeredCode(split.module.forward, len(split.summary.pieces), len(compiled_layers), split.module, layers,
+                       graphs)
 
 
 def _install(split: SplitGraph, name: str, fn: Callable[..., Any]) -> None:

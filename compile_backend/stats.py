@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 class BackendStats:
     graphs_compiled: int = 0          # Dynamo graphs received (1 per trace; more means recompiles)
     compile_seconds: float = 0.0      # split + piece compilation, all graphs
+    graphs_loaded: int = 0            # graphs read back from saved artifacts (no trace, no compile)
+    load_seconds: float = 0.0
     pieces: int = 0                   # all pieces of all graphs
     compute_pieces: int = 0
     splitting_pieces: int = 0

@@ -10,6 +10,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Engines in tests trace and compile as on a cold start (their stats say so) unless a test asks for
+# the compile cache's graph store (tests/test_warm_start.py): a store shared across tests and runs
+# would make a test's start-up depend on which tests ran before it.
+os.environ.setdefault("INFER_GRAPHS_COMPILE_CACHE", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

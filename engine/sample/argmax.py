@@ -11,10 +11,18 @@ programs per SM and merges the chunks in the same launch, for the launch- and oc
 decides. The timing is of one row, and the kept method serves every batch size. All three give the
 same token: the lowest index among equal maxima, and the first NaN where a row has one; a method
 whose token differs from torch's on the timed row is not timed. Off CUDA it is always torch's.
+
+The choice is timed once per GPU model, vocabulary, dtype and torch / Triton version, and kept in a
+small JSON file (`choices_file`, the compile cache's `argmax.json`): later start-ups read it instead of
+timing (a remembered method is still checked against torch's token on the row). Delete the file to
+time again.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -75,8 +83,11 @@ class RowArgmax:
     them (on CUDA; elsewhere torch's). Unchosen shapes and CPU tensors use torch's, so nothing here ever
     syncs a step."""
 
-    def __init__(self) -> None:
+    def __init__(self, choices_file: Path | None = None) -> None:
+        """`choices_file`: where the timed choices persist across processes (None: time every time)."""
         self._methods: dict[tuple[int, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
+        self.choices_file = choices_file
+        self.timed = 0  # choices timed by this instance (the others came from choices_file)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         method = self._methods.get((x.shape[-1], x.dtype)) if x.is_cuda else None
@@ -94,12 +105,59 @@ class RowArgmax:
             fastest = _plain_argmax
             if row.is_cuda:
                 methods, expected = _candidates(dtype), row.argmax(dim=-1)
-                with torch.cuda.device(row.device):
-                    us = {name: _gpu_us_per_call(fn, row) for name, fn in methods.items()
-                          if torch.equal(fn(row), expected)}
-                name = min(us, key=us.get)
+                saved_key = _choice_key(row)
+                name = self._saved().get(saved_key)
+                if name in methods and torch.equal(methods[name](row), expected):
+                    logger.info("sampler: argmax over %d %s logits: %s (as timed before, %s)", key[0],
+                                str(dtype).removeprefix("torch."), name, self.choices_file)
+                else:
+                    with torch.cuda.device(row.device):
+                        us = {name: _gpu_us_per_call(fn, row) for name, fn in methods.items()
+                              if torch.equal(fn(row), expected)}
+                    name = min(us, key=us.get)
+                    self.timed += 1
+                    logger.info("sampler: argmax over %d %s logits, us per row: %s: %s", key[0],
+                                str(dtype).removeprefix("torch."), ", ".join(f"{n} {t:.1f}" for n, t in us.items()), name)
+                    self._save(saved_key, name)
                 fastest = methods[name]
-                logger.info("sampler: argmax over %d %s logits, us per row: %s: %s", key[0],
-                            str(dtype).removeprefix("torch."), ", ".join(f"{n} {t:.1f}" for n, t in us.items()), name)
             self._methods[key] = fastest
         return self._methods[(logits.shape[-1], logits.dtype)] is not _plain_argmax
+
+    def _saved(self) -> dict[str, str]:
+        return _read_choices(self.choices_file) if self.choices_file is not None else {}
+
+    def _save(self, key: str, name: str) -> None:
+        if self.choices_file is not None:
+            _write_choices(self.choices_file, {**_read_choices(self.choices_file), key: name})
+
+
+def _choice_key(row: torch.Tensor) -> str:
+    """What the timing depends on: the GPU, the vocabulary, the dtype, and the code timed."""
+    from importlib import metadata
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = "none"
+    props = torch.cuda.get_device_properties(row.device)
+    return (f"{props.name} sm_{props.major}{props.minor} | vocab {row.shape[-1]} | {str(row.dtype).removeprefix('torch.')}"
+            f" | torch {torch.__version__} | triton {triton}")
+
+
+def _read_choices(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+
+def _write_choices(path: Path, choices: dict[str, str]) -> None:
+    """Atomically (another start-up may read it meanwhile); a cache that cannot be written is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.info("sampler: argmax choice not saved (%s)", exc)
+

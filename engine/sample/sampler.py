@@ -19,6 +19,8 @@ assigned into a device tensor by indexing (index_put_ copies it to the device th
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from custom_ops.triton_argmax import argmax_of_keys
@@ -28,14 +30,16 @@ from engine.sample.staging import host_to_device
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = (),
+                 argmax_choices: Path | None = None) -> None:
+        """`argmax_choices`: the file the argmax method choices persist in (engine.sample.argmax)."""
         self.device = device
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back (with stop_token_ids)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._one = torch.ones(1, dtype=torch.int32, device=device)  # the count a sampled token adds
         self._no_prompt: torch.Tensor | None = None  # the prompt mask of every request without a repetition penalty
-        self.argmax = RowArgmax()  # engine.worker.startup's warm-up picks its method per vocabulary (choose)
+        self.argmax = RowArgmax(argmax_choices)  # engine.worker.startup's warm-up picks its method per vocabulary (choose)
 
     def attach(self, request: Request) -> None:
         """Give a seeded sampling request its own generator (once; it survives preemption)."""

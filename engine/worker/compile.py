@@ -10,6 +10,12 @@ decoder layer, identical layers compiled once; or the whole forward as one), and
 records that. One Dynamo trace serves both (tracing is most of a warm start-up), and the pieces
 keep NONE and PIECEWISE steps.
 
+Warm start: when the compile cache holds the compiled graph of this model and configuration
+(engine/worker/warm_start.py), nothing is traced or compiled: the backend loads the graph and the
+engine calls it with the model's parameters (warm_start.CachedForward). Otherwise Dynamo traces at
+the first forward, the backend writes what it compiled into a temporary entry, and `finish_cache`
+keeps it once the start-up has succeeded.
+
 Per-engine compiled code: Dynamo keeps its compiled entries on the CODE OBJECT of the frame it
 compiles. Compiling the model itself puts every engine's entry on the model class's `forward`
 code, shared by all engines: closed engines stay referenced from it and the 9th engine in a process
@@ -21,6 +27,7 @@ which no other engine shares) without touching any other compiled model in the p
 """
 from __future__ import annotations
 
+import logging
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +35,8 @@ from typing import Any, Callable
 import torch
 
 from engine.config import EngineConfig
+
+logger = logging.getLogger("engine")
 
 
 def _call_model(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -38,18 +47,57 @@ def _call_model(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor]
 
 @dataclass
 class CompiledModel:
-    """An engine's compiled forward and the backend behind it; `release()` frees both for good."""
+    """An engine's compiled forward and the backend behind it; `release()` frees both for good.
+
+    `cache_status`: "hit" (the graph came from the compile cache: no Dynamo, no Inductor;
+    engine/worker/warm_start.py), "miss:<why>", or "off:<why>" (no cache could be used)."""
 
     forward: Callable[..., torch.Tensor] | None
     backend: Any
     code: types.CodeType | None  # the fresh code object Dynamo keys this engine's entries on
+    cache_status: str = "off: not asked"
+    binder: Any = None           # warm_start.InputBinder while an entry is being written
+    pending: Any = None          # (store, temporary entry, key fields, artifact sink) until finish_cache
+    cache_saved: str | None = None  # what finish_cache did, for the log and stats
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.forward is None:
             raise RuntimeError("this engine's compiled model was released (LLM.close)")
+        if self.binder is not None:  # Dynamo may trace in this call: the binder names its arguments
+            self.binder.call_args = (input_ids, positions)
         return self.forward(input_ids, positions)
 
+    @property
+    def dynamo_traced(self) -> bool:
+        return self.backend is not None and self.backend.stats.graphs_compiled > 0
+
+    def finish_cache(self) -> None:
+        """After a successful start-up: keep the entry the backend wrote, if it is complete (exactly one
+        traced graph, saved); otherwise drop it and say why. Never raises for the cache's sake."""
+        if self.pending is None:
+            return
+        store, tmp, fields, sink = self.pending
+        self.pending, self.binder = None, None
+        from compile_backend.artifacts import remove_tree
+        graphs = self.backend.stats.graphs_compiled if self.backend is not None else 0
+        try:
+            if graphs != 1 or sink.saved != 1 or sink.failure:
+                self.cache_saved = ("not saved: " + (sink.failure or f"{graphs} graphs traced, a warm start "
+                                                     "serves one"))
+                remove_tree(tmp)
+            else:
+                entry = store.commit(tmp, fields)
+                self.cache_saved = f"saved {entry}" if entry is not None else "another process saved this key"
+        except OSError as exc:
+            self.cache_saved = f"not saved: {exc}"
+            remove_tree(tmp)
+        logger.info("compile cache: %s", self.cache_saved)
+
     def release(self) -> None:
+        if self.pending is not None:
+            from compile_backend.artifacts import remove_tree
+            remove_tree(self.pending[1])
+            self.pending = self.binder = None
         if self.code is not None:
             from torch._dynamo.eval_frame import remove_from_cache
             remove_from_cache(self.code)  # this engine's cache entries only: nobody else has this code
@@ -73,24 +121,89 @@ def _forget_backend(backend: Any) -> None:
             del registry[key]
 
 
+def _no_marker(input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """A loaded graph needs no token-dim marks: nothing traces it."""
+
+
 def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None,
                   ) -> tuple[CompiledModel, Callable[..., None], Any]:
     """(compiled forward, token-dim marker to call before each forward, the backend for its stats).
 
+    From the compile cache when it holds this model and configuration (engine/worker/warm_start.py),
+    else traced by Dynamo on the first forward, compiled, and written to the cache once start-up
+    succeeds (CompiledModel.finish_cache).
+
     `pool`: the GraphPool the backend captures into (the engine's, shared with its decode graphs);
     None lets the backend make its own.
     """
-    from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
+    from compile_backend import BackendConfig
+    from engine.worker import warm_start
 
-    backend = InferGraphsBackend(BackendConfig(
+    backend_config = BackendConfig(
         piece_compiler=config.piece_compiler,
         capture_sizes=tuple(config.prefill_graph_sizes),
         cudagraphs=bool(config.prefill_graphs),
         full_graph_compile=config.full_graph_compile if config.cuda_graphs else "piecewise",
-    ), pool=pool)
+    )
+    binder = warm_start.InputBinder(model)
+    writing = None
+    if not warm_start.enabled():
+        status = f"off: {warm_start.SWITCH_ENV}=0"
+    else:
+        found, status, writing = _look_up(model, config, backend_config, pool, binder)
+        if found is not None:
+            return found, _no_marker, found.backend
+    logger.info("compile cache: %s", status)
+    return _traced(model, backend_config, pool, binder, status, writing)
+
+
+def _look_up(model: torch.nn.Module, config: EngineConfig, backend_config: Any, pool: Any, binder: Any,
+             ) -> tuple[CompiledModel | None, str, tuple | None]:
+    """(the CompiledModel loaded from the cache, "hit", None) on a hit; else (None, the miss's status,
+    (store, a fresh temporary entry, key fields), or None where nothing can be written)."""
+    from compile_backend import InferGraphsBackend
+    from compile_backend.artifacts import ArtifactError, remove_tree
+    from engine.worker import warm_start
+    try:
+        store = warm_start.graph_store()
+        fields = warm_start.key_fields(model, config)
+        entry = store.entry(warm_start.key_of(fields))
+        if (entry / warm_start.KEY_FILE).is_file():
+            backend = InferGraphsBackend(backend_config, pool=pool, warm_workers=False)
+            try:
+                handle, meta = backend.load(entry / "graph0", list(getattr(model, "attention_layer_names", ())))
+                if meta.get("num_outputs") != 1:
+                    raise ValueError(f"the cached graph returns {meta.get('num_outputs')} values, the forward one")
+                forward = warm_start.CachedForward(handle, *binder.bind(meta["inputs"]))
+            except (ArtifactError, ValueError, KeyError, TypeError) as exc:
+                backend.release()
+                remove_tree(entry)
+                status = f"miss: entry {entry.name} unusable, removed ({exc})"
+            else:
+                store.touch(entry)
+                logger.info("compile cache: hit %s (no trace, no compile)", entry)
+                return CompiledModel(forward, backend, None, cache_status="hit"), "hit", None
+        else:
+            status = "miss: " + store.miss_reason(fields)
+        return None, status, (store, store.new_entry(), fields)
+    except OSError as exc:  # an unwritable cache directory: compile as before, keep nothing
+        return None, f"off: {exc}", None
+
+
+def _traced(model: torch.nn.Module, backend_config: Any, pool: Any, binder: Any, status: str,
+            writing: tuple | None) -> tuple[CompiledModel, Callable[..., None], Any]:
+    """The model under torch.compile: Dynamo traces it at the first forward; with `writing` (store,
+    temporary entry, key fields), the backend writes what it compiled there for finish_cache."""
+    from compile_backend import InferGraphsBackend, mark_token_dim
+    from compile_backend.artifacts import ArtifactSink
+
+    sink = ArtifactSink(writing[1], binder.describe) if writing is not None else None
+    backend = InferGraphsBackend(backend_config, pool=pool, artifacts=sink)
     template = _call_model(model)
     code = template.__code__.replace()  # a new code object: this engine's Dynamo entries live on it
     forward = types.FunctionType(code, template.__globals__, template.__name__, template.__defaults__,
                                  template.__closure__)
     compiled = torch.compile(forward, backend=backend, fullgraph=True)
-    return CompiledModel(compiled, backend, code), mark_token_dim, backend
+    pending = (*writing, sink) if writing is not None else None
+    return (CompiledModel(compiled, backend, code, cache_status=status, binder=binder if pending else None,
+                          pending=pending), mark_token_dim, backend)

@@ -7,8 +7,12 @@ else `$XDG_CACHE_HOME/infer_graphs`, else `~/.cache/infer_graphs`); the deprecat
 if the user has not set that variable. Torch's own default puts Inductor's cache under /tmp, which a
 reboot or a fresh container empties: here a second start-up finds its kernels.
 
-Staleness: nothing here keys anything; the keys are Inductor's and Triton's own, and they already
-cover what can change. Inductor's FX-graph key (torch/_inductor/codecache.py, FxGraphHashDetails)
+The engine's own graph store, `<dir>/graphs` (engine/worker/warm_start.py: the compiled graph of a
+model and configuration, loaded by a warm start without Dynamo or Inductor), has its own key; the
+sampler's argmax choices are `<dir>/argmax.json`.
+
+Staleness of Inductor's and Triton's caches: nothing here keys them; the keys are their own, and they
+already cover what can change. Inductor's FX-graph key (torch/_inductor/codecache.py, FxGraphHashDetails)
 hashes the graph's code and every input's shape, dtype and stride (so a changed model config is a
 different key: its sizes are constants of the traced graph; weights are inputs, not constants), the
 hash of torch's own source files (`torch_key`), the Triton, CUDA/HIP versions and the device, and

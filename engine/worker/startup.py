@@ -1,7 +1,9 @@
 """Start-up: from a loaded model to a runner with its KV pool and graphs, in the one safe order.
 
 On CUDA:
-1. compile (optional) and a scratch-only KV cache (block 0), enough for dummy steps;
+1. compile (optional: the compiled graph loaded from the compile cache, engine/worker/warm_start.py,
+   or a forward Dynamo traces at the first dummy step) and a scratch-only KV cache (block 0), enough
+   for dummy steps;
 2. warm-up: a dummy step at the full token budget (the compile happens here) and a dummy decode at
    the largest batch, then the sampler on the largest batch of logits, and the LM head and sampler at
    every row count (their Triton variants compile here, not in a serving step); the measured peak is
@@ -131,13 +133,18 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         if set_decode_gemv(model, gemv) == 0 and gemv:  # the default: not a warning
             logger.info("EngineConfig.decode_gemv: %s has no models.layers.Linear, its matmuls stay as they are",
                         type(model).__name__)
-        forward, mark_dynamic, backend, compiled = model, None, None, None
-        if config.compile:
+    forward, mark_dynamic, backend, compiled = model, None, None, None
+    if config.compile:
+        # The compiled graph from the compile cache (a warm start: no trace, no compile; its load is
+        # this phase), or a forward Dynamo traces at the warm-up's first step ("compile").
+        with timeline.phase("compile cache"):
             from engine.worker.compile import compile_model
             from engine.worker.compile_cache import configure_compile_cache
             configure_compile_cache()
             compiled, mark_dynamic, backend = compile_model(model, config, pool)
             forward = compiled
+        timeline.notes["compile_cache"] = compiled.cache_status
+    with timeline.phase("buffers"):
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
                              config.max_num_seqs, device, mark_dynamic, config.max_logits_rows)
@@ -145,7 +152,11 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
                            by_kind=config.hybrid_kv_cache)
         runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
         runner.set_kv_groups(kv_cache.groups)
-        sampler = Sampler(device, config.seed, tuple(model.config.eos_token_ids))
+        choices = None
+        if cuda:  # the argmax method timed once per GPU and vocabulary, then remembered
+            from engine.worker.compile_cache import compile_cache_dir
+            choices = compile_cache_dir() / "argmax.json"
+        sampler = Sampler(device, config.seed, tuple(model.config.eos_token_ids), choices)
     rt = Runtime(runner, kv_cache, BlockPool(2, config.block_size), sampler, backend, compiled=compiled,
                  pool=pool)
     try:
@@ -158,6 +169,11 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         if cuda:
             torch.cuda.empty_cache()
         raise
+    if compiled is not None:
+        compiled.finish_cache()  # only a start-up that succeeded writes its graph to the cache
+        timeline.notes["dynamo_traced"] = compiled.dynamo_traced
+        if compiled.cache_saved is not None:
+            timeline.notes["compile_cache_saved"] = compiled.cache_saved
     return rt
 
 
@@ -351,8 +367,9 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_o
     # The decode dummy runs as FULL when FULL steps have their own code (layered / unsplit), so its
     # activation peak is counted as the first run counts the pieces'.
     steps = ((max_tokens, _dummy_seqs(max_tokens, config), False), (num_seqs, num_seqs, True))
+    traces = config.compile and getattr(runner.forward, "cache_status", None) != "hit"
     for i, (tokens, seqs, uniform) in enumerate(steps):
-        phase = "compile" if i == 0 and config.compile else "warm-up"
+        phase = "compile" if i == 0 and traces else "warm-up"
         with timeline.phase(phase):
             meta = runner.load_dummy(tokens, seqs, uniform)
             mode = RuntimeMode.FULL if uniform and full_own_code else RuntimeMode.NONE

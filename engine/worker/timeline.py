@@ -1,11 +1,13 @@
 """StartupTimeline: where an engine's start-up time and memory go, phase by phase.
 
-Each phase (load, tokenizer, setup, compile, warm-up, gc freeze: one collection before the capture
-phases, piecewise capture, decode-graph measure, KV pool, decode capture) is timed with perf_counter
-and, on CUDA, ends with a synchronize so that asynchronous work is charged to the phase that queued
-it; its line at INFO gives the seconds and the device memory allocated when it ended. `as_dict()`
+Each phase (load, tokenizer, setup, compile cache: the compiled graph loaded or looked up, buffers,
+compile: Dynamo and the backend at the first step unless the graph was loaded, warm-up, gc freeze:
+one collection before the capture phases, piecewise capture, decode-graph measure, KV pool, decode
+capture) is timed with perf_counter and, on CUDA, ends with a synchronize so that asynchronous work is
+charged to the phase that queued it; its line at INFO gives the seconds and the device memory allocated when it ended. `as_dict()`
 is `LLM.stats()["startup"]`: the phases in order, their sum and the total measured from the start of
-`LLM(...)` to ready, so time that no phase accounts for shows as the difference.
+`LLM(...)` to ready, so time that no phase accounts for shows as the difference, and the start-up's
+notes (`compile_cache`, `dynamo_traced`, `compile_cache_saved`: engine/worker/warm_start.py).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class StartupTimeline:
         self.phases: list[Phase] = []
         self.total_seconds: float | None = None
         self.device: torch.device | None = None  # set once known; memory is read on CUDA only
+        self.notes: dict[str, Any] = {}  # facts of this start-up (compile_cache, dynamo_traced), in as_dict
 
     def _allocated(self) -> int:
         if self.device is None or self.device.type != "cuda":
@@ -64,4 +67,5 @@ class StartupTimeline:
                         "delta_bytes": p.delta_bytes} for p in self.phases],
             "phases_seconds": sum(p.seconds for p in self.phases),
             "total_seconds": self.total_seconds,
+            **self.notes,
         }
