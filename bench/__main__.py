@@ -15,7 +15,8 @@ import os
 import sys
 
 SUITES = ("floor", "decode", "prefill", "capture", "serving", "e2e", "prefix", "tp", "capacity", "kernels",
-          "gemm", "knockout", "gemv_graph", "host", "tokenizer", "soak", "spec")
+          "gemm", "knockout", "gemv_graph", "host", "tokenizer", "soak", "spec",
+          "spec_acceptance")
 
 
 def gpu_tag(device_name: str) -> str:
@@ -49,12 +50,18 @@ def main(argv: list[str] | None = None) -> int:
                         "e2e: default 1,16,64; host: 64 (CPU: 4); kernels, gemm: 1,8")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768; "
                         "kernels: one context (default 512); knockout, gemv_graph: one context (default 576)")
-    parser.add_argument("--ks", help="spec: numbers of speculative tokens, comma-separated (default 2,4)")
+    parser.add_argument("--ks", help="spec: numbers of speculative tokens, comma-separated (default 2,4); "
+                        "spec_acceptance: default 2,4,6")
+    parser.add_argument("--lookups", help="spec_acceptance: prompt_lookup_min-max pairs, comma-separated "
+                        "(default 1-3,2-4)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")
     parser.add_argument("--peers", choices=("all", "eager", "none"),
                         help="decode/prefill: which peers to run; e2e: all (transformers static + compile) or none")
     parser.add_argument("--prompt-len", type=int, help="e2e, host: prompt tokens per request (default 512)")
-    parser.add_argument("--output-len", type=int, help="e2e, host: generated tokens per request (default 128)")
+    parser.add_argument("--output-len", type=int, help="e2e, host: generated tokens per request (default 128); "
+                        "spec_acceptance: per copy-heavy request (default 96)")
+    parser.add_argument("--free-output-len", type=int, help="spec_acceptance: per free-generation request "
+                        "(default 64)")
     parser.add_argument("--peer-batches", help="e2e: batch sizes with the transformers static + compile peer "
                         "(default 1; each is one compile)")
     parser.add_argument("--requests", type=int, help="serving, prefix: number of requests")
