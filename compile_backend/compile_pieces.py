@@ -25,7 +25,7 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from compile_backend.split import SplitGraph, op_name
-from custom_ops.linear import gated_linear_plain  # downward imports: the graph-only ops' plain forms
+from custom_ops.linear import gated_linear_plain, linear_plain  # downward imports: the graph-only ops' plain forms
 from custom_ops.qkv_rope import linear_rope_plain
 
 
@@ -95,10 +95,12 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
 # graph would call it through the dispatcher, ~20 us of host time per linear, where Inductor's own
 # matmul costs a few.
 # `infer::gated_linear` likewise (the activation inside the GEMV); its plain form lets Inductor fuse
-# the activation as it always did. Each: (plain equivalent, the op's argument names in order).
+# the activation as it always did. Each: (plain equivalent, the op's argument names in order). With an
+# FP8 weight (a `weight_scale` argument) `infer::linear` lowers to custom_ops.linear.linear_plain (the
+# weight dequantized, or torch._scaled_mm, custom_ops.fp8) instead of aten.linear.
 _GRAPH_ONLY_OPS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
-    "infer::linear": (torch.ops.aten.linear.default, ("x", "weight", "bias")),
-    "infer::gated_linear": (gated_linear_plain, ("gate_up", "weight", "activation")),
+    "infer::linear": (torch.ops.aten.linear.default, ("x", "weight", "bias", "weight_scale")),
+    "infer::gated_linear": (gated_linear_plain, ("gate_up", "weight", "activation", "weight_scale")),
     "infer::linear_rope": (linear_rope_plain, ("x", "weight", "bias", "cos", "sin", "num_heads", "num_kv_heads")),
 }
 
@@ -119,6 +121,11 @@ def lower_graph_only_ops(gm: torch.fx.GraphModule) -> int:
         for i, key in enumerate(names):
             if key in node.kwargs:
                 args[i] = node.kwargs[key]
+        if names[-1] == "weight_scale":
+            if args[-1] is None:
+                args.pop()  # a bf16 weight: the plain form as before (aten.linear takes no scale)
+            elif plain is torch.ops.aten.linear.default:
+                plain = linear_plain
         node.target, node.args, node.kwargs = plain, tuple(args), {}
         lowered += 1
     if lowered:
