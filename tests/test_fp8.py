@@ -228,3 +228,137 @@ def test_decode_gemv_model_traces_the_op_with_its_scale_and_lowers_to_the_dequan
     assert seen["scaled"] == [True] * 4 * model.config.num_layers
     assert seen["lowered"] == 4 * model.config.num_layers and not seen["left"]
     torch.testing.assert_close(got, expected)
+
+
+# --- FP8 checkpoints ------------------------------------------------------------------------------------
+
+
+def _write_fp8_checkpoint(src: Path, dst: Path, fmt: str) -> Path:
+    """`src` re-saved with every projection weight in FP8 as `fmt` stores it, beside a float32 copy of
+    the weights those FP8 values and scales stand for (`dst`/reference): what the load must equal."""
+    tensors = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    fp8, reference = {}, {}
+    for name, w in tensors.items():
+        layer = name.rsplit(".", 2)
+        if not (name.endswith(".weight") and layer[-2] in PROJECTIONS):
+            fp8[name] = reference[name] = w
+            continue
+        prefix = name[:-len("weight")]
+        if fmt == "compressed_tensors_channel":
+            q, scale = quantize_rows(w)
+            fp8[prefix + "weight_scale"] = scale[:, None]
+            fp8[prefix + "input_scale"] = torch.tensor([0.02])  # static activation scales are not read
+        else:
+            scale = w.abs().amax().clamp(min=1e-12) / 448
+            q = (w / scale).to(FP8_DTYPE)
+            stored = scale.reshape(1) if fmt == "compressed_tensors_tensor" else scale.reshape(())
+            fp8[prefix + ("weight_scale_inv" if fmt == "transformers_fp8_tensor" else "weight_scale")] = stored
+            scale = scale.expand(w.shape[0])
+        fp8[name] = q
+        reference[name] = q.float() * scale.float()[:, None]
+    if fmt == "transformers_fp8_tensor":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": None}
+    else:
+        strategy = "channel" if fmt == "compressed_tensors_channel" else "tensor"
+        activations = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+                       if strategy == "channel" else None)
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations, "weights": {
+                "num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}}}}
+    for path, data, cfg in ((dst, fp8, config), (dst / "reference", reference, None)):
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(data, path / "model.safetensors")
+        if cfg is None:
+            cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+        (path / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+FP8_FORMATS = ("compressed_tensors_channel", "compressed_tensors_tensor", "transformers_fp8_tensor")
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_fp8_checkpoint_loads_as_fp8_and_equals_its_dequantized_weights(saved, tmp_path, fmt):
+    path = _write_fp8_checkpoint(saved["qwen3"], tmp_path / fmt, fmt)
+    model = models.from_pretrained(path, dtype=torch.float32)  # no quantization argument: the file says
+    reference = models.from_pretrained(path / "reference", dtype=torch.float32)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert qkv.weight.dtype == FP8_DTYPE and qkv.weight_scale.shape == (qkv.weight.shape[0],)
+    assert not model.lm_head.is_fp8
+    # the FP8 bytes are the file's, the fused q/k/v rows each with their own tensor's scale
+    stored = load_file(path / "model.safetensors")
+    q_rows = stored["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(qkv.weight[:q_rows.shape[0]].view(torch.uint8), q_rows.view(torch.uint8))
+    torch.testing.assert_close(dequantize(qkv.weight, qkv.weight_scale, torch.float32),
+                               reference.model.layers[1].self_attn.qkv_proj.weight, rtol=0, atol=0)
+    ids = torch.randint(3, 96, (16,))
+    torch.testing.assert_close(_teacher_forced(model, ids), _teacher_forced(reference, ids), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("quantization_config,field", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}}, "strategy"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}}, "format"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "weights type='int'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}},
+     "input_activations"),
+])
+def test_unsupported_quantized_checkpoints_are_refused_naming_the_field(saved, tmp_path, quantization_config, field):
+    config = json.loads((saved["llama"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    (tmp_path / "model.safetensors").write_bytes((saved["llama"] / "model.safetensors").read_bytes())
+    with pytest.raises(models.UnsupportedConfigError, match=f"quantization_config.*{field}"):
+        models.from_pretrained(tmp_path)
+    with pytest.raises(models.UnsupportedConfigError, match=str(tmp_path)):
+        models.from_pretrained(tmp_path)
+
+
+def test_an_unknown_quantization_is_refused_naming_the_field(saved):
+    with pytest.raises(models.UnsupportedConfigError, match="quantization='int4'"):
+        models.from_pretrained(saved["llama"], quantization="int4")
+    with pytest.raises(ConfigError, match=r"EngineConfig\.quantization='int4'.*fp8"):
+        EngineConfig(quantization="int4")
+
+
+# --- the engine -----------------------------------------------------------------------------------------
+
+SMALL = dict(device="cpu", block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
+PROMPTS = [[1, 5, 9, 13], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [1, 7], [1, 20, 21, 22, 23, 24, 25]]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_engine_generates_with_fp8_weights_as_the_quantized_model_does(saved, arch):
+    """LLM(path, quantization="fp8") quantizes at load; a built model is quantized in place; both
+    generate the greedy tokens of the FP8 model run step by step without the engine."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm = LLM(str(saved[arch]), quantization="fp8", **SMALL)
+    try:
+        assert llm.config.quantization == "fp8"
+        layer = llm.model.model.layers[0].mlp.down_proj
+        assert layer.weight.dtype == FP8_DTYPE
+        from_path = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.close()
+    built = models.from_pretrained(saved[arch], dtype=torch.float32)
+    llm = LLM(built, quantization="fp8", **SMALL)
+    try:
+        assert built.model.layers[0].mlp.down_proj.is_fp8
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == from_path
+    finally:
+        llm.close()
+    with torch.no_grad():
+        for prompt, tokens in zip(PROMPTS, from_path):
+            ids = list(prompt)
+            for _ in range(6):
+                ids.append(int(_teacher_forced(built, torch.tensor(ids))[-1].argmax()))
+            assert ids[len(prompt):] == list(tokens)
