@@ -101,7 +101,8 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
 _GRAPH_ONLY_OPS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
     "infer::linear": (torch.ops.aten.linear.default, ("x", "weight", "bias", "weight_scale")),
     "infer::gated_linear": (gated_linear_plain, ("gate_up", "weight", "activation", "weight_scale")),
-    "infer::linear_rope": (linear_rope_plain, ("x", "weight", "bias", "cos", "sin", "num_heads", "num_kv_heads")),
+    "infer::linear_rope": (linear_rope_plain, ("x", "weight", "bias", "cos", "sin", "num_heads", "num_kv_heads",
+                                               "weight_scale")),
 }
 
 

@@ -99,9 +99,8 @@ class Linear(nn.Module):
         """(this q/k/v projection of x, its q heads rotated, its k heads rotated) for a layer without
         q/k norms: with decode_gemv on, one op whose GEMV rotates q and k as it writes them at one
         row (custom_ops.qkv_rope); off, the projection and the rotary op."""
-        # FP8: the projection and the rotary op (the one-launch GEMV + rotary reads bf16 weights only)
-        if self.decode_gemv and self.input_shard is None and not self.is_fp8:
-            return linear_rope(x, self.weight, self.bias, cos, sin, num_heads, num_kv_heads)
+        if self.decode_gemv and self.input_shard is None:
+            return linear_rope(x, self.weight, self.bias, cos, sin, num_heads, num_kv_heads, self.weight_scale)
         qkv = self(x)
         q, k = qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
         return qkv, q, k

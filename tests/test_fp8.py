@@ -92,6 +92,19 @@ def test_fp8_gemv_with_16_rows_takes_the_dot_path():
     torch.testing.assert_close(got.double(), _reference(x, q, scale), rtol=1e-4, atol=1e-4)
 
 
+def test_fp8_gemv_with_rotary_matches_the_projection_and_its_rotary_in_float64():
+    from custom_ops.triton_gemv_rope import gemv_rope
+    from tests.test_qkv_rope import reference as rope_reference, rope_tables
+    hq, hkv, d = 4, 2, 16
+    q, scale = _fp8_weight((hq + 2 * hkv) * d + 5, 40, seed=8)
+    x = torch.randn(1, 40)
+    cos, sin = rope_tables(d, 37, torch.float32)
+    got = gemv_rope(x, q, cos, sin, GemvConfig(block_n=8, block_k=16, num_warps=1), hq, hkv, scale)
+    want = rope_reference(x, dequantize(q, scale, torch.float64), cos, sin, hq, hkv)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_refuse_a_scale_that_does_not_fit_the_weight():
     from custom_ops.triton_gemv import gemv
     q, scale = _fp8_weight(8, 32, seed=5)
@@ -211,10 +224,12 @@ def test_decode_gemv_model_traces_the_op_with_its_scale_and_lowers_to_the_dequan
     def backend(gm, example_inputs):
         ops = [n for n in gm.graph.nodes if n.op == "call_function"
                and any(name in str(n.target) for name in ("infer.linear", "infer.gated_linear"))]
-        seen["scaled"] = [len(n.args) == 4 and n.args[3] is not None for n in ops]
+        # the scale is each op's last argument (linear: 4th, gated_linear: 4th, linear_rope: 8th)
+        seen["scaled"] = [len(n.args) in (4, 8) and isinstance(n.args[-1], torch.fx.Node) for n in ops]
         lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         seen["lowered"] = lower_graph_only_ops(lowered)
-        seen["left"] = [n for n in lowered.graph.nodes if "infer.linear" in str(n.target)]
+        seen["left"] = [n for n in lowered.graph.nodes if "infer.linear" in str(n.target)
+                        or "infer.gated_linear" in str(n.target)]
         return lowered.forward
     torch._dynamo.reset()
     ids, positions = torch.randint(3, 96, (7,)), torch.arange(7)
@@ -224,7 +239,8 @@ def test_decode_gemv_model_traces_the_op_with_its_scale_and_lowers_to_the_dequan
             expected = model(ids, positions)
     finally:
         torch._dynamo.reset()
-    # q/k/v, o, gate/up and the gated down projection per layer (the LM head: outside forward, not FP8)
+    # q/k/v with its rotary, o, gate/up and the gated down projection per layer (the LM head: outside
+    # forward, not FP8)
     assert seen["scaled"] == [True] * 4 * model.config.num_layers
     assert seen["lowered"] == 4 * model.config.num_layers and not seen["left"]
     torch.testing.assert_close(got, expected)

@@ -269,3 +269,24 @@ def test_gpu_real_default_model_fp8_accuracy_against_bf16_teacher_forced():
           f"over {torch.cat(agree).numel()} positions")
     assert median <= 0.05 and agreement >= 0.95, (median, agreement)
     assert fp8.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+
+
+def test_gpu_fp8_qkv_projection_with_its_rotary_is_one_launch(monkeypatch):
+    """llama-3.2-3b's q/k/v at one row with FP8 weights: the GEMV + rotary kernel reads the FP8 bytes
+    and the scales (custom_ops.qkv_rope), against float64 of the dequantized weight."""
+    import custom_ops.triton_gemv_rope
+    from custom_ops import run_linear_rope
+    from tests.test_qkv_rope import reference as rope_reference
+    calls = []
+    real = custom_ops.triton_gemv_rope.gemv_rope
+    monkeypatch.setattr(custom_ops.triton_gemv_rope, "gemv_rope", lambda *a: calls.append(a[-1]) or real(*a))
+    n, k, hq, hkv, d = 5120, 3072, 24, 8, 128
+    q8, scale = fp8_weight(n, k, seed=6)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    angles = 1234 * (1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda").double() / d)))
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    got = run_linear_rope(x, q8, None, cos[None], sin[None], hq, hkv, scale)
+    assert len(calls) == 1 and calls[0] is scale
+    want = rope_reference(x, dequantize(q8, scale, torch.float64), cos, sin, hq, hkv)
+    for g, w in zip(got, want):
+        assert rel_err(g.reshape(w.shape), w) < BF16_TOL
