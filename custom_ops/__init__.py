@@ -10,7 +10,7 @@ from custom_ops.layers import (
 from custom_ops.fp8 import FP8_DTYPE, dequantize, fp8_linear_plain, quantize_rows, run_fp8_linear
 from custom_ops.linear import (
     act_and_mul, act_and_mul_plain, argmax_key_tiles, decode_linear, gated_gemv_linear, gated_linear_plain,
-    gemv_linear, linear_plain, run_gated_linear, run_linear, scaled_linear,
+    gemv_linear, run_gated_linear, run_linear, scaled_linear,
 )
 from custom_ops.qkv_rope import linear_rope, linear_rope_plain, run_linear_rope
 from custom_ops.norm import add_rms_norm, rms_norm, run_add_rms_norm
@@ -25,6 +25,6 @@ __all__ = [
     "gemv_linear", "run_linear",
     "act_and_mul", "act_and_mul_plain", "gated_gemv_linear", "gated_linear_plain", "run_gated_linear",
     "linear_rope", "linear_rope_plain", "run_linear_rope", "FP8_DTYPE", "dequantize", "fp8_linear_plain",
-    "quantize_rows", "run_fp8_linear", "linear_plain", "scaled_linear",
+    "quantize_rows", "run_fp8_linear", "scaled_linear",
     "add_rms_norm", "rms_norm", "run_add_rms_norm", "apply_rotary", "qk_norm_rope", "run_qk_norm_rope",
 ]

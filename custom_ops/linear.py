@@ -134,15 +134,6 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return run_linear(x, weight, bias, weight_scale=weight_scale)
 
 
-def linear_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """What `infer.linear` computes, in plain torch: F.linear, or for an FP8 weight
-    custom_ops.fp8.fp8_linear_plain (what Inductor compiles where no graph records the op)."""
-    if weight_scale is None:
-        return F.linear(x, weight, bias)
-    return fp8_linear_plain(x, weight, bias, weight_scale)
-
-
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   weight_scale: torch.Tensor) -> torch.Tensor:
     """An FP8 linear layer that is not switched to the op (decode_gemv off): traced, the plain form
@@ -214,13 +205,18 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return run_act_and_mul(gate_up, activation)
 
 
-def gated_linear_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
-                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+def gated_linear_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
     """What the gated op computes, as the act-and-mul op and a plain matmul: what Inductor compiles in
     its place where no graph records it (compile_backend.compile_pieces.lower_graph_only_ops). The op
     is called as such: Inductor traces this function outside Dynamo, where `act_and_mul` would run the
     kernel on fake tensors."""
-    return linear_plain(torch.ops.infer.act_and_mul(gate_up, activation), weight, None, weight_scale)
+    return F.linear(torch.ops.infer.act_and_mul(gate_up, activation), weight)
+
+
+def gated_linear_fp8_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
+                           weight_scale: torch.Tensor) -> torch.Tensor:
+    """gated_linear_plain for an FP8 weight (custom_ops.fp8.fp8_linear_plain for the matmul)."""
+    return fp8_linear_plain(torch.ops.infer.act_and_mul(gate_up, activation), weight, None, weight_scale)
 
 
 def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,

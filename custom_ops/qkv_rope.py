@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from custom_ops.gemv_table import GemvConfig, fp8_config
-from custom_ops.linear import linear_plain, run_linear, table_config
+from custom_ops.fp8 import fp8_linear_plain
+from custom_ops.linear import run_linear, table_config
 from custom_ops.rope import check_rope_tables, run_qk_norm_rope
 
 
@@ -71,11 +72,20 @@ def run_linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def linear_rope_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                      sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor | None = None,
+                      sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op as the two steps it stands for, F.linear (Inductor lowers it; an FP8 weight's plain form,
-    custom_ops.linear.linear_plain) and the rotary op: what the pieces run where no graph records the op."""
-    qkv = F.linear(x, weight, bias) if weight_scale is None else linear_plain(x, weight, bias, weight_scale)
+    """The op as the two steps it stands for, F.linear (Inductor lowers it) and the rotary op: what
+    the pieces run where no graph records the op."""
+    qkv = F.linear(x, weight, bias)
+    q, k = torch.ops.infer.qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
+    return qkv, q, k
+
+
+def linear_rope_fp8_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                          sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear_rope_plain for an FP8 weight (custom_ops.fp8.fp8_linear_plain for the projection)."""
+    qkv = fp8_linear_plain(x, weight, bias, weight_scale)
     q, k = torch.ops.infer.qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
     return qkv, q, k
 

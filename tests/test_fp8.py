@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 import models
 from compile_backend.compile_pieces import lower_graph_only_ops
 from custom_ops import FP8_DTYPE, GemvConfig, dequantize, quantize_rows, run_fp8_linear, run_gated_linear
-from custom_ops.linear import act_and_mul_plain, linear_plain
+from custom_ops import fp8_linear_plain
+from custom_ops.linear import act_and_mul_plain
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
 from tests.hf_helpers import random_hf_model
 
@@ -123,7 +124,7 @@ def test_cpu_fp8_linear_is_the_dequantized_weight_through_f_linear():
     x = torch.randn(2, 3, 24)
     expected = F.linear(x, dequantize(q, scale, torch.float32), bias)
     assert torch.equal(run_fp8_linear(x, q, scale, bias), expected)
-    assert torch.equal(linear_plain(x, q, bias, scale), expected)
+    assert torch.equal(fp8_linear_plain(x, q, bias, scale), expected)
     assert torch.equal(torch.ops.infer.linear(x, q, bias, scale), expected)
     gate_up = torch.randn(4, 48)
     gated = F.linear(act_and_mul_plain(gate_up, "gelu_tanh"), dequantize(q, scale, torch.float32))
