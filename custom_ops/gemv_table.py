@@ -195,6 +195,9 @@ FP8_LARGE_DEFAULT = DEQUANT
 FP8_LARGE_ENV = "INFER_GRAPHS_FP8_LARGE"
 
 
+# A constant of the trace where Dynamo meets it (an FP8 layer traced without the op): configuration,
+# read once per compile, never a guard or a graph break.
+@torch.compiler.assume_constant_result
 def fp8_large_method(n: int, k: int, dtype: torch.dtype, device_type: str, device_index: int | None = None,
                      capability: tuple[int, int] | None = None) -> str:
     """DEQUANT or SCALED_MM for an FP8 weight [N, K] above the Triton kernels' rows. SCALED_MM only where

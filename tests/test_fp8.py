@@ -247,6 +247,26 @@ def test_decode_gemv_model_traces_the_op_with_its_scale_and_lowers_to_the_dequan
     torch.testing.assert_close(got, expected)
 
 
+def test_fp8_model_without_the_op_traces_as_one_graph_of_the_dequantized_matmuls(saved, monkeypatch):
+    """decode_gemv off (steps without decode graphs): the FP8 layers trace as plain torch, one graph,
+    whichever large-rows method the environment asks for (a constant of the trace)."""
+    monkeypatch.setenv("INFER_GRAPHS_FP8_LARGE", "scaled_mm")  # not on the CPU: still dequantized
+    model = models.from_pretrained(saved["qwen3"], dtype=torch.float32, quantization="fp8")
+    graphs = []
+    torch._dynamo.reset()
+    ids, positions = torch.randint(3, 96, (9,)), torch.arange(9)
+    try:
+        with torch.no_grad():
+            got = torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)(
+                ids, positions)
+            expected = model(ids, positions)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert not [n for n in graphs[0].graph.nodes if "infer.linear" in str(n.target)]
+    torch.testing.assert_close(got, expected)
+
+
 # --- FP8 checkpoints ------------------------------------------------------------------------------------
 
 
