@@ -197,10 +197,11 @@ def test_gpu_time_with_the_host_ahead_leaves_out_the_host_time_a_caller_waits_fo
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
 def test_prefill_report_on_cpu_has_no_graph_rows_and_an_engine_row():
     from bench import prefill
-    report = prefill.run("tiny-llama", tokens="16,24", peers="none", iters=2)
-    # sorted by (tokens, variant); the engine row next to the harness rows at every token count
+    report = prefill.run("tiny-llama", tokens="16,24", peers="none", iters=2, quantization="fp8")
+    # sorted by (tokens, variant); the engine rows next to the harness rows at every token count
     assert [(r["tokens"], r["variant"]) for r in report.rows] == [
-        (16, "compiled"), (16, "eager"), (16, "engine"), (24, "compiled"), (24, "eager"), (24, "engine")]
+        (t, v) for t in (16, 24) for v in ("compiled", "eager", "engine", "engine_fp8")]
+    assert report.meta["fp8_weight_bytes"] < report.meta["weight_bytes"]
     assert "gpu_ms" in report.columns and all("gpu_ms" not in r for r in report.rows)  # CUDA only
     assert "graphs are captured on CUDA only" in report.notes[0]
     assert any(n.startswith("harness rows (eager, compiled, piecewise") for n in report.notes)
