@@ -399,3 +399,18 @@ def test_engine_generates_with_fp8_weights_as_the_quantized_model_does(saved, ar
             for _ in range(6):
                 ids.append(int(_teacher_forced(built, torch.tensor(ids))[-1].argmax()))
             assert ids[len(prompt):] == list(tokens)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fp8_greedy_is_identical_with_speculative_decoding(saved):
+    """Verify steps (1 + k rows per request) over FP8 weights accept exactly the FP8 model's tokens."""
+    from tests.spec_helpers import replay
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = dict(SMALL, max_num_batched_tokens=16, quantization="fp8")
+    with LLM(str(saved["qwen3"]), **config) as llm:
+        ref = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with LLM(str(saved["qwen3"]), **config, speculative_config=ngram) as llm:
+        replay(llm, {tuple(p): list(p) + list(o) for p, o in zip(PROMPTS, ref)}, wrong=0.25)
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
+        assert llm.stats()["spec_decode"]["accepted_tokens"] > 0
