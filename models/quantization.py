@@ -12,6 +12,7 @@ broadcast to one per row:
   weight_block_size [128, 128]) are refused: storing them per row would requantize the weights.
 - compressed-tensors' float-quantized weights (quant_method "compressed-tensors", 8-bit float weights,
   strategy "tensor" or "channel"): `weight` and `weight_scale`.
+- transformers' "fbgemm_fp8" (Meta's FP8 releases): `weight` and a per-channel `weight_scale`.
 Their activation scales (`input_scale`) are not read: activations are not quantized here. Any other
 format, scale layout or weight type is refused with UnsupportedConfigError naming the config field.
 A tensor the checkpoint keeps in bf16 for a layer that is FP8 here (an `ignore`d layer) is quantized
@@ -59,10 +60,12 @@ def checkpoint_quantization(hf_config: dict[str, Any], source: str) -> Fp8Checkp
         return _transformers_fp8(qc, source)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, source)
+    if method == "fbgemm_fp8":  # per-channel weight scales; its activation bound is not used here
+        return Fp8Checkpoint("fbgemm_fp8", "weight_scale", ("input_scale", "input_scale_ub"))
     raise UnsupportedConfigError(
         f"{source}: quantization_config.quant_method={method!r} is not supported: FP8 checkpoints in "
-        "transformers' 'fp8' (per-tensor scales) or 'compressed-tensors' (float-quantized, per-tensor or "
-        "per-channel) format load; other quantized checkpoints do not")
+        "transformers' 'fp8' (per-tensor scales), 'fbgemm_fp8' or 'compressed-tensors' (float-quantized, "
+        "per-tensor or per-channel) format load; other quantized checkpoints do not")
 
 
 def _transformers_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:

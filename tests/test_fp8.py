@@ -282,7 +282,7 @@ def _write_fp8_checkpoint(src: Path, dst: Path, fmt: str) -> Path:
             fp8[name] = reference[name] = w
             continue
         prefix = name[:-len("weight")]
-        if fmt == "compressed_tensors_channel":
+        if fmt in ("compressed_tensors_channel", "fbgemm_fp8_channel"):
             q, scale = quantize_rows(w)
             fp8[prefix + "weight_scale"] = scale[:, None]
             fp8[prefix + "input_scale"] = torch.tensor([0.02])  # static activation scales are not read
@@ -297,6 +297,9 @@ def _write_fp8_checkpoint(src: Path, dst: Path, fmt: str) -> Path:
     if fmt == "transformers_fp8_tensor":
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                          "weight_block_size": None}
+    elif fmt == "fbgemm_fp8_channel":
+        config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                         "modules_to_not_convert": ["lm_head"]}
     else:
         strategy = "channel" if fmt == "compressed_tensors_channel" else "tensor"
         activations = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
@@ -314,7 +317,8 @@ def _write_fp8_checkpoint(src: Path, dst: Path, fmt: str) -> Path:
     return dst
 
 
-FP8_FORMATS = ("compressed_tensors_channel", "compressed_tensors_tensor", "transformers_fp8_tensor")
+FP8_FORMATS = ("compressed_tensors_channel", "compressed_tensors_tensor", "transformers_fp8_tensor",
+               "fbgemm_fp8_channel")
 
 
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
