@@ -212,8 +212,8 @@ def _load_fp8_weight(name: str, slot: Slot, source: Any, scales: dict[str, Slot]
         slot.target.copy_(value)
         return
     if not value.is_floating_point() or value.element_size() == 1:
-        raise WeightShapeError(f"checkpoint weight {name!r} is {value.dtype}: FP8 weights load from "
-                               "float8_e4m3fn or from a float dtype (quantized as they load)")
+        raise UnexpectedWeightError(f"checkpoint weight {name!r} is {value.dtype}: FP8 weights load from "
+                                    "float8_e4m3fn or from a float dtype (quantized as they load)")
     scale_name = name[:-len("weight")] + _SCALE
     if scale_name in filled:
         raise UnexpectedWeightError(f"checkpoint weight {name!r} is {value.dtype} but its scale {scale_name!r} "
