@@ -418,3 +418,33 @@ def test_fp8_greedy_is_identical_with_speculative_decoding(saved):
         replay(llm, {tuple(p): list(p) + list(o) for p, o in zip(PROMPTS, ref)}, wrong=0.25)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
         assert llm.stats()["spec_decode"]["accepted_tokens"] > 0
+
+
+def test_tensor_parallel_shards_of_fp8_layers(saved, tmp_path):
+    """Each rank's FP8 shards, without processes (the group is only used in forward): quantized at load,
+    column-parallel rows are the one-rank model's rows and scales, and a row-parallel shard quantizes its
+    own columns per row (each rank its own scales); from an FP8 checkpoint, every shard is the file's
+    bytes and its per-channel scales whole."""
+    from models.parallel import TensorParallel
+    full = models.from_pretrained(saved["llama"], quantization="fp8")
+    float_weights = dict(models.from_pretrained(saved["llama"]).named_parameters())
+    ranks = [models.from_pretrained(saved["llama"], quantization="fp8", tp=TensorParallel(r, 2, group=object()))
+             for r in range(2)]
+    layer = "model.layers.1"
+    gate_up = [dict(m.named_modules())[f"{layer}.mlp.gate_up_proj"] for m in (full, *ranks)]
+    rows = gate_up[1].weight.shape[0] // 2  # this rank's gate rows (then as many up rows)
+    assert torch.equal(gate_up[1].weight[:rows].view(torch.uint8), gate_up[0].weight[:rows].view(torch.uint8))
+    assert torch.equal(gate_up[2].weight_scale[:rows], gate_up[0].weight_scale[rows:2 * rows])
+    down = [dict(m.named_modules())[f"{layer}.mlp.down_proj"] for m in ranks]
+    both = torch.cat([dequantize(d.weight, d.weight_scale, torch.float32) for d in down], dim=1)
+    want = float_weights[f"{layer}.mlp.down_proj.weight"]
+    assert ((both - want).abs() <= want.abs() * 2 ** -4 + 1e-6).all()
+    assert not torch.equal(down[0].weight_scale, down[1].weight_scale)
+
+    path = _write_fp8_checkpoint(saved["llama"], tmp_path / "ct", "compressed_tensors_channel")
+    stored = load_file(path / "model.safetensors")
+    shard = dict(models.from_pretrained(path, tp=TensorParallel(1, 2, group=object())).named_modules())
+    o_proj = shard[f"{layer}.self_attn.o_proj"]
+    file_o = stored[f"{layer}.self_attn.o_proj.weight"]
+    assert torch.equal(o_proj.weight.view(torch.uint8), file_o[:, file_o.shape[1] // 2:].view(torch.uint8))
+    assert torch.equal(o_proj.weight_scale, stored[f"{layer}.self_attn.o_proj.weight_scale"].flatten())
