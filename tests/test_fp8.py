@@ -22,11 +22,15 @@ from engine import LLM, ConfigError, EngineConfig, SamplingParams
 from tests.hf_helpers import random_hf_model
 
 
-def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+# The kernel tests run where the kernels do: the interpreter on the CPU, compiled on a GPU machine.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fp8_weight(n: int, k: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 weight whose rows have scales 50x apart (per-channel scales must be read per row)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.logspace(-1, 0.7, n)[:, None]
-    return quantize_rows(w)
+    return quantize_rows(w.to(device))
 
 
 def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -57,8 +61,8 @@ def test_rows_are_quantized_with_their_own_scale_and_round_trip_within_fp8_preci
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_fp8_gemv_matches_the_float64_reference(dtype, split_k):
     from custom_ops.triton_gemv import gemv
-    q, scale = _fp8_weight(20, 96, seed=1)
-    x = torch.randn(1, 96).to(dtype)
+    q, scale = _fp8_weight(20, 96, seed=1, device=DEVICE)
+    x = torch.randn(1, 96, device=DEVICE).to(dtype)
     got = gemv(x, q, GemvConfig(block_n=8, block_k=32, split_k=split_k), scale=scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), _reference(x, q, scale), rtol=2e-3, atol=2e-3)
@@ -66,8 +70,8 @@ def test_fp8_gemv_matches_the_float64_reference(dtype, split_k):
 
 def test_gated_fp8_gemv_reads_the_activation_and_the_scales():
     from custom_ops.triton_gemv import gemv
-    q, scale = _fp8_weight(12, 32, seed=2)
-    gate_up = torch.randn(1, 64)
+    q, scale = _fp8_weight(12, 32, seed=2, device=DEVICE)
+    gate_up = torch.randn(1, 64, device=DEVICE)
     got = gemv(gate_up, q, GemvConfig(block_n=4, block_k=16, split_k=2), gate="silu", scale=scale)
     torch.testing.assert_close(got.double(), _reference(act_and_mul_plain(gate_up, "silu"), q, scale),
                                rtol=1e-4, atol=1e-4)
@@ -79,16 +83,16 @@ def test_gated_fp8_gemv_reads_the_activation_and_the_scales():
 ])
 def test_fp8_skinny_gemm_matches_the_float64_reference(rows, dtype, config):
     from custom_ops.triton_skinny import skinny_gemm
-    q, scale = _fp8_weight(24, 64, seed=3)
-    x = torch.randn(rows, 64).to(dtype)
+    q, scale = _fp8_weight(24, 64, seed=3, device=DEVICE)
+    x = torch.randn(rows, 64, device=DEVICE).to(dtype)
     got = skinny_gemm(x, q, config, scale=scale)
     torch.testing.assert_close(got.double(), _reference(x, q, scale), rtol=2e-3, atol=2e-3)
 
 
 def test_fp8_gemv_with_16_rows_takes_the_dot_path():
     from custom_ops.triton_gemv import gemv
-    q, scale = _fp8_weight(16, 32, seed=4)
-    x = torch.randn(16, 32)
+    q, scale = _fp8_weight(16, 32, seed=4, device=DEVICE)
+    x = torch.randn(16, 32, device=DEVICE)
     got = gemv(x, q, GemvConfig(block_n=16, block_k=16, split_k=1), scale=scale)
     torch.testing.assert_close(got.double(), _reference(x, q, scale), rtol=1e-4, atol=1e-4)
 
@@ -97,8 +101,8 @@ def test_fp8_gemv_with_rotary_matches_the_projection_and_its_rotary_in_float64()
     from custom_ops.triton_gemv_rope import gemv_rope
     from tests.test_qkv_rope import reference as rope_reference, rope_tables
     hq, hkv, d = 4, 2, 16
-    q, scale = _fp8_weight((hq + 2 * hkv) * d + 5, 40, seed=8)
-    x = torch.randn(1, 40)
+    q, scale = _fp8_weight((hq + 2 * hkv) * d + 5, 40, seed=8, device=DEVICE)
+    x = torch.randn(1, 40, device=DEVICE)
     cos, sin = rope_tables(d, 37, torch.float32)
     got = gemv_rope(x, q, cos, sin, GemvConfig(block_n=8, block_k=16, num_warps=1), hq, hkv, scale)
     want = rope_reference(x, dequantize(q, scale, torch.float64), cos, sin, hq, hkv)
@@ -108,11 +112,11 @@ def test_fp8_gemv_with_rotary_matches_the_projection_and_its_rotary_in_float64()
 
 def test_kernels_refuse_a_scale_that_does_not_fit_the_weight():
     from custom_ops.triton_gemv import gemv
-    q, scale = _fp8_weight(8, 32, seed=5)
+    q, scale = _fp8_weight(8, 32, seed=5, device=DEVICE)
     with pytest.raises(ValueError, match="float32 scale"):
-        gemv(torch.randn(1, 32), q, GemvConfig(), scale=scale[:4])
+        gemv(torch.randn(1, 32, device=DEVICE), q, GemvConfig(), scale=scale[:4])
     with pytest.raises(ValueError, match="must match"):
-        gemv(torch.randn(1, 32), q, GemvConfig())  # an FP8 weight without its scale
+        gemv(torch.randn(1, 32, device=DEVICE), q, GemvConfig())  # an FP8 weight without its scale
 
 
 # --- the linear functions and ops on the CPU -----------------------------------------------------------
