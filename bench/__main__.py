@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-full-graph-compile", choices=("layered", "unsplit", "piecewise"),
                         help="decode: full_graph_<choice> rows from one more engine whose decode graphs record that "
                              "compile, beside the full_graph rows of --full-graph-compile (default: the engine's)")
+    parser.add_argument("--quantization", choices=("fp8",),
+                        help="decode, e2e, prefill: rows from engines over the same model with FP8 weights "
+                             "(EngineConfig.quantization), next to the model dtype's, with the FP8 floor")
     parser.add_argument("--tp-size", type=int, help="gemm: time the matmul shapes of one rank of N-way tensor "
                         "parallelism (default 1)")
     parser.add_argument("--candidates", choices=("tiles", "neighbours", "whole_k"), dest="candidate_set",

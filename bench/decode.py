@@ -7,6 +7,9 @@ Ours, through the engine's own runner (its static buffers and its full-decode gr
                with --decode-gemv, from an engine with EngineConfig.decode_gemv=False (cuBLAS only);
   full_graph_gemv  (--decode-gemv) the same from a second engine with EngineConfig.decode_gemv=True
                (the default): the Triton GEMV at batch 1 where custom_ops/gemv_table.py has the shape.
+  full_graph_fp8  (--quantization fp8) the decode graphs of one more engine over the same model with FP8
+               weights (EngineConfig.quantization="fp8", custom_ops/fp8.py); its floor_ms is the FP8
+               model's (its weight bytes), and vs_cublas_eager_rel_err compares with that FP8 model eager.
 Peers, same process, same GPU:
   ours_reduce_overhead  torch.compile(mode="reduce-overhead") on our model (Inductor + cudagraph trees);
   hf_eager              transformers' generate() (greedy, its default DynamicCache), as its users
@@ -100,13 +103,15 @@ def graph_replay_ms(runner, vocab_size: int, batch: int, context: int, iters: in
 
 def run(model: str, batches=None, contexts=None, peers: str | None = None, iters: int = 30,
         time_budget_s: float | None = None, full_graph_compile: str | None = None,
-        decode_gemv: bool = False, compare_full_graph_compile: str | None = None) -> Report:
+        decode_gemv: bool = False, compare_full_graph_compile: str | None = None,
+        quantization: str | None = None) -> Report:
     """peers: "all" (default), "eager" (transformers eager only) or "none".
     full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default).
     decode_gemv: compare the GEMV switch: the first engine runs cuBLAS only (decode_gemv=False) and
     the full_graph_gemv rows come from a second one with it on.
     compare_full_graph_compile: full_graph_<variant> rows from one more engine over the same model whose
-    decode graphs record that compile (e.g. "unsplit" beside the default "layered")."""
+    decode graphs record that compile (e.g. "unsplit" beside the default "layered").
+    quantization: "fp8" adds full_graph_fp8 rows (the model quantized in place after the other engines)."""
     from custom_ops import RuntimeMode
     from engine import LLM
 
@@ -124,8 +129,10 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
                        torch=torch.__version__, batches=batches, contexts=contexts)
     bw = ceilings.copy_bytes_per_s if ceilings else None
 
+    floor_costs = {}  # variant -> the ModelCost its floor reads, where it is not the model's as built
+
     def add(variant: str, b: int, c: int, ms: float) -> None:
-        floor = decode_floor_ms(cost, b, c + 1, bw) if bw else None
+        floor = decode_floor_ms(floor_costs.get(variant, cost), b, c + 1, bw) if bw else None
         report.add(variant=variant, batch=b, context=c, median_ms=ms, floor_ms=floor, x_floor=ratio(ms, floor),
                    tokens_per_s=b / ms * 1e3)
 
@@ -221,7 +228,19 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
         report.notes.append(f"{variant} rows: one more engine over the same model whose decode graphs record the "
                             f"{compare_full_graph_compile} compile (EngineConfig.full_graph_compile), replayed at "
                             "the same points")
+    if quantization:
+        from models import QUANTIZATIONS, quantize_fp8
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"decode: quantization {quantization!r} is not one of {QUANTIZATIONS}")
+        second_engines.append((f"full_graph_{quantization}", {"quantization": quantization}))
     for variant, overrides in second_engines:
+        if "quantization" in overrides:
+            quantize_fp8(net)  # in place, once the engines over the model as built are closed
+            floor_costs[variant] = model_cost(net)
+            report.meta["fp8_weight_bytes"] = floor_costs[variant].weight_bytes
+            report.notes.append(f"{variant} rows: one more engine over the same model quantized to FP8 "
+                                f"(EngineConfig.quantization): {floor_costs[variant].weight_bytes / 1e9:.3f} GB of "
+                                f"weights against {cost.weight_bytes / 1e9:.3f}, its floor_ms from those bytes")
         if not has_graphs:
             report.notes.append(f"{variant}: no decode graphs on this device, nothing to time")
         elif not deadline.allows(60):

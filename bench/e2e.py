@@ -15,6 +15,8 @@ and piecewise prefill graphs; max_num_seqs = the largest B):
                  (bench.decode.graph_replay_ms, the decode suite's full_graph row): the step without
                  the host around it
   floor_ms       (weights + B * K/V attended) / copy bandwidth at that context (bench.floors)
+  weights        the model dtype's name, or "fp8" for the rows of `--quantization fp8`: the same model
+                 with FP8 weights (EngineConfig.quantization), its floor from its own weight bytes
   hf_static_compiled_ms  transformers' generate(cache_implementation="static") with its
                  torch.compile(mode="reduce-overhead") decode step, per step at that context
                  (bench.hf_peers; one compile per batch, so only at --peer-batches)
@@ -53,7 +55,7 @@ PEER_SECONDS = 90        # what one such peer point needs on an H100 (compile + 
 PEER_LENGTHS = {"short": 8, "long": 40}
 WARMUP_TOKENS = 8
 
-COLUMNS = ["batch", "tokenizer", "stop_strings", "prompt_len", "context", "ttft_ms", "ttft_max_ms", "itl_ms",
+COLUMNS = ["batch", "weights", "tokenizer", "stop_strings", "prompt_len", "context", "ttft_ms", "ttft_max_ms", "itl_ms",
            "itl_all_ms", "output_tok_per_s", "graph_replay_ms", "floor_ms", "itl_x_floor", "replay_x_floor",
            "itl_x_replay", "hf_static_compiled_ms"]
 
@@ -88,12 +90,17 @@ def latencies(outputs) -> dict[str, float | None]:
 
 def run(model: str, batches=None, prompt_len: int | None = None, output_len: int | None = None,
         peers: str | None = None, peer_batches=None, time_budget_s: float | None = None, repeats: int = 2,
-        iters: int = 30, tokenizer: str | None = None, variants=None, **_: object) -> Report:
+        iters: int = 30, tokenizer: str | None = None, variants=None, quantization: str | None = None,
+        **_: object) -> Report:
     """peers: "all" (default: transformers static + compile at peer_batches) or "none"/"eager" (none).
     tokenizer: the directory of the tokenizer the engine holds (default bench/.tokenizer; "none": none);
-    variants: of bench.frontend.VARIANTS (default plain, tokenizer, stop)."""
+    variants: of bench.frontend.VARIANTS (default plain, tokenizer, stop). quantization "fp8": after
+    the rows of the model as built, the same rows from engines over the same model with FP8 weights."""
     from engine import LLM
+    from models import QUANTIZATIONS, quantize_fp8
 
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"e2e: quantization {quantization!r} is not one of {QUANTIZATIONS}")
     batches = parse_ints(batches, BATCHES)
     peer_batches = parse_ints(peer_batches, PEER_BATCHES)
     prompt_len = int(prompt_len or PROMPT_LEN)
@@ -122,44 +129,63 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
                           block_size=BLOCK_SIZE, show_progress=False)  # graphs and compile: the engine's defaults
     if (sizes := decode_graph_sizes(max_batch, batches)) is not None:
         engine_options["decode_graph_sizes"] = sizes
-    rows: dict[tuple[int, str], dict] = {}
-    replay: dict[int, float] = {}
+    rows: dict[tuple[int, str, str], dict] = {}
+    replay: dict[tuple[int, str], float] = {}
+    costs = {}
+    timed: set[str] = set()
     replay_note = None
-    for llm, group in engines(lambda t: LLM(net, tokenizer=t, **engine_options), chosen, tok):
-        for b in batches:
-            for v in group:
-                rows[b, v.name] = measure_generate(llm, v, b, prompt_len, output_len, repeats, vocab)
-        stats = llm.stats()
-        report.meta.setdefault("engine_stats", {})[
-            "tokenizer" if group[0].tokenizer else "plain"] = {k: v for k, v in stats.items() if k != "backend"}
-        if replay_note is None:  # the graphs are the same in every engine: time them once
-            replay, replay_note = _graph_replays(llm, batches, vocab, context, iters)
-            cfg = llm.config
-            report.notes.append(
-                f"{repeats} measured generate calls per batch size and variant (medians of their medians) after one "
-                f"warm-up call; prompts of {prompt_len} random tokens, {output_len} tokens out (ignore_eos); "
-                f"engine: compile {getattr(cfg, 'compile', '?')}, decode graphs {replay_note[1]}, prefill graphs "
-                f"{'on' if getattr(cfg, 'prefill_graphs', None) else 'off'}, max_num_batched_tokens "
-                f"{getattr(cfg, 'max_num_batched_tokens', '?')}; steps by mode {stats.get('modes')}, "
-                f"fallbacks {stats.get('fallbacks')}")
-            if replay_note[0]:
-                report.notes.append(replay_note[0])
+    dtype_name = str(net.config.dtype).removeprefix("torch.")
+    for weights in (dtype_name,) + ((quantization,) if quantization else ()):
+        if weights == "fp8":
+            quantize_fp8(net)  # in place: the bf16 engines are closed
+            report.meta["fp8_weight_bytes"] = model_cost(net).weight_bytes
+        costs[weights] = model_cost(net)
+        options = dict(engine_options, **({"quantization": weights} if weights == "fp8" else {}))
+        for llm, group in engines(lambda t: LLM(net, tokenizer=t, **options), chosen, tok):
+            for b in batches:
+                for v in group:
+                    rows[b, v.name, weights] = measure_generate(llm, v, b, prompt_len, output_len, repeats, vocab)
+            stats = llm.stats()
+            key = ("tokenizer" if group[0].tokenizer else "plain") + ("" if weights == dtype_name else f"_{weights}")
+            report.meta.setdefault("engine_stats", {})[key] = {k: v for k, v in stats.items() if k != "backend"}
+            if weights not in timed:  # the graphs are the same in every engine over one set of weights
+                timed.add(weights)
+                times, note = _graph_replays(llm, batches, vocab, context, iters)
+                replay.update({(b, weights): ms for b, ms in times.items()})
+                if replay_note is None:
+                    replay_note = note
+                    cfg = llm.config
+                    report.notes.append(
+                        f"{repeats} measured generate calls per batch size and variant (medians of their medians) "
+                        f"after one warm-up call; prompts of {prompt_len} random tokens, {output_len} tokens out "
+                        f"(ignore_eos); engine: compile {getattr(cfg, 'compile', '?')}, decode graphs {note[1]}, "
+                        f"prefill graphs {'on' if getattr(cfg, 'prefill_graphs', None) else 'off'}, "
+                        f"max_num_batched_tokens {getattr(cfg, 'max_num_batched_tokens', '?')}; steps by mode "
+                        f"{stats.get('modes')}, fallbacks {stats.get('fallbacks')}")
+                    if note[0]:
+                        report.notes.append(note[0])
+    if quantization:
+        report.notes.append(f"weights {quantization}: the same model with EngineConfig.quantization={quantization!r} "
+                            f"({report.meta['fp8_weight_bytes'] / 1e9:.3f} GB of weights against "
+                            f"{cost.weight_bytes / 1e9:.3f}); its floor_ms from those bytes")
     report.notes.append(frontend_note(chosen, tok_dir, tok))
     del net
     torch._dynamo.reset()
     free_device_memory()
 
     hf_ms = _hf_static_peer(report, model, [b for b in batches if b in peer_batches], context, peers, deadline)
-    for b in batches:
-        for v in chosen:
-            r = rows[b, v.name]
-            floor = decode_floor_ms(cost, b, context + 1, bw) if bw else None
-            report.add(batch=b, **v.row(), prompt_len=prompt_len, context=context, ttft_ms=r["ttft_ms"],
-                       ttft_max_ms=r["ttft_max_ms"], itl_ms=r["itl_ms"], itl_all_ms=r["itl_all_ms"],
-                       output_tok_per_s=r["output_tok_per_s"], graph_replay_ms=replay.get(b), floor_ms=floor,
-                       itl_x_floor=ratio(r["itl_ms"], floor), replay_x_floor=ratio(replay.get(b), floor),
-                       itl_x_replay=ratio(r["itl_ms"], replay.get(b)),
-                       hf_static_compiled_ms=hf_ms.get(b) if v is chosen[0] else None)
+    for weights, weights_cost in costs.items():
+        for b in batches:
+            for v in chosen:
+                r = rows[b, v.name, weights]
+                floor = decode_floor_ms(weights_cost, b, context + 1, bw) if bw else None
+                step = replay.get((b, weights))
+                report.add(batch=b, weights=weights, **v.row(), prompt_len=prompt_len, context=context,
+                           ttft_ms=r["ttft_ms"], ttft_max_ms=r["ttft_max_ms"], itl_ms=r["itl_ms"],
+                           itl_all_ms=r["itl_all_ms"], output_tok_per_s=r["output_tok_per_s"], graph_replay_ms=step,
+                           floor_ms=floor, itl_x_floor=ratio(r["itl_ms"], floor), replay_x_floor=ratio(step, floor),
+                           itl_x_replay=ratio(r["itl_ms"], step),
+                           hf_static_compiled_ms=hf_ms.get(b) if v is chosen[0] and weights == dtype_name else None)
     return report
 
 

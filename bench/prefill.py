@@ -32,6 +32,11 @@ Engine row: what users run, through the public API only (engine.LLM, SamplingPar
                                  host_us_per_layer is it over the decoder layers
   engine_full       the same with cudagraph_mode FULL: the prefill replays one graph of the whole
                     forward (engine.worker.mixed_graphs), no launch between pieces
+  engine_fp8        (--quantization fp8) the engine row over the same model with FP8 weights
+                    (EngineConfig.quantization; above 64 rows the weight dequantized + cuBLAS, the
+                    default), and engine_fp8_scaled_mm the same with INFER_GRAPHS_FP8_LARGE=scaled_mm
+                    (torch._scaled_mm, activations quantized per token); floors from the FP8 weight
+                    bytes and the bf16 matmul rate
 Floor = max(weight bytes / copy bandwidth, (2 * matmul params * T + logits) / matmul rate).
 
 Cost on an H100 (expected, qwen3-4b, --tokens 64,128,512): the harness ~1.5-2 min (one compile, captures
@@ -40,7 +45,9 @@ and decode graph captures; then a few seconds of prefills): about 3-4 minutes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import statistics
 import time
 
@@ -64,7 +71,8 @@ ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len is min(the mod
 logger = logging.getLogger("bench")
 
 
-def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_: object) -> Report:
+def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, quantization: str | None = None,
+        **_: object) -> Report:
     from compile_backend import BackendConfig, InferGraphsBackend, mark_token_dim
     from custom_ops import RuntimeMode
 
@@ -80,9 +88,11 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
                        matmul_flops_per_s=ceilings.matmul_flops_per_s if ceilings else None,
                        torch=torch.__version__)
     results: dict[tuple[str, int], float] = {}
+    floor_costs = {}  # variant -> the ModelCost its floor reads, where it is not the model's as built
 
     def add(variant: str, t: int, ms: float) -> None:
-        floor = prefill_floor_ms(cost, t, ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s) if ceilings else None
+        floor = prefill_floor_ms(floor_costs.get(variant, cost), t, ceilings.copy_bytes_per_s,
+                                 ceilings.matmul_flops_per_s) if ceilings else None
         results[(variant, t)] = ms
         report.add(variant=variant, tokens=t, median_ms=ms, floor_ms=floor, x_floor=ratio(ms, floor),
                    tokens_per_s=t / ms * 1e3)
@@ -162,8 +172,21 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
         free_device_memory()
 
     # on the CPU every mode resolves to NONE: one engine row
-    for variant, mode in (ENGINE_VARIANTS if on_cuda else {"engine": None}).items():
-        engine = engine_prefill(net, tokens, iters, report, mode)
+    variants = [(variant, mode, None) for variant, mode in (ENGINE_VARIANTS if on_cuda else {"engine": None}).items()]
+    if quantization:
+        variants.append((f"engine_{quantization}", None, None))
+        if on_cuda:  # on the CPU every FP8 matmul dequantizes: the row would repeat engine_fp8
+            variants.append((f"engine_{quantization}_scaled_mm", None, "scaled_mm"))
+    for variant, mode, large in variants:
+        if variant.startswith("engine_fp8") and not floor_costs:
+            from models import quantize_fp8
+            quantize_fp8(net)  # in place, once the engines over the model as built are closed
+            floor_costs.update({f"engine_{quantization}": model_cost(net),
+                                f"engine_{quantization}_scaled_mm": model_cost(net)})
+            report.meta["fp8_weight_bytes"] = model_cost(net).weight_bytes
+        with _fp8_large(large):
+            engine = engine_prefill(net, tokens, iters, report, mode,
+                                    quantization if variant.startswith("engine_fp8") else None)
         torch._dynamo.reset()
         free_device_memory()
         for t, m in sorted(engine.items()):
@@ -185,10 +208,29 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, **_:
     return report
 
 
-def engine_prefill(net, tokens, iters: int, report: Report, mode: str | None = None) -> dict[int, dict]:
+@contextlib.contextmanager
+def _fp8_large(method: str | None):
+    """INFER_GRAPHS_FP8_LARGE=method inside the block (custom_ops.gemv_table.fp8_large_method)."""
+    from custom_ops.gemv_table import FP8_LARGE_ENV
+    previous = os.environ.get(FP8_LARGE_ENV)
+    if method is not None:
+        os.environ[FP8_LARGE_ENV] = method
+    try:
+        yield
+    finally:
+        if method is not None:
+            if previous is None:
+                os.environ.pop(FP8_LARGE_ENV, None)
+            else:
+                os.environ[FP8_LARGE_ENV] = previous
+
+
+def engine_prefill(net, tokens, iters: int, report: Report, mode: str | None = None,
+                   quantization: str | None = None) -> dict[int, dict]:
     """The engine row per token count (see the module docstring): an LLM over `net` with the engine's
-    defaults (cudagraph_mode `mode` where given) and prefix caching off, through its public API only;
-    closed before this returns. Token counts the engine refuses are left out, with a note."""
+    defaults (cudagraph_mode `mode` where given, EngineConfig.quantization `quantization`) and prefix
+    caching off, through its public API only; closed before this returns. Token counts the engine
+    refuses are left out, with a note."""
     from engine import LLM, InvalidRequestError, SamplingParams
 
     on_cuda = torch.cuda.is_available()
@@ -214,6 +256,8 @@ def engine_prefill(net, tokens, iters: int, report: Report, mode: str | None = N
     fields = dict(enable_prefix_caching=False, show_progress=False)  # the rest: the engine's defaults
     if mode is not None:
         fields["cudagraph_mode"] = mode
+    if quantization is not None:
+        fields["quantization"] = quantization
     if max(tokens) > ENGINE_MAX_MODEL_LEN:
         fields["max_model_len"] = max(tokens)
     llm = LLM(net, **fields)

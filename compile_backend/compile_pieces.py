@@ -25,8 +25,9 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from compile_backend.split import SplitGraph, op_name
-from custom_ops.linear import gated_linear_plain  # downward imports: the graph-only ops' plain forms
-from custom_ops.qkv_rope import linear_rope_plain
+from custom_ops.fp8 import fp8_linear_plain  # downward imports: the graph-only ops' plain forms
+from custom_ops.linear import gated_linear_fp8_plain, gated_linear_plain
+from custom_ops.qkv_rope import linear_rope_fp8_plain, linear_rope_plain
 
 
 def _direct_impls() -> dict[str, Callable[..., Any]]:
@@ -95,11 +96,15 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
 # graph would call it through the dispatcher, ~20 us of host time per linear, where Inductor's own
 # matmul costs a few.
 # `infer::gated_linear` likewise (the activation inside the GEMV); its plain form lets Inductor fuse
-# the activation as it always did. Each: (plain equivalent, the op's argument names in order).
-_GRAPH_ONLY_OPS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
-    "infer::linear": (torch.ops.aten.linear.default, ("x", "weight", "bias")),
-    "infer::gated_linear": (gated_linear_plain, ("gate_up", "weight", "activation")),
-    "infer::linear_rope": (linear_rope_plain, ("x", "weight", "bias", "cos", "sin", "num_heads", "num_kv_heads")),
+# the activation as it always did. Each: (plain equivalent, its form for an FP8 weight, the op's
+# argument names in order). Each op takes an optional last `weight_scale`, an FP8 weight's scale per
+# row (custom_ops.fp8): given, the node lowers to the FP8 form (the weight dequantized, or
+# torch._scaled_mm), which takes it as its last argument.
+_GRAPH_ONLY_OPS: dict[str, tuple[Callable[..., Any], Callable[..., Any], tuple[str, ...]]] = {
+    "infer::linear": (torch.ops.aten.linear.default, fp8_linear_plain, ("x", "weight", "bias")),
+    "infer::gated_linear": (gated_linear_plain, gated_linear_fp8_plain, ("gate_up", "weight", "activation")),
+    "infer::linear_rope": (linear_rope_plain, linear_rope_fp8_plain,
+                           ("x", "weight", "bias", "cos", "sin", "num_heads", "num_kv_heads")),
 }
 
 
@@ -114,11 +119,16 @@ def lower_graph_only_ops(gm: torch.fx.GraphModule) -> int:
         entry = _GRAPH_ONLY_OPS.get(name.split(".")[0] if name else "")
         if entry is None:
             continue
-        plain, names = entry
+        plain, fp8_plain, names = entry
+        names = (*names, "weight_scale")
         args = list(node.args) + [None] * (len(names) - len(node.args))
         for i, key in enumerate(names):
             if key in node.kwargs:
                 args[i] = node.kwargs[key]
+        scale = args.pop()
+        if scale is not None:
+            plain = fp8_plain
+            args.append(scale)
         node.target, node.args, node.kwargs = plain, tuple(args), {}
         lowered += 1
     if lowered:

@@ -170,3 +170,63 @@ def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str,
         return None
     bucket = next(b for b in ROW_BUCKETS if rows <= b)
     return tables.skinny.get((n, k), {}).get(bucket)
+
+
+# FP8 weights (custom_ops.fp8: float8_e4m3fn matrices, a float32 scale per row, activations in bf16 /
+# fp16). Up to 64 rows the Triton GEMV / skinny GEMM read the FP8 bytes and widen them in registers;
+# their tiles come from FP8_GEMV_CONFIGS / FP8_SKINNY_CONFIGS (nothing measured yet), else from the
+# bf16 table's Triton entry for the shape (the same loop over half the bytes), else from the defaults
+# below. Above 64 rows: FP8_LARGE_METHODS per (N, K), else FP8_LARGE_DEFAULT, either DEQUANT (the
+# weight widened to the activation dtype, then cuBLAS) or SCALED_MM (torch._scaled_mm on FP8 tensor
+# cores, activations quantized per token); the environment variable INFER_GRAPHS_FP8_LARGE
+# (dequant | scaled_mm) overrides every shape, for benchmarking. Dequantizing is the default until a
+# benchmark shows otherwise: it is exact in the weights' FP8 values, where per-token activation
+# quantization adds an error the accuracy goals would have to absorb.
+DEQUANT = "dequant"
+SCALED_MM = "scaled_mm"
+FP8_LARGE_CHOICES = (DEQUANT, SCALED_MM)
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 conversions and tensor cores: Ada / Hopper and newer
+FP8_GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+FP8_SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+FP8_GEMV_DEFAULT = GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4)
+FP8_SKINNY_DEFAULT = GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4)
+FP8_LARGE_METHODS: dict[tuple[int, int], str] = {}
+FP8_LARGE_DEFAULT = DEQUANT
+FP8_LARGE_ENV = "INFER_GRAPHS_FP8_LARGE"
+
+
+# A constant of the trace where Dynamo meets it (an FP8 layer traced without the op): configuration,
+# read once per compile, never a guard or a graph break.
+@torch.compiler.assume_constant_result
+def fp8_large_method(n: int, k: int, dtype: torch.dtype, device_type: str, device_index: int | None = None,
+                     capability: tuple[int, int] | None = None) -> str:
+    """DEQUANT or SCALED_MM for an FP8 weight [N, K] above the Triton kernels' rows. SCALED_MM only where
+    torch._scaled_mm's row-wise scaling runs: CUDA of capability 9.0 or newer, bf16 activations, N and K
+    multiples of 16."""
+    import os
+    method = os.environ.get(FP8_LARGE_ENV) or FP8_LARGE_METHODS.get((n, k), FP8_LARGE_DEFAULT)
+    if method not in FP8_LARGE_CHOICES:
+        raise ValueError(f"{FP8_LARGE_ENV}={method!r} is not one of {', '.join(FP8_LARGE_CHOICES)}")
+    if method == SCALED_MM and (device_type != "cuda" or dtype != torch.bfloat16 or n % 16 or k % 16
+                                or (capability or device_capability(device_index)) < (9, 0)):
+        return DEQUANT
+    return method
+
+
+def fp8_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str, device_index: int | None = None,
+               capability: tuple[int, int] | None = None) -> GemvConfig | str:
+    """How x [rows, K] @ fp8_weight[N, K]^T (times its row scales) runs, the one place that decides:
+    the Triton GEMV's (1 row) or skinny GEMM's (2-64 rows) config on a CUDA GPU with FP8 conversions
+    and bf16 / fp16 activations, else fp8_large_method's DEQUANT or SCALED_MM."""
+    if device_type == "cuda" and dtype in GEMV_DTYPES and 1 <= rows <= ROW_BUCKETS[-1]:
+        capability = capability or device_capability(device_index)
+        if capability >= FP8_MIN_CAPABILITY:
+            tables = TABLES.get(capability, _UNTUNED)
+            if rows == 1:
+                bf16 = tables.gemv.get((n, k))
+                return FP8_GEMV_CONFIGS.get((n, k)) or bf16 or FP8_GEMV_DEFAULT
+            bucket = next(b for b in ROW_BUCKETS if rows <= b)
+            bf16 = tables.skinny.get((n, k), {}).get(bucket)
+            return (FP8_SKINNY_CONFIGS.get((n, k), {}).get(bucket)
+                    or (bf16 if isinstance(bf16, GemvConfig) else None) or FP8_SKINNY_DEFAULT)
+    return fp8_large_method(n, k, dtype, device_type, device_index, capability)

@@ -18,6 +18,11 @@ A step that ran the op without a graph would call it through torch's custom-op d
 host time per linear (4 per layer), where Inductor's own matmul costs a few; so the
 backend rewrites it into aten.linear in the pieces when FULL steps have their own code for the decode
 graphs (compile_backend.compile_pieces.lower_graph_only_ops), and graph replays pay nothing.
+
+FP8 weights (custom_ops.fp8): `linear` and `gated_linear` take an optional `weight_scale`, the float32
+scale per row of a float8_e4m3fn weight; given, the matmul is custom_ops.fp8.run_fp8_linear (the FP8
+GEMV / skinny GEMM up to 64 rows, dequantize + cuBLAS or torch._scaled_mm above), and the lowered form
+in the pieces is custom_ops.fp8.fp8_linear_plain.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from custom_ops.fp8 import fp8_linear_plain, run_fp8_linear
 from custom_ops.gemv_table import CUBLASLT, GemvConfig, gemv_config
 
 
@@ -77,12 +83,18 @@ def argmax_key_tiles(rows: int, weight: torch.Tensor, dtype: torch.dtype, device
 
 
 def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The op's implementation, callable directly by eager code. `out`: for a 2-D x and no bias, a
     [rows, N] buffer the matmul writes itself and that is returned (the decode graphs' static logits:
     no copy pass over the vocabulary). `keys`: with `out`, an int64 [rows, argmax_key_tiles(...)] the
     matmul fills with its tiles' argmax keys (custom_ops.triton_argmax.argmax_of_keys: the greedy token
-    without reading the logits again)."""
+    without reading the logits again). `weight_scale`: weight is FP8 with this scale per row
+    (custom_ops.fp8; no keys)."""
+    if weight_scale is not None:
+        if keys is not None:
+            raise ValueError("custom_ops.linear: argmax keys are not stored for an FP8 weight")
+        return run_fp8_linear(x, weight, weight_scale, bias, out)
     n, k = weight.shape
     if out is not None and (bias is not None or x.dim() != 2):
         raise ValueError(f"custom_ops.linear: `out` needs a 2-D x and no bias (x {tuple(x.shape)}, "
@@ -110,13 +122,25 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if out is not None else y.view(*x.shape[:-1], n)
 
 
-def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What a model calls for a switched-on matmul: the op while Dynamo traces (opaque, so the choice
     is made when the graph runs), the implementation itself when eager (no dispatcher on the host path,
-    ~20 us per call)."""
+    ~20 us per call). `weight_scale`: an FP8 weight's scale per row."""
     if torch.compiler.is_compiling():
-        return torch.ops.infer.linear(x, weight, bias)
-    return run_linear(x, weight, bias)
+        if weight_scale is None:  # the graph of a bf16 model stays as it was
+            return torch.ops.infer.linear(x, weight, bias)
+        return torch.ops.infer.linear(x, weight, bias, weight_scale)
+    return run_linear(x, weight, bias, weight_scale=weight_scale)
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  weight_scale: torch.Tensor) -> torch.Tensor:
+    """An FP8 linear layer that is not switched to the op (decode_gemv off): traced, the plain form
+    (Inductor lowers it with the rest); eager, the implementation (the FP8 GEMV where it runs)."""
+    if torch.compiler.is_compiling():
+        return fp8_linear_plain(x, weight, bias, weight_scale)
+    return run_fp8_linear(x, weight, weight_scale, bias)
 
 
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -189,16 +213,25 @@ def gated_linear_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: 
     return F.linear(torch.ops.infer.act_and_mul(gate_up, activation), weight)
 
 
-def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_linear_fp8_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
+                           weight_scale: torch.Tensor) -> torch.Tensor:
+    """gated_linear_plain for an FP8 weight (custom_ops.fp8.fp8_linear_plain for the matmul)."""
+    return fp8_linear_plain(torch.ops.infer.act_and_mul(gate_up, activation), weight, None, weight_scale)
+
+
+def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
+                     weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`act(gate) @ weight^T * up` for gate_up [..., 2K], weight [N, K]: the down projection of a gated
     MLP with its activation inside the Triton GEMV where `run_linear` would run the GEMV (one row,
     a measured shape); elsewhere one act-and-multiply launch on CUDA (torch's two on the CPU) and the
-    matmul, as before."""
+    matmul, as before. `weight_scale`: an FP8 weight's scale per row (custom_ops.fp8)."""
     n, k = weight.shape
     _check_activation("gated_linear", activation)
     if gate_up.shape[-1] != 2 * k:
         raise ValueError(f"custom_ops.gated_linear: gate_up {tuple(gate_up.shape)} must end in 2 * K = {2 * k} "
                          f"for weight {tuple(weight.shape)}")
+    if weight_scale is not None:
+        return run_fp8_linear(gate_up, weight, weight_scale, gate=activation)
     rows = gate_up.numel() // max(2 * k, 1)
     config = table_config(gate_up, weight, rows)
     if config is None and not gate_up.is_cuda:
@@ -214,29 +247,36 @@ def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: st
     return y.view(*gate_up.shape[:-1], n)
 
 
-def gated_gemv_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_gemv_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
+                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What a model calls for a switched-on gated down projection: the op while Dynamo traces, the
     implementation itself when eager."""
     if torch.compiler.is_compiling():
-        return torch.ops.infer.gated_linear(gate_up, weight, activation)
-    return run_gated_linear(gate_up, weight, activation)
+        if weight_scale is None:
+            return torch.ops.infer.gated_linear(gate_up, weight, activation)
+        return torch.ops.infer.gated_linear(gate_up, weight, activation, weight_scale)
+    return run_gated_linear(gate_up, weight, activation, weight_scale)
 
 
 @torch.library.custom_op("infer::gated_linear", mutates_args=())
-def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    return run_gated_linear(gate_up, weight, activation)
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
+                 weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return run_gated_linear(gate_up, weight, activation, weight_scale)
 
 
 @gated_linear.register_fake
-def _gated_linear_fake(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+def _gated_linear_fake(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
+                       weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("infer::linear", mutates_args=())
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return run_linear(x, weight, bias)
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return run_linear(x, weight, bias, weight_scale=weight_scale)
 
 
 @decode_linear.register_fake
-def _decode_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _decode_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

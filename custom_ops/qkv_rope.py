@@ -9,6 +9,9 @@ gap fewer per layer of a batch-1 decode step). Everywhere else it runs the two o
 as the model ran them before. Like `infer.linear` the op is opaque to Dynamo, and the compile backend
 rewrites it into its plain form (`linear_rope_plain`) in the pieces when FULL steps have their own
 code (compile_backend.compile_pieces.lower_graph_only_ops).
+
+`weight_scale`: an FP8 weight's float32 scale per row (custom_ops.fp8); the one-launch kernel reads
+the FP8 weight where the FP8 table (custom_ops.gemv_table.fp8_config) picks a GEMV tile that fits.
 """
 from __future__ import annotations
 
@@ -17,15 +20,22 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from custom_ops.gemv_table import GemvConfig
+from custom_ops.gemv_table import GemvConfig, fp8_config
+from custom_ops.fp8 import fp8_linear_plain
 from custom_ops.linear import run_linear, table_config
 from custom_ops.rope import check_rope_tables, run_qk_norm_rope
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  head_dim: int) -> GemvConfig | None:
+                  head_dim: int, weight_scale: torch.Tensor | None = None) -> GemvConfig | None:
     """The GEMV tile the one-launch path runs with, or None for the two ops."""
-    config = table_config(x, weight, 1) if bias is None and x.shape[0] == 1 else None
+    if bias is not None or x.shape[0] != 1:
+        return None
+    if weight_scale is None:
+        config = table_config(x, weight, 1)
+    else:
+        choice = fp8_config(1, *weight.shape, x.dtype, x.device.type, x.device.index)
+        config = choice if isinstance(choice, GemvConfig) else None
     if config is None:
         return None
     from custom_ops.triton_gemv_rope import fits  # lazy: Triton only where a GEMV runs
@@ -46,19 +56,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 def run_linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                    sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's implementation, callable directly by eager code."""
     head_dim = _check(x, weight, cos, sin, num_heads, num_kv_heads)
-    config = _fused_config(x, weight, bias, head_dim)
+    config = _fused_config(x, weight, bias, head_dim, weight_scale)
     if config is None:
-        qkv = run_linear(x, weight, bias)
+        qkv = run_linear(x, weight, bias, weight_scale=weight_scale)
         q, k = run_qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
         return qkv, q, k
     from custom_ops.triton_gemv_rope import gemv_rope
     x = x if x.stride(-1) == 1 else x.contiguous()
     half = head_dim // 2
-    return gemv_rope(x, weight, cos.reshape(half), sin.reshape(half), config, num_heads, num_kv_heads)
+    return gemv_rope(x, weight, cos.reshape(half), sin.reshape(half), config, num_heads, num_kv_heads, weight_scale)
 
 
 def linear_rope_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
@@ -71,16 +81,26 @@ def linear_rope_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return qkv, q, k
 
 
+def linear_rope_fp8_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                          sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear_rope_plain for an FP8 weight (custom_ops.fp8.fp8_linear_plain for the projection)."""
+    qkv = fp8_linear_plain(x, weight, bias, weight_scale)
+    q, k = torch.ops.infer.qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
+    return qkv, q, k
+
+
 @torch.library.custom_op("infer::linear_rope", mutates_args=())
 def linear_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor,
-                   sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: Optional[torch.Tensor] = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return run_linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads)
+    return run_linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads, weight_scale)
 
 
 @linear_rope_op.register_fake
 def _linear_rope_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor,
                       sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      weight_scale: Optional[torch.Tensor] = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     head_dim = _check(x, weight, cos, sin, num_heads, num_kv_heads)
     tokens = x.shape[0]
@@ -89,9 +109,11 @@ def _linear_rope_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a model calls: the op while Dynamo traces, the implementation itself when eager."""
     if torch.compiler.is_compiling():
-        return torch.ops.infer.linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads)
-    return run_linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads)
+        if weight_scale is None:
+            return torch.ops.infer.linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads)
+        return torch.ops.infer.linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads, weight_scale)
+    return run_linear_rope(x, weight, bias, cos, sin, num_heads, num_kv_heads, weight_scale)

@@ -59,11 +59,15 @@ def load_x(ptrs, mask, K, GATE: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr,
+    x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
+    # SCALED: w holds FP8 (float8_e4m3fn) values and scale_ptr one float32 scale per weight row; the
+    # products accumulate from the FP8 values widened in registers, and the sum is scaled once (a
+    # split's partial is scaled before it is stored: the scale is per row, the sum over K linear).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,6 +100,8 @@ def _gemv_kernel(
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # every load is issued: the next kernel may be scheduled
         acc = tl.sum(acc_k, 1)[None, :]
+        if SCALED:
+            acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         mn_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptr + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
@@ -116,7 +122,8 @@ def _gemv_kernel(
                 if USE_DOT:
                     x = load_x(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
                                m_mask[:, None] & k_mask[None, :], K, GATE)
-                    acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+                    # FP8 values are exact in x's dtype: the MMA reads both operands in it
+                    acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
                 else:
                     w32 = w.to(tl.float32)
                     for i in tl.static_range(BLOCK_M):
@@ -125,6 +132,8 @@ def _gemv_kernel(
                                      GATE).to(tl.float32)
                         row = tl.sum(w32 * x_i[None, :], 1)
                         acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == i, row[None, :], 0.0)
+            if SCALED:
+                acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
             mn_mask = m_mask[:, None] & n_mask[None, :]
             out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
             if SPLIT_K == 1:
@@ -193,15 +202,26 @@ _PARTIAL_BOUND_FLOATS = 1 << 20
 _ARRIVAL_BOUND = 1 << 14
 
 
-def check_operands(op: str, x: torch.Tensor, weight: torch.Tensor, gate: str | None) -> None:
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+
+
+def check_operands(op: str, x: torch.Tensor, weight: torch.Tensor, gate: str | None,
+                   scale: torch.Tensor | None = None) -> None:
     """A named error for operands the matmul kernels cannot read: x [M, K] (or [M, 2K] = [gate | up]
-    with `gate`) and a row-major weight [N, K] of x's dtype."""
+    with `gate`) and a row-major weight [N, K] of x's dtype, or with `scale` a float8_e4m3fn weight
+    and its float32 scale per row [N]."""
     if gate not in GATES:
         raise ValueError(f"{op}: gate {gate!r} is not one of {sorted(g for g in GATES if g)} or None")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if gate else 1):
         raise ValueError(f"{op} needs x [M, {'2K' if gate else 'K'}] and weight [N, K], got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
+    if scale is not None:
+        if weight.dtype != FP8_WEIGHT_DTYPE or scale.dtype != torch.float32 or scale.shape != (weight.shape[0],) \
+                or scale.stride(0) != 1:
+            raise ValueError(f"{op}: a scaled weight must be float8_e4m3fn [N, K] with a contiguous float32 scale "
+                             f"[N], got weight {weight.dtype} {tuple(weight.shape)}, scale {scale.dtype} "
+                             f"{tuple(scale.shape)}")
+    elif x.dtype != weight.dtype:
         raise ValueError(f"{op}: x is {x.dtype} and weight {weight.dtype}; they must match")
     if weight.stride(1) != 1:
         raise ValueError(f"{op}: weight needs a contiguous last dimension (a [N, K] row-major matrix)")
@@ -233,11 +253,14 @@ def split_workspaces(device: torch.device, split_k: int, m: int, n: int, tiles_n
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-         out: torch.Tensor | None = None, gate: str | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, gate: str | None = None,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation).
     `gate` ("silu", "gelu_tanh"): x is [M, 2K], a gate and an up half, and the matmul reads
-    act(gate) * up (a gated MLP's down projection, its activation in the same kernel)."""
-    check_operands("gemv", x, weight, gate)
+    act(gate) * up (a gated MLP's down projection, its activation in the same kernel).
+    `scale`: weight is float8_e4m3fn and row n of the product is multiplied by scale[n] (FP8 weights,
+    weight-only: x stays in its dtype, custom_ops.fp8)."""
+    check_operands("gemv", x, weight, gate, scale)
     cfg = config or GemvConfig()
     x = x if x.stride(1) == 1 else x.contiguous()
     m = x.shape[0]
@@ -254,9 +277,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     parts, arrivals = split_workspaces(x.device, cfg.split_k, m, n, tiles_n, out)
     pdl = launch_with_pdl(x.device)
     _gemv_kernel[(tiles_n, cfg.split_k)](
-        x, weight, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out if scale is None else scale, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         USE_DOT=block_m >= 16, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, GATE=GATES[gate],
+        SCALED=scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_options(pdl),
     )
     return out

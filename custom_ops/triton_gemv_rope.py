@@ -28,10 +28,11 @@ from custom_ops.triton_common import cdiv
 
 @triton.jit
 def _gemv_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, qkv_ptr, q_ptr, k_ptr, N, K, stride_wn,
+    x_ptr, w_ptr, scale_ptr, cos_ptr, sin_ptr, qkv_ptr, q_ptr, k_ptr, N, K, stride_wn,
     NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # SCALED: FP8 weights (custom_ops.fp8), widened in registers, each row's sum times its scale
     pid = tl.program_id(0)
     tiles_per_head: tl.constexpr = HALF // HALF_N
     rotated = pid < NUM_HEADS * tiles_per_head
@@ -70,8 +71,13 @@ def _gemv_rope_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # every load is issued: the next kernel may be scheduled
     dtype = qkv_ptr.dtype.element_ty
-    y1 = tl.sum(acc1, 1).to(dtype)
-    y2 = tl.sum(acc2, 1).to(dtype)
+    sum1 = tl.sum(acc1, 1)
+    sum2 = tl.sum(acc2, 1)
+    if SCALED:
+        sum1 = sum1 * tl.load(scale_ptr + rows1, mask=mask1, other=0.0)
+        sum2 = sum2 * tl.load(scale_ptr + rows2, mask=mask2, other=0.0)
+    y1 = sum1.to(dtype)
+    y2 = sum2.to(dtype)
     tl.store(qkv_ptr + rows1, y1, mask=mask1)
     tl.store(qkv_ptr + rows2, y2, mask=mask2)
     if rotated:
@@ -98,10 +104,12 @@ def fits(config: GemvConfig, head_dim: int) -> bool:
 
 
 def gemv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config: GemvConfig,
-              num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              num_heads: int, num_kv_heads: int, scale: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qkv [1, N], q [1, num_heads, D], k [1, num_kv_heads, D]) for one row x [1, K] (last dim
     contiguous), weight [N, K] (row-major), and cos / sin [D / 2] for that row's position. The caller
-    has checked the shapes and that the config `fits`."""
+    has checked the shapes and that the config `fits`. `scale`: weight is float8_e4m3fn with this
+    float32 scale per row (custom_ops.fp8)."""
     n, k_dim = weight.shape
     head_dim = 2 * cos.shape[-1]
     heads = num_heads + num_kv_heads
@@ -113,9 +121,9 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     grid = (rotated_programs + cdiv(n - heads * head_dim, config.block_n),)
     pdl = launch_with_pdl(x.device)
     _gemv_rope_kernel[grid](
-        x, weight, cos, sin, qkv, q, k, n, k_dim, weight.stride(0),
+        x, weight, qkv if scale is None else scale, cos, sin, qkv, q, k, n, k_dim, weight.stride(0),
         NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_N=half_n,
-        BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.block_k, PDL=pdl, SCALED=scale is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(pdl),
     )
     return qkv, q, k

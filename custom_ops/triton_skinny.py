@@ -46,12 +46,15 @@ W_LEFT_ROWS = 64
 # start-up, per table entry, for no change in the generated loads (rows are masked either way).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr, keys_ptr,
+    x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, arrivals_ptr, keys_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_LEFT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    KEYS: tl.constexpr,
+    KEYS: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # SCALED: w holds FP8 (float8_e4m3fn) values, widened to x's dtype in registers (exact) for the
+    # MMA, and scale_ptr one float32 scale per weight row, applied once to the float32 sum (to each
+    # split's partial before it is stored: the scale is per row, the sum over K linear).
     # KEYS (one split): the tile's argmax key per row of x, of the values as stored, into
     # keys[M, tiles] (custom_ops.triton_argmax.argmax_of_keys reads them: the sampler's greedy token
     # without a second pass over the logits).
@@ -82,12 +85,15 @@ def _skinny_kernel(
             k_mask = k < k_end
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = w.to(x.dtype)  # a no-op unless SCALED
         if W_LEFT:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if not W_LEFT:
         acc = tl.trans(acc)
+    if SCALED:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     nm_mask = n_mask[:, None] & m_mask[None, :]
@@ -125,12 +131,14 @@ def key_tiles(n: int, config: GemvConfig) -> int | None:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
-                out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T`` -> ``out [M, N]`` in x's dtype (float32 accumulation), for
     2 <= M <= 128. `config`: block_n / block_k >= 16 (MMA tiles), split_k, warps, stages.
     `keys`: a contiguous int64 [M, key_tiles(N, config)] that gets each N tile's argmax key per row
-    (custom_ops.triton_argmax.argmax_of_keys)."""
-    check_operands("skinny_gemm", x, weight, None)
+    (custom_ops.triton_argmax.argmax_of_keys). `scale`: weight is float8_e4m3fn and row n of the
+    product is multiplied by scale[n] (FP8 weights, weight-only: custom_ops.fp8)."""
+    check_operands("skinny_gemm", x, weight, None, scale)
     m = x.shape[0]
     if not fits(m):
         raise ValueError(f"skinny_gemm serves {MIN_ROWS}..{MAX_ROWS} rows of x, got {m}")
@@ -153,11 +161,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     parts, arrivals = split_workspaces(x.device, config.split_k, m, n, tiles_n, out)
     pdl = launch_with_pdl(x.device)
     _skinny_kernel[(tiles_n, config.split_k)](
-        x, weight, out, parts, arrivals, out if keys is None else keys, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0),
+        x, weight, out if scale is None else scale, out, parts, arrivals, out if keys is None else keys, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(MMA_MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS,
-        DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, KEYS=keys is not None,
+        DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, KEYS=keys is not None, SCALED=scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
     )
     return out

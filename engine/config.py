@@ -16,6 +16,7 @@ import torch
 
 from compile_backend.config import default_capture_sizes
 from engine.spec.config import SpeculativeConfig, SpeculativeConfigError
+from models.quantization import QUANTIZATIONS
 
 logger = logging.getLogger("engine")
 
@@ -119,6 +120,11 @@ class EngineConfig:
     # speculative decoding, in vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} (engine.spec); None: one token per step
     speculative_config: dict | SpeculativeConfig | None = None
+    # "fp8": the decoder's linear layers hold float8_e4m3fn weights with a float32 scale per output row,
+    # quantized at load (the LM head and embedding stay in `dtype`; activations too: weight-only), read by
+    # the FP8 GEMV / skinny GEMM at decode (custom_ops/fp8.py). A checkpoint already in a supported FP8
+    # format (models/quantization.py) loads as FP8 with None too.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -158,6 +164,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except SpeculativeConfigError as exc:
             raise ConfigError(f"EngineConfig.{exc}") from None
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization", self.quantization,
+               f"None or one of {', '.join(QUANTIZATIONS)}")
         if self.max_waiting_requests is not None:
             _check_int("max_waiting_requests", self.max_waiting_requests, 1, "None (unbounded) or an int >= 1")
         for name in ("decode_graph_sizes", "prefill_graph_sizes"):

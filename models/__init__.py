@@ -11,6 +11,7 @@ from models.errors import (
 from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
 from models.loader import MODEL_CLASSES, from_config, from_pretrained, load_weights
+from models.quantization import QUANTIZATIONS, quantize_fp8
 from models.paths import DEFAULT_MODEL, cache_root, load_tokenizer, resolve_model_path
 from models.qwen3 import Qwen3ForCausalLM
 
@@ -20,4 +21,5 @@ __all__ = [
     "UnsupportedConfigError", "WeightShapeError", "Gemma3ForCausalLM", "LlamaForCausalLM",
     "MODEL_CLASSES", "from_config", "from_pretrained", "load_weights", "DEFAULT_MODEL",
     "load_tokenizer", "resolve_model_path", "cache_root", "Qwen3ForCausalLM", "set_decode_gemv",
+    "QUANTIZATIONS", "quantize_fp8",
 ]

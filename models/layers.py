@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops import (
-    AttentionLayer, act_and_mul, add_rms_norm, gated_gemv_linear, gemv_linear, linear_rope, qk_norm_rope,
-    register_attention_layer, rms_norm,
+    FP8_DTYPE, AttentionLayer, act_and_mul, add_rms_norm, gated_gemv_linear, gemv_linear, linear_rope, qk_norm_rope,
+    quantize_rows, register_attention_layer, rms_norm, scaled_linear,
 )
 from models.config import ModelConfig, RopeParams
 from models.parallel import SINGLE, HeadSplit, Part, TensorParallel, check_divides, vocab_parallel_embedding, vocab_range
@@ -35,6 +35,11 @@ class Linear(nn.Module):
     `decode_gemv` (set for a whole model by models.set_decode_gemv, before it is compiled): the matmul
     is the Triton GEMV at one row for the shapes measured faster than cuBLAS (custom_ops.gemv_table),
     F.linear otherwise; traced as the opaque `torch.ops.infer.linear`, called directly when eager.
+
+    FP8 (`to_fp8_`, models.quantization): `weight` holds float8_e4m3fn values and `weight_scale` one
+    float32 scale per output row (None for a weight in the model dtype); every matmul then goes through
+    custom_ops.fp8 with the scale beside the weight, and the fused q/k/v and gate/up rows keep their
+    own scales. The bias stays in the model dtype.
     """
 
     decode_gemv = False
@@ -53,6 +58,25 @@ class Linear(nn.Module):
             in_features = local
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.register_parameter("weight_scale", None)  # FP8 only (to_fp8_)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def to_fp8_(self, quantize: bool = True) -> None:
+        """Store this weight as FP8 with a scale per output row: quantized from the current values
+        (custom_ops.fp8.quantize_rows), or (quantize=False) left empty for a loader to fill."""
+        if self.is_fp8:
+            return
+        weight = self.weight.data
+        if quantize:
+            q, scale = quantize_rows(weight)
+        else:
+            q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+            scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_shard is None:
@@ -65,7 +89,7 @@ class Linear(nn.Module):
         one op that computes the activation inside the GEMV at one row (custom_ops.linear)."""
         if not self.decode_gemv:
             return self(act_and_mul(gate_up, activation))
-        y = gated_gemv_linear(gate_up, self.weight, activation)
+        y = gated_gemv_linear(gate_up, self.weight, activation, self.weight_scale)
         if self.input_shard is not None:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -76,7 +100,7 @@ class Linear(nn.Module):
         q/k norms: with decode_gemv on, one op whose GEMV rotates q and k as it writes them at one
         row (custom_ops.qkv_rope); off, the projection and the rotary op."""
         if self.decode_gemv and self.input_shard is None:
-            return linear_rope(x, self.weight, self.bias, cos, sin, num_heads, num_kv_heads)
+            return linear_rope(x, self.weight, self.bias, cos, sin, num_heads, num_kv_heads, self.weight_scale)
         qkv = self(x)
         q, k = qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
         return qkv, q, k
@@ -85,7 +109,9 @@ class Linear(nn.Module):
         # A Python bool read at trace time: switched off, the traced graph holds F.linear exactly as
         # before (Inductor lowers it itself); on, the op that picks the GEMV at one row.
         if self.decode_gemv:
-            return gemv_linear(x, self.weight, bias)
+            return gemv_linear(x, self.weight, bias, self.weight_scale)
+        if self.weight_scale is not None:
+            return scaled_linear(x, self.weight, bias, self.weight_scale)
         return F.linear(x, self.weight, bias)
 
 
@@ -247,6 +273,8 @@ def init_random_(module: nn.Module, std: float = 0.02, generator: torch.Generato
     matrices, zero biases, and norms at identity (w = 1, or w = 0 for the (1 + w) variant)."""
     with torch.no_grad():
         for sub in module.modules():
+            if isinstance(sub, Linear) and sub.is_fp8:
+                raise ValueError("init_random_: draw the weights before the model is made FP8")
             if isinstance(sub, (Linear, Embedding)):
                 sub.weight.normal_(0.0, std, generator=generator)
                 if isinstance(sub, Linear) and sub.bias is not None:

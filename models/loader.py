@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from custom_ops.fp8 import FP8_DTYPE, quantize_rows
 from models.base import CausalLM
 from models.config import ModelConfig, parse_dtype
 from models.errors import MissingWeightError, ModelPathError, UnexpectedWeightError, WeightShapeError
@@ -24,6 +25,7 @@ from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
 from models.parallel import SINGLE, ShardSlice, TensorParallel
 from models.paths import resolve_model_path
+from models.quantization import Fp8Checkpoint, check_quantization, checkpoint_quantization, fp8_layout
 from models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -64,18 +66,26 @@ def from_config(
 def from_pretrained(
     path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None, tp: TensorParallel = SINGLE, revision: str | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Load an HF-format dir (config.json + model.safetensors or a sharded index), a hub id
     ("org/name" at `revision`, through the Hugging Face cache), a .gguf file, or "default" (the real
     Gemma 3 270M, converted once to a cached dir). Under `tp` this rank reads only its shards of each
-    tensor (a GGUF file is dequantized whole once, then sliced)."""
+    tensor (a GGUF file is dequantized whole once, then sliced).
+    `quantization="fp8"`: the decoder's linears are quantized to FP8 as they load (models.quantization);
+    a checkpoint already in a supported FP8 format loads as FP8 whatever `quantization` says."""
+    check_quantization(quantization)
     model_dir = Path(resolve_model_path(path, revision))
-    # Parsing the config fails on an unknown architecture before any weight is read.
-    config = ModelConfig.from_hf(read_config(model_dir), dtype)
+    # Parsing the config fails on an unknown architecture or quantization before any weight is read.
+    hf_config = read_config(model_dir)
+    checkpoint = checkpoint_quantization(hf_config, str(model_dir))
+    config = ModelConfig.from_hf(hf_config, dtype)
     eos_ids = tuple(dict.fromkeys(config.eos_token_ids + generation_eos_ids(model_dir)))
     config = dataclasses.replace(config, eos_token_ids=eos_ids)
     model = build_model(config, device, tp)
-    load_weights(model, iter_checkpoint(model_dir))
+    if checkpoint is not None or quantization == "fp8":
+        fp8_layout(model)
+    load_weights(model, iter_checkpoint(model_dir), checkpoint)
     return model.eval()
 
 
@@ -177,16 +187,61 @@ def _shape(source: Any) -> tuple[int, ...]:
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 
 
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[str, Any]) -> None:
+_SCALE = "weight_scale"  # an FP8 layer's scale per row (models.layers.Linear.to_fp8_)
+
+
+def _load_scale(name: str, slot: Slot, source: Any, shape: tuple[int, ...], arch: str) -> None:
+    """An FP8 checkpoint's weight scale into its slot: per tensor (shape () or (1,)) broadcast to every
+    row, per channel ((rows,) or (rows, 1)) row by row."""
+    rows = slot.shard.full_shape[0]
+    if shape in ((), (1,)):
+        slot.target.fill_(float(source[...].reshape(())))
+    elif shape in ((rows,), (rows, 1)):
+        slot.target.copy_(source[...].reshape(rows)[slot.shard.index()])
+    else:
+        raise WeightShapeError(
+            f"checkpoint weight scale {name!r} has shape {shape}; {arch} reads FP8 scales per tensor (() or "
+            f"(1,)) or per output channel (({rows},) or ({rows}, 1)), not per block or group")
+
+
+def _load_fp8_weight(name: str, slot: Slot, source: Any, scales: dict[str, Slot], filled: set[str]) -> None:
+    """An FP8 slot from an FP8 checkpoint tensor (copied as is), or from a float one (quantized per row
+    as it loads, its scale written to the layer's scale slot)."""
+    value = source[slot.shard.index()]
+    if value.dtype == FP8_DTYPE:
+        slot.target.copy_(value)
+        return
+    if not value.is_floating_point() or value.element_size() == 1:
+        raise UnexpectedWeightError(f"checkpoint weight {name!r} is {value.dtype}: FP8 weights load from "
+                                    "float8_e4m3fn or from a float dtype (quantized as they load)")
+    scale_name = name[:-len("weight")] + _SCALE
+    if scale_name in filled:
+        raise UnexpectedWeightError(f"checkpoint weight {name!r} is {value.dtype} but its scale {scale_name!r} "
+                                    "was given as for an FP8 weight")
+    q, scale = quantize_rows(value.to(slot.target.device))
+    slot.target.copy_(q)
+    scales[scale_name].target.copy_(scale)
+    filled.add(scale_name)
+
+
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[str, Any],
+                 checkpoint: Fp8Checkpoint | None = None) -> None:
     """Copy checkpoint tensors into the model, cast to its dtype; every slot must be filled once.
 
-    A tensor is a torch.Tensor or a safetensors slice; only the part the slot holds is read."""
+    A tensor is a torch.Tensor or a safetensors slice; only the part the slot holds is read. FP8 layers
+    (models.quantization) take FP8 tensors and their scales as `checkpoint` names them, or float tensors
+    they quantize as they load."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     slots = weight_slots(model)
     filled: set[str] = set()
     arch = model.config.architecture
     with torch.no_grad():
         for name, source in items:
+            if checkpoint is not None:
+                if name.endswith(tuple("." + s for s in checkpoint.skipped)):
+                    continue
+                if name.endswith("." + checkpoint.scale_name):
+                    name = name[:-len(checkpoint.scale_name)] + _SCALE
             slot = slots.get(name)
             shape = _shape(source)
             if slot is None:
@@ -201,11 +256,24 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[s
                 raise UnexpectedWeightError(
                     f"checkpoint weight {name!r} appears more than once (in two shards?); "
                     "each weight must be stored exactly once")
+            if name.endswith("." + _SCALE):
+                _load_scale(name, slot, source, shape, arch)
+                filled.add(name)
+                continue
             if shape != slot.shard.full_shape:
                 raise WeightShapeError(
                     f"checkpoint weight {name!r} has shape {shape}, "
                     f"but {arch} expects {slot.shard.full_shape} (config and checkpoint disagree)")
-            slot.target.copy_(source[slot.shard.index()])
+            if slot.target.dtype == FP8_DTYPE:
+                _load_fp8_weight(name, slot, source, slots, filled)
+            else:
+                value = source[slot.shard.index()]
+                if value.dtype == FP8_DTYPE:
+                    raise UnexpectedWeightError(
+                        f"checkpoint weight {name!r} is FP8 but {arch} keeps it in {slot.target.dtype} (the "
+                        "embedding and the LM head are not FP8 here; without a quantization_config in "
+                        "config.json, FP8 tensors are not read)")
+                slot.target.copy_(value)
             filled.add(name)
     missing = [name for name in slots if name not in filled]
     if missing:

@@ -168,12 +168,14 @@ def test_decode_report_on_cpu_claims_no_graphs_and_times_a_compiled_model(monkey
         return built[-1]
     monkeypatch.setattr(engine, "LLM", recording_llm)
     report = decode.run("tiny-llama", batches="1", contexts="16", peers="none", iters=1, decode_gemv=True,
-                        compare_full_graph_compile="unsplit")
+                        compare_full_graph_compile="unsplit", quantization="fp8")
     assert report.notes[0].startswith("no decode graphs (the engine captures them on CUDA only)")
     assert [r["variant"] for r in report.rows] == ["eager", "compiled"]
     assert built[0].runtime.backend is not None  # the "compiled" row ran the infer_graphs backend
     assert "full_graph_gemv: no decode graphs on this device, nothing to time" in report.notes
     assert "full_graph_unsplit: no decode graphs on this device, nothing to time" in report.notes
+    assert "full_graph_fp8: no decode graphs on this device, nothing to time" in report.notes
+    assert report.meta["fp8_weight_bytes"] < report.meta["weight_bytes"]  # the model was quantized for it
 
 
 @pytest.mark.gpu
@@ -195,10 +197,11 @@ def test_gpu_time_with_the_host_ahead_leaves_out_the_host_time_a_caller_waits_fo
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
 def test_prefill_report_on_cpu_has_no_graph_rows_and_an_engine_row():
     from bench import prefill
-    report = prefill.run("tiny-llama", tokens="16,24", peers="none", iters=2)
-    # sorted by (tokens, variant); the engine row next to the harness rows at every token count
+    report = prefill.run("tiny-llama", tokens="16,24", peers="none", iters=2, quantization="fp8")
+    # sorted by (tokens, variant); the engine rows next to the harness rows at every token count
     assert [(r["tokens"], r["variant"]) for r in report.rows] == [
-        (16, "compiled"), (16, "eager"), (16, "engine"), (24, "compiled"), (24, "eager"), (24, "engine")]
+        (t, v) for t in (16, 24) for v in ("compiled", "eager", "engine", "engine_fp8")]
+    assert report.meta["fp8_weight_bytes"] < report.meta["weight_bytes"]
     assert "gpu_ms" in report.columns and all("gpu_ms" not in r for r in report.rows)  # CUDA only
     assert "graphs are captured on CUDA only" in report.notes[0]
     assert any(n.startswith("harness rows (eager, compiled, piecewise") for n in report.notes)
@@ -401,6 +404,19 @@ def test_e2e_suite_from_the_command_line_reports_each_batch_and_front_end_varian
     stats = report.meta["engine_stats"]
     assert stats["plain"]["generated_tokens"] == per_variant
     assert stats["tokenizer"]["generated_tokens"] == 2 * per_variant  # the tokenizer and stop variants
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_e2e_with_fp8_adds_the_same_rows_from_fp8_engines(tmp_path):
+    from bench.__main__ import main
+    assert main(["e2e", "--model", "tiny-llama", "--batches", "2", "--prompt-len", "8", "--output-len", "3",
+                 "--peers", "none", "--tokenizer", "none", "--quantization", "fp8", "--out", str(tmp_path)]) == 0
+    report = Report.load(str(tmp_path / "e2e-tiny-llama.json"))
+    assert [(r["batch"], r["weights"], r["tokenizer"]) for r in report.rows] == [(2, "float32", "off"),
+                                                                                 (2, "fp8", "off")]
+    assert all(r["itl_ms"] > 0 for r in report.rows)
+    assert report.meta["fp8_weight_bytes"] < report.meta["weight_bytes"]
+    assert set(report.meta["engine_stats"]) == {"plain", "plain_fp8"}
 
 
 def test_paged_kv_hands_out_blocks_scrambled_or_in_order_and_never_the_scratch_block():

@@ -33,6 +33,7 @@ def no_model_load(monkeypatch):
     (["--prompt", ""], "error: --prompt is empty"),
     (["--max-num-seqs", "0"], "error: --max-num-seqs 0 is invalid: expected an int >= 1"),
     (["--kv-memory-fraction", "2"], "error: --kv-memory-fraction 2.0 is invalid"),
+    (["--quantization", "int4"], "error: --quantization 'int4' is invalid: expected None or one of fp8"),
 ])
 def test_a_mistake_is_refused_before_the_model_loads_naming_the_flag(no_model_load, capsys, flags, message):
     argv = ["generate", "--model", "/nonexistent/never-read", "--prompt", "hi", *flags]
@@ -65,6 +66,12 @@ def test_device_cuda_without_a_gpu_says_to_use_device_cpu(no_model_load, capsys)
 def test_serve_refuses_a_bad_engine_option_before_loading(no_model_load, capsys):
     assert cli.main(["serve", "--model", "/nonexistent", "--block-size", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: --block-size 0 is invalid")
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_quantization_fp8_reaches_the_engine_config_from_both_commands(command):
+    args = cli.build_parser().parse_args([*command, "--model", "m", "--quantization", "fp8"])
+    assert cli.engine_config_fields(args)["quantization"] == "fp8"
 
 
 def test_an_unknown_flag_is_named(capsys):

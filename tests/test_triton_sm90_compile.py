@@ -38,7 +38,7 @@ def ptx(fn, signature, constexprs, **options):
                             target=GPUTarget("cuda", 90, 32), options=options)
     return kernel.asm["ptx"]
 
-GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "arrivals_ptr": "*i32",
+GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "arrivals_ptr": "*i32",
         **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}}
 DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_tables_ptr="*i32", seq_lens_ptr="*i32",
               out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32",
@@ -55,7 +55,25 @@ try:
         out[f"gemv-m{block_m}-s{split_k}" + ("-pdl" if pdl else "") + (f"-gate{gate}" if gate else "")] = ptx(
             triton_gemv._gemv_kernel, GEMV, dict(
                 BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=block_m >= 16,
-                DOT_PRECISION="tf32", PDL=pdl, GATE=gate), num_warps=4, num_stages=3, launch_pdl=pdl)
+                DOT_PRECISION="tf32", PDL=pdl, GATE=gate, SCALED=False), num_warps=4, num_stages=3, launch_pdl=pdl)
+    for block_m, split_k, gate in ((1, 1, 0), (1, 4, 1), (16, 1, 0)):  # FP8 weights (custom_ops.fp8)
+        out[f"gemv-fp8-m{block_m}-s{split_k}" + (f"-gate{gate}" if gate else "")] = ptx(
+            triton_gemv._gemv_kernel, dict(GEMV, w_ptr="*fp8e4nv"), dict(
+                BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=block_m >= 16,
+                DOT_PRECISION="tf32", PDL=True, GATE=gate, SCALED=True), num_warps=4, num_stages=3, launch_pdl=True)
+    from custom_ops import triton_gemv_rope, triton_skinny
+    SKINNY = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+              "arrivals_ptr": "*i32", "keys_ptr": "*i64",
+              **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}}
+    for block_n, split_k in ((64, 1), (16, 4)):  # the weight on the MMA's left, and x there
+        out[f"skinny-fp8-n{block_n}-s{split_k}"] = ptx(triton_skinny._skinny_kernel, SKINNY, dict(
+            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k, EVEN_K=True, W_LEFT=block_n >= 64,
+            DOT_PRECISION="tf32", PDL=True, KEYS=False, SCALED=True), num_warps=4, num_stages=4, launch_pdl=True)
+    ROPE_GEMV = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                 "qkv_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
+    out["gemv-rope-fp8"] = ptx(triton_gemv_rope._gemv_rope_kernel, ROPE_GEMV, dict(
+        NUM_Q_HEADS=24, NUM_HEADS=32, HEAD_DIM=128, HALF=64, HALF_N=4, BLOCK_K=512, PDL=True, SCALED=True),
+        num_warps=4, num_stages=3, launch_pdl=True)
     for splits, pdl, rope in ((1, False, False), (8, False, False), (8, True, False), (8, True, True)):
         out[f"decode-s{splits}" + ("-pdl" if pdl else "") + ("-rope" if rope else "")] = ptx(
             triton_decode._decode_kernel, DECODE, dict(
@@ -159,6 +177,16 @@ def test_pdl_kernels_wait_for_the_previous_kernel_before_any_store(sm90_ptx, nam
     assert _first(ptx, "st.global") > wait
     if "atom.global" in ptx:
         assert _first(ptx, "atom.global") > wait
+
+
+@pytest.mark.parametrize("name", ["gemv-fp8-m1-s1", "gemv-fp8-m1-s4-gate1", "gemv-fp8-m16-s1", "skinny-fp8-n64-s1",
+                                  "skinny-fp8-n16-s4", "gemv-rope-fp8"])
+def test_fp8_weight_gemv_builds_for_sm90_and_waits_before_storing(sm90_ptx, name):
+    """The GEMV over float8_e4m3fn weights (custom_ops.fp8) lowers for the GPU, converting the FP8
+    values in registers, and keeps the PDL contract of the bf16 kernel."""
+    ptx = sm90_ptx[name]
+    assert "cvt" in ptx and "e4m3" in ptx
+    assert _first(ptx, "st.global") > _first(ptx, "griddepcontrol.wait")
 
 
 def test_the_batch1_gemv_loads_its_first_weight_tile_before_the_wait(sm90_ptx):

@@ -105,11 +105,15 @@ class LLM:
 
         if not isinstance(model, str):
             _check_built_model(next(model.parameters()), config)
+            if config.quantization == "fp8":
+                # in place, before anything compiles or captures it (models.quantization)
+                logger.info("quantization=fp8: %d linear layers of the built model to FP8",
+                            models.quantize_fp8(model))
         device, dtype = config.device_and_dtype()
         timeline.device = torch.device(device)
         if isinstance(model, str):
             with timeline.phase("load"):
-                model = models.from_pretrained(model, dtype=dtype, device=device,
+                model = models.from_pretrained(model, dtype=dtype, device=device, quantization=config.quantization,
                                                **({"tp": self.tp.parallel} if self.tp else {}))
             logger.info("loaded %s", name)
         if tokenizer is None and (config.tokenizer is not None or model_dir is not None):

@@ -55,7 +55,8 @@ class StepChannel:
     def load_model(self, model_path: str) -> torch.nn.Module:
         import models
         device, dtype = self.config.device_and_dtype()
-        return models.from_pretrained(model_path, dtype=dtype, device=device, tp=self.parallel)
+        return models.from_pretrained(model_path, dtype=dtype, device=device, tp=self.parallel,
+                                      quantization=self.config.quantization)
 
     def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

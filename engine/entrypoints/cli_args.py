@@ -84,6 +84,10 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--speculative-config": ("speculative_config", dict(
         type=_json_object, help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                                 '"prompt_lookup_max": 4}\' (docs/engine.md)')),
+    "--quantization": ("quantization", dict(
+        help="fp8: the decoder's linear weights in FP8 (float8_e4m3fn, a scale per output row), quantized at "
+             "load; activations, LM head and embedding stay in --dtype. A checkpoint already in FP8 loads as "
+             "FP8 without it")),
     "--engine-seed": ("seed", dict(type=int, help="sampling seed of requests that give none of their own")),
     "--no-progress": _set("show_progress", False, "no progress bar during graph capture"),
 }
