@@ -20,6 +20,8 @@ from custom_ops import fp8_linear_plain
 from custom_ops.linear import act_and_mul_plain
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
 from tests.hf_helpers import random_hf_model
+from tests.test_engine_generate import ARCHS as ENGINE_ARCHS
+from tests.test_engine_generate import COMMON as ENGINE_COMMON
 
 
 # The kernel tests run where the kernels do: the interpreter on the CPU, compiled on a GPU machine.
@@ -148,19 +150,10 @@ def test_the_ops_with_a_weight_scale_pass_opcheck():
 
 # Weights at a real model's scale (std 0.02): at the parity tests' 0.5 a tiny random model's
 # activations grow so large that no quantization error is small against them.
-COMMON = dict(vocab_size=96, max_position_embeddings=128, initializer_range=0.02, pad_token_id=0,
-              bos_token_id=1, eos_token_id=2)
-ARCHS = {
-    "llama": (transformers.LlamaConfig, dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, attention_bias=True)),
-    "qwen3": (transformers.Qwen3Config, dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                             tie_word_embeddings=False)),
-    "gemma3": (transformers.Gemma3TextConfig, dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                   query_pre_attn_scalar=16, sliding_window=6,
-                                                   sliding_window_pattern=2, final_logit_softcapping=30.0)),
-}
+COMMON = {**ENGINE_COMMON, "initializer_range": 0.02}
+# the engine tests' tiny architectures; Llama with attention biases (the FP8 linear's bias path)
+ARCHS = {arch: (config_cls, {**kwargs, **({"attention_bias": True} if arch == "llama" else {})})
+         for arch, (config_cls, kwargs) in ENGINE_ARCHS.items()}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
