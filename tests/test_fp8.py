@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from safetensors.torch import load_file, save_file
 
 import models

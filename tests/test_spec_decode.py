@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 
 import pytest
-import torch
 
 from engine import LLM, ConfigError, SamplingParams
 from engine.entrypoints.cli import build_parser
