@@ -266,7 +266,7 @@ def test_verify_graph_sizes_follow_the_decode_buckets():
     import dataclasses
 
     from engine import EngineConfig
-    from engine.worker.startup import mixed_graph_sizes, verify_graph_sizes
+    from engine.worker.graphs_and_pool import mixed_graph_sizes, verify_graph_sizes
     config = EngineConfig(device="cpu", max_num_seqs=8, speculative_config={**NGRAM, "num_speculative_tokens": 4})
     config = dataclasses.replace(config.resolve(64), cuda_graphs=True, cudagraph_mode="FULL_DECODE_ONLY")
     assert config.decode_graph_sizes == (1, 2, 4, 8)
