@@ -141,16 +141,11 @@ class ReplayProposer(Proposer):
         self.continuations, self.vocab, self.wrong, self.backoff = continuations, vocab, wrong, backoff
         self.rng = random.Random(seed)
 
-    def propose(self, request: Request, max_tokens: int, now: int) -> list[int]:
+    def lookup(self, request: Request, num_tokens: int) -> list[int]:
         known = self.continuations.get(tuple(request.prompt_token_ids), [])
         n = len(request.token_ids)
-        tokens = known[n:n + min(self.config.num_speculative_tokens, max_tokens)]
-        tokens = [t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-                  for t in tokens]
-        if not tokens:
-            self.stats.no_proposal += 1
-            self._miss(request, now)
-        return tokens
+        return [t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                for t in known[n:n + num_tokens]]
 
     def _miss(self, request: Request, now: int) -> None:
         if self.backoff:

@@ -149,7 +149,6 @@ class LLM:
         self._decode = BatchDecoder(tokenizer) if tokenizer is not None else None  # one batch a step
         self._ids = itertools.count()
         self.num_steps = 0
-        self.num_generated_tokens = 0
         timeline.finish()
         self.startup = timeline
         self._final_stats: dict[str, Any] | None = None
@@ -242,7 +241,6 @@ class LLM:
             launched, sampling = self._loop.step()
         self._detokenize(sampling)
         self.num_steps += launched
-        self.num_generated_tokens = self._loop.num_tokens_read
         for request in sampling:
             if request.is_finished:
                 del self._requests[request.request_id]

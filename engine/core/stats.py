@@ -18,7 +18,7 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
     stats: dict[str, Any] = {
         "cudagraph_mode": llm.config.cudagraph_mode,
         "steps": llm.num_steps,
-        "generated_tokens": llm.num_generated_tokens,
+        "generated_tokens": llm._loop.num_tokens_read,
         "modes": dict(runner.dispatcher.mode_counts),
         "fallbacks": runner.dispatcher.fallbacks,
         "fallback_reasons": dict(runner.dispatcher.fallback_counts),
@@ -71,5 +71,4 @@ def _spec_stats(llm: LLM) -> dict[str, Any] | None:
     return {"method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
             **proposer.stats.as_dict(),
             "waits": llm._loop.num_spec_waits,  # steps planned after reading the step in flight
-            "verify_graph_fallbacks": sum(n for reason, n in llm.runtime.runner.dispatcher.fallback_counts.items()
-                                          if reason.startswith("verify"))}
+            "verify_graph_fallbacks": llm.runtime.runner.dispatcher.fallback_kinds["verify"]}

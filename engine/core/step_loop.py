@@ -230,8 +230,10 @@ class StepLoop:
         gather_rows: list[int] = []
         gather_slots: list[int] = []
         row = 0
+        verify = False
         for chunk in out.chunks:  # rows in the order ModelRunner flattens the chunks
             request = chunk.request
+            verify = verify or bool(chunk.proposals)
             known = request.num_tokens
             # its input reaches a token still in flight (a verify chunk's proposals are the host's own)
             if chunk.start + chunk.num_tokens - len(chunk.proposals) > known:
@@ -244,7 +246,7 @@ class StepLoop:
                 gather_slots.append(self.slots.slot(request))
             row += chunk.num_tokens
         sampling = [c.request for c in out.chunks if c.samples]
-        if any(c.proposals for c in out.chunks):
+        if verify:
             return self._launch_verify(out, sampling, DeviceIds(self.slots.tokens, gather_rows, gather_slots))
         sample_slots = [self.slots.slot(r) for r in sampling]
         slot_tokens = self.slots.tokens  # after any growth above

@@ -71,13 +71,16 @@ class Proposer:
 
     def propose(self, request: Request, max_tokens: int, now: int) -> list[int]:
         """Up to min(k, max_tokens) tokens to verify after the request's last one; [] counts as a miss."""
-        config = self.config
-        tokens = ngram_propose(request.token_ids, min(config.num_speculative_tokens, max_tokens),
-                               config.prompt_lookup_min, config.prompt_lookup_max)
+        tokens = self.lookup(request, min(self.config.num_speculative_tokens, max_tokens))
         if not tokens:
             self.stats.no_proposal += 1
             self._miss(request, now)
         return tokens
+
+    def lookup(self, request: Request, num_tokens: int) -> list[int]:
+        """The proposals themselves: prompt lookup (a benchmark's replay overrides this)."""
+        config = self.config
+        return ngram_propose(request.token_ids, num_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def verified(self, request: Request, proposed: int, accepted: int, now: int) -> None:
         stats = self.stats

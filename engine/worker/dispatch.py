@@ -79,7 +79,7 @@ class Dispatcher:
         self._mixed_pad = _pad_table(self.mixed_sizes)
         self.mode_counts: Counter[str] = Counter()
         self.fallback_counts: Counter[str] = Counter()
-        self._logged_kinds: set[str] = set()
+        self.fallback_kinds: Counter[str] = Counter()  # decode | piecewise | mixed | verify
 
     @property
     def fallbacks(self) -> int:
@@ -89,11 +89,11 @@ class Dispatcher:
         result, kind = self._decide(batch)
         self.mode_counts[result.mode.value] += 1
         if result.fallback is not None:
-            if kind not in self._logged_kinds:
-                self._logged_kinds.add(kind)
+            if kind not in self.fallback_kinds:
                 logger.warning("no CUDA graph for this step (%s): running %s; further cases are counted "
                                "(LLM.stats()['fallback_reasons']), not logged", result.fallback, result.mode.value)
             self.fallback_counts[result.fallback] += 1
+            self.fallback_kinds[kind] += 1
         return result
 
     def _decide(self, batch: BatchDescriptor) -> tuple[Dispatch, str | None]:

@@ -74,13 +74,14 @@ class ModelRunner:
         """`device_ids`: input ids that live on the device (engine.core.step_loop), written with the step's
         upload. `step_indices` reach `self.buffers.step_indices` in the step's one copy (valid until the
         next step is loaded)."""
-        batch = BatchDescriptor(out.num_tokens, out.is_uniform_decode, out.is_verify)
+        decode = out.is_uniform_decode  # (a verify step is not one: a decode step skips that scan)
+        batch = BatchDescriptor(out.num_tokens, decode, not decode and out.is_verify)
         dispatch = self.dispatcher.dispatch(batch)
         full, uniform = dispatch.mode is RuntimeMode.FULL, dispatch.descriptor.uniform_decode
         meta, num_sampling = self._prepare(out, pool, dispatch.descriptor.num_tokens, full and uniform, step_indices,
                                            device_ids, mixed=full and not uniform)
         # a verify step under a decode graph runs every token as a sequence row of its own (_prepare)
-        num_rows = out.num_tokens if full and uniform else len(out.chunks)
+        num_rows = batch.num_tokens if full and uniform else len(out.chunks)
         if self.on_staged is not None:  # after the upload resolved device_ids: the other ranks get real ids
             self.on_staged(batch, dispatch, meta, num_sampling, num_rows)
         return self.run_staged(dispatch, meta, num_sampling, num_rows)
