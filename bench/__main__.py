@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(EngineConfig.quantization), next to the model dtype's, with the FP8 floor")
     parser.add_argument("--tp-size", type=int, help="gemm: time the matmul shapes of one rank of N-way tensor "
                         "parallelism (default 1)")
+    parser.add_argument("--tp-sizes", help="tp: tensor-parallel sizes to compare, comma-separated (default 1,2); "
+                        "sizes past the visible GPUs are skipped and noted")
+    parser.add_argument("--all-reduce", choices=("custom", "nccl", "both"),
+                        help="tp: the engines' all-reduce: symmetric memory below the crossover (custom, the "
+                             "default), NCCL only (disable_custom_all_reduce), or each in turn (both)")
     parser.add_argument("--candidates", choices=("tiles", "neighbours", "whole_k"), dest="candidate_set",
                         help="gemv_graph: try tile shapes (default), each entry's tile with other stages and "
                              "warps, or tiles spanning all of K")

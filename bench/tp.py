@@ -36,8 +36,9 @@ BATCHES = (1, 32)
 CONTEXT = 512
 PREFILL_TOKENS = (512,)
 TP_SIZES = (1, 2)
-COLUMNS = ["tp", "workload", "median_ms", "floor_ms", "x_floor", "vs_tp1", "weight_gb_per_gpu",
-           "collectives", "collective_us"]
+COLUMNS = ["tp", "all_reduce", "workload", "median_ms", "floor_ms", "x_floor", "vs_tp1", "weight_gb_per_gpu",
+           "collectives", "all_reduce_us", "all_reduce_kind", "nccl_all_reduce_us", "collective_us"]
+SWEEP_TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def random_checkpoint(name: str, seed: int = 0) -> str:
@@ -65,58 +66,72 @@ def random_checkpoint(name: str, seed: int = 0) -> str:
 
 def _collective_rank(rank: int, world: int, port: int, shapes: list[tuple[int, int, int, int]], out) -> None:
     """Per shape (tokens, hidden, gathered rows, columns): microseconds of one all-reduce of
-    [tokens, hidden] and one all-gather of [rows, columns], each the mean of 20 replayed in one CUDA
-    graph (as the engine replays them)."""
+    [tokens, hidden] by each kernel (NCCL, symmetric-memory one-shot and two-shot: None where the
+    kernel refuses the size), the engine's choice among them, and one NCCL all-gather of [rows,
+    columns]; each the median over replays of a CUDA graph of 20 calls (as the engine replays them)."""
     import datetime
     import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
+    from custom_ops import all_reduce
+    from engine.distributed.rank_loop import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    largest = max(tokens * hidden for tokens, hidden, _, _ in shapes) * 2
+    symm = all_reduce.SymmetricAllReduce.create(group, torch.device("cuda", rank), largest, largest)
+    engine_choice = all_reduce.SymmetricAllReduce.create(group, torch.device("cuda", rank), ONE_SHOT_MAX_BYTES,
+                                                         TWO_SHOT_MAX_BYTES)
 
     def waited(t: torch.Tensor) -> torch.Tensor:
         return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
+    def graph_us(op, reps: int = 20) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up on the capture stream
+            for _ in range(3):
+                op()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                op()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(10):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / reps)
+        del graph
+        return statistics.median(samples)
+
     results = []
-    reps = 20
     for tokens, hidden, rows, cols in shapes:
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
         y = torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda")
-        row = []
-        for op in (lambda: waited(funcol.all_reduce(x, "sum", group)), lambda: waited(gather(y, 0, group))):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm up on the capture stream
-                for _ in range(3):
-                    op()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(reps):
-                    op()
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            samples = []
-            for _ in range(10):
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / reps)
-            row.append(statistics.median(samples))
-            del graph
-        results.append(tuple(row))
+        row = {"nccl": graph_us(lambda: waited(funcol.all_reduce(x, "sum", group))),
+               "all_gather": graph_us(lambda: waited(gather(y, 0, group)))}
+        for kind in (all_reduce.ONE_SHOT, all_reduce.TWO_SHOT):
+            ok = symm is not None and (kind == all_reduce.ONE_SHOT or x.numel() * 2 % (16 * world) == 0)
+            row[kind] = graph_us(lambda: symm.run(x, kind)) if ok else None
+        row["engine_kind"] = engine_choice.kind(x) if engine_choice is not None else all_reduce.NCCL
+        row["engine"] = row[row["engine_kind"]]
+        results.append(row)
     if rank == 0:
         out.put(results)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_collectives_us(world: int, shapes: list[tuple[int, int, int, int]]) -> list[tuple[float, float]]:
-    """(all-reduce us, all-gather us) per shape, over `world` GPUs (spawned processes)."""
+def measure_collectives_us(world: int, shapes: list[tuple[int, int, int, int]]) -> list[dict]:
+    """Per shape, microseconds of each all-reduce kernel and of the all-gather (_collective_rank),
+    over `world` GPUs (spawned processes)."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
@@ -191,8 +206,9 @@ def _workloads(llm, batches, tokens, context: int, vocab: int, iters: int) -> di
 
 
 def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZES, context: int = CONTEXT,
-        contexts=None, **_: object) -> Report:
-    """`contexts` (the command line's --contexts): its first value is the decode context."""
+        contexts=None, all_reduce: str = "custom", **_: object) -> Report:
+    """`contexts` (the command line's --contexts): its first value is the decode context;
+    `all_reduce`: custom, nccl or both (the engines with tp > 1 that run)."""
     from engine import LLM
     context = parse_ints(contexts, (context,))[0]
     batches = parse_ints(batches, BATCHES)
@@ -219,9 +235,12 @@ def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZE
     report.meta.update(torch=torch.__version__, engine_args={k: v for k, v in engine_args.items()},
                        copy_bytes_per_s=ceilings.copy_bytes_per_s if ceilings else None,
                        matmul_flops_per_s=ceilings.matmul_flops_per_s if ceilings else None)
+    kinds = {"custom": ["custom"], "nccl": ["nccl"], "both": ["custom", "nccl"]}[all_reduce]
+    runs = [(n, kind) for n in sizes for kind in (kinds if n > 1 else ["-"])]
     baseline: dict[str, float] = {}
-    for n in sizes:
-        llm = LLM(path, tensor_parallel_size=n, **engine_args)
+    collectives_by_tp: dict[int, list[dict]] = {}
+    for n, kind in runs:
+        llm = LLM(path, tensor_parallel_size=n, disable_custom_all_reduce=kind == "nccl", **engine_args)
         try:
             shard = model_cost(llm.model)
             num_collectives = 1 + sum(1 for m in llm.model.modules() if getattr(m, "input_shard", None))
@@ -229,39 +248,59 @@ def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZE
             per_workload = {**{f"decode bs{b} ctx{context}": b for b in batches},
                             **{f"prefill {t}": t for t in tokens}}
             measured = _workloads(llm, batches, tokens, context, config["vocab_size"], iters)
-            report.meta[f"engine_stats_tp{n}"] = {k: v for k, v in llm.stats().items() if k != "backend"}
+            report.meta[f"engine_stats_tp{n}" + ("_nccl" if kind == "nccl" else "")] = {k: v for k, v in llm.stats().items() if k != "backend"}
         finally:
             llm.close()
             del llm
             free_device_memory()
-        collective_us = {}
-        if n > 1 and on_cuda:
+        if n > 1 and on_cuda and n not in collectives_by_tp:
             # the logits all-gather moves only the sampled rows: one per decode sequence, one per prefill
             shapes = [(t, config["hidden_size"], t if name.startswith("decode") else 1, llm_vocab_rows)
                       for name, t in per_workload.items()]
-            for name, (ar, ag) in zip(per_workload, measure_collectives_us(n, shapes)):
-                collective_us[name] = num_collectives * ar + ag
+            shapes += [(t, config["hidden_size"], 1, llm_vocab_rows) for t in SWEEP_TOKENS]
+            collectives_by_tp[n] = measure_collectives_us(n, shapes)
+            sweep = collectives_by_tp[n][len(per_workload):]
+            report.meta[f"all_reduce_sweep_tp{n}"] = [
+                {"tokens": t, "bytes": t * config["hidden_size"] * 2,
+                 **{k: row[k] for k in ("nccl", "one_shot", "two_shot", "engine_kind")}}
+                for t, row in zip(SWEEP_TOKENS, sweep)]
+            report.notes.append(f"tp {n} all-reduce of [tokens, {config['hidden_size']}] bf16 in a CUDA graph, us "
+                                "(tokens: nccl / one-shot / two-shot -> engine's): " + "; ".join(
+                                    f"{t}: {_us(row['nccl'])} / {_us(row['one_shot'])} / {_us(row['two_shot'])}"
+                                    f" -> {row['engine_kind']}" for t, row in zip(SWEEP_TOKENS, sweep)))
+        by_workload = dict(zip(per_workload, collectives_by_tp.get(n, [])))
         for name, ms in measured.items():
             t = per_workload[name]
+            row = by_workload.get(name)
+            ar_us = None
+            if row is not None:
+                ar_us = row["nccl"] if kind == "nccl" else row["engine"]
+            collective_us = num_collectives * ar_us + row["all_gather"] if row is not None else None
             floor = None
             if ceilings is not None:
                 if name.startswith("decode"):
                     floor = decode_floor_ms(shard, t, context + 1, ceilings.copy_bytes_per_s)
                 else:
                     floor = prefill_floor_ms(shard, t, ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s)
-                floor += collective_us.get(name, 0.0) / 1e3
+                floor += (collective_us or 0.0) / 1e3
             if n == sizes[0]:
                 baseline[name] = ms
-            report.add(tp=n, workload=name, median_ms=ms, floor_ms=floor, x_floor=ratio(ms, floor),
+            report.add(tp=n, all_reduce=kind, workload=name, median_ms=ms, floor_ms=floor, x_floor=ratio(ms, floor),
                        vs_tp1=ratio(ms, baseline.get(name)) if n > 1 else None,
                        weight_gb_per_gpu=shard.weight_bytes / 1e9,
-                       collectives=num_collectives if n > 1 else 0,
-                       collective_us=collective_us.get(name))
+                       collectives=num_collectives if n > 1 else 0, all_reduce_us=ar_us,
+                       all_reduce_kind=(row["engine_kind"] if kind == "custom" else "nccl") if row else None,
+                       nccl_all_reduce_us=row["nccl"] if row else None, collective_us=collective_us)
     report.notes.append(
         "times are engine steps (LLM.step: scheduling, the staged-step broadcast, forward, sampling) with "
         "decode and piecewise graphs on; floor = the rank's weight (+ K/V) bytes / copy bandwidth (prefill: "
-        "or FLOPs / matmul rate) + collectives x their latency measured in a CUDA graph; vs_tp1 = time / "
-        "the tp 1 time of the same workload")
+        "or FLOPs / matmul rate) + collectives x their latency measured in a CUDA graph (the kernel the "
+        "engine picks at that size; all_reduce nccl: NCCL's); vs_tp1 = time / the tp 1 time of the same "
+        "workload")
     if not on_cuda:
         report.notes.append("CPU: gloo ranks, no graphs, no floors (a smoke run, not a measurement)")
     return report
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

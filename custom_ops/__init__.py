@@ -1,6 +1,7 @@
 """Torch custom ops (attention, in place; linear, the decode GEMV where measured; the q/k/v projection
 with its rotary; the residual add with its RMSNorm; q/k norm and rotary; each with a fake
 implementation; FP8 weights with a scale per row, custom_ops.fp8) and their kernels."""
+from custom_ops import all_reduce as _all_reduce  # registers infer::all_reduce (models.parallel calls it)
 from custom_ops.attention import attention, attention_layer_renamed, run_attention
 from custom_ops.forward_context import ForwardContext, RuntimeMode, forward_context, get_forward_context
 from custom_ops.gemv_table import GEMV_CONFIGS, GemvConfig, gemv_config

@@ -113,6 +113,9 @@ class EngineConfig:
     decode_gemv: bool = True
     show_progress: bool = True             # tqdm bar during graph capture
     tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.distributed.tp
+    # True: every tensor-parallel all-reduce is NCCL's; False: small ones run on symmetric memory
+    # (custom_ops.all_reduce) where the GPUs support it (vLLM's flag of the same name)
+    disable_custom_all_reduce: bool = False
     # requests add_request lets wait (added, not yet scheduled) before it raises QueueFullError; the
     # server answers 503 + Retry-After past it. None: unbounded. generate() is not bounded: it waits
     # for its own prompts, so a queue bound would only refuse what the caller is about to run.
@@ -160,6 +163,8 @@ class EngineConfig:
         _check(self.full_graph_compile is None or self.full_graph_compile in _FULL_GRAPH_COMPILES,
                "full_graph_compile", self.full_graph_compile, f"None or one of {', '.join(_FULL_GRAPH_COMPILES)}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check(isinstance(self.disable_custom_all_reduce, bool), "disable_custom_all_reduce",
+               self.disable_custom_all_reduce, "a bool")
         try:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except SpeculativeConfigError as exc:

@@ -12,6 +12,10 @@ points) and a CUDA graph around a piece or a whole decode step records the NCCL 
 rank every collective is the identity and no process group is needed, so the single-GPU model is
 the same code.
 
+With `symmetric_all_reduce` (the engine sets it on CUDA once it has registered a
+custom_ops.all_reduce.SymmetricAllReduce for the group) the all-reduce is the custom op
+`infer::all_reduce` instead: symmetric-memory kernels for small messages, NCCL above the crossover.
+
 `models` does not create process groups: the engine makes one and hands it in as a `TensorParallel`.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: Any = field(default=None, compare=False)  # torch.distributed ProcessGroup when world_size > 1
+    symmetric_all_reduce: bool = False  # all_reduce by infer::all_reduce (custom_ops.all_reduce)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -43,6 +48,8 @@ class TensorParallel:
         """Sum of x over the ranks (out-of-place)."""
         if self.world_size == 1:
             return x
+        if self.symmetric_all_reduce:
+            return torch.ops.infer.all_reduce(x, self.group.group_name)
         from torch.distributed import _functional_collectives as funcol
         return funcol.all_reduce(x, "sum", self.group)
 

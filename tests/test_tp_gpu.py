@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from custom_ops import all_reduce
 from tests.test_engine_gpu import _engine, _run_workload
 from tests.test_engine_generate import ARCHS, save_arch_models
 
@@ -29,6 +30,9 @@ def test_two_gpus_give_the_same_greedy_tokens_with_decode_and_prefill_graphs(mod
     expected = _run_workload(one)
     single = one.stats()["backend"]
     one.close()
+    # torch keeps a group's symmetric-memory store by the group's name for the process's life, so
+    # only the first tensor-parallel engine of a process maps a buffer (custom_ops.all_reduce)
+    symmetric = not all_reduce.mapped_group_names()
     llm = _engine(model_dirs[arch], **GRAPHS, tensor_parallel_size=2)
     try:
         assert _run_workload(llm) == expected
@@ -45,6 +49,12 @@ def test_two_gpus_give_the_same_greedy_tokens_with_decode_and_prefill_graphs(mod
             for key in ("graphs_compiled", "splitting_pieces", "compute_pieces"):
                 assert backend[key] == single[key], key
             assert backend["piece_replays"] > 0 and backend["fallback_steps"] == 0
+            if symmetric:  # decode-sized messages and a 64-token float32 prefill chunk: one-shot
+                assert rank["all_reduce"].startswith("symmetric memory"), rank["all_reduce"]
+                assert rank["all_reduce_calls"].get("one_shot", 0) > 0, rank["all_reduce_calls"]
+            else:
+                assert "earlier process group" in rank["all_reduce"] or "another rank" in rank["all_reduce"]
+                assert rank["all_reduce_calls"] == {}
         processes = list(llm.tp.processes)
     finally:
         llm.close()
@@ -52,3 +62,18 @@ def test_two_gpus_give_the_same_greedy_tokens_with_decode_and_prefill_graphs(mod
     # the group goes with the engine (its graphs first, which hold NCCL's communicator): the next
     # parametrization builds a new tensor-parallel engine in this process
     assert not torch.distributed.is_initialized()
+
+
+def test_nccl_only_all_reduce_gives_the_same_tokens(model_dirs):
+    path = model_dirs["llama"]
+    one = _engine(path, **GRAPHS)
+    expected = _run_workload(one)
+    one.close()
+    llm = _engine(path, **GRAPHS, tensor_parallel_size=2, disable_custom_all_reduce=True)
+    try:
+        assert _run_workload(llm) == expected
+        for rank in llm.stats()["ranks"]:
+            assert rank["all_reduce_calls"] == {}
+            assert rank["all_reduce"] == "nccl: EngineConfig.disable_custom_all_reduce"
+    finally:
+        llm.close()

@@ -47,7 +47,9 @@ class StepChannel:
         self.config = config
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD)
+        self.all_reduce, self.all_reduce_path = _symmetric_all_reduce(config, self.control)
+        self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD,
+                                                       symmetric_all_reduce=self.all_reduce is not None)
         self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         self.packed: torch.Tensor | None = None  # the staged buffers of one step, flat
         self.runtime = None
@@ -110,10 +112,58 @@ class StepChannel:
             "kv_blocks_by_group": list(self.runtime.kv_cache.num_blocks_by_group),
             "decode_graphs": len(graphs.sizes) if graphs else 0,
             "decode_graph_replays": graphs.replays if graphs else 0,
+            # calls per kernel when the op ran eagerly (warm-up, captures, steps without a graph):
+            # which kernels the graphs hold, not how often they replayed; {} where NCCL does all
+            "all_reduce_calls": dict(self.all_reduce.calls) if self.all_reduce is not None else {},
+            "all_reduce": self.all_reduce_path,
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
         return stats
+
+
+# Crossovers from the sweep of bench tp on 2 H200s (bench/results/h200-2026-11-28/tp, an all-reduce of
+# [tokens, 2560] bf16 in a CUDA graph): one-shot beats two-shot up to 128 tokens (655 KB: 12.8 vs 14.3 us)
+# and ties at 256 (1.3 MB: 17.0 vs 16.5); two-shot beats NCCL at every size measured, to 4096 tokens
+# (21 MB: 93 vs 110 us). The buffer is as large as the two-shot bound, on every rank. Measured at tp 2 only.
+ONE_SHOT_MAX_BYTES = 1 << 20
+TWO_SHOT_MAX_BYTES = 32 << 20
+
+
+def _symmetric_all_reduce(config: EngineConfig, control: Any) -> tuple[Any, str]:
+    """The compute group's symmetric-memory all-reduce, registered for infer::all_reduce, and what
+    all-reduces (said in every rank's stats). Every rank makes its channel at the same point of
+    start-up, and all of them agree before and after the rendezvous (a collective): the ranks must
+    call the same kernels or their collectives never pair up. None (NCCL for every all-reduce, as
+    before) on the CPU, when disabled, or where any rank cannot map the buffer."""
+    from custom_ops import all_reduce
+    if config.disable_custom_all_reduce:
+        return None, "nccl: EngineConfig.disable_custom_all_reduce"
+    if torch.device(config.device).type != "cuda":
+        return None, "gloo: the CPU"
+    group = dist.group.WORLD
+    reason = all_reduce.SymmetricAllReduce.unavailable(group, torch.device(config.device))
+    comm = None
+    if _all_ranks(reason is None, control):
+        comm = all_reduce.SymmetricAllReduce.create(group, torch.device(config.device), ONE_SHOT_MAX_BYTES,
+                                                    TWO_SHOT_MAX_BYTES)
+        if not _all_ranks(comm is not None, control):
+            reason = reason or ("symmetric memory failed on this rank" if comm is None else
+                                "symmetric memory failed on another rank")
+            comm = None
+    else:
+        reason = reason or "another rank cannot map a symmetric buffer (its log says why)"
+    if comm is None:
+        logger.warning("tensor parallelism: all-reduce over NCCL: %s", reason)
+        return None, f"nccl: {reason}"
+    all_reduce.register(comm)
+    return comm, "symmetric memory below the crossover, nccl above"
+
+
+def _all_ranks(flag: bool, control: Any) -> bool:
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return bool(t.item())
 
 
 def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -> None:
@@ -176,6 +226,8 @@ def leave_process_group(abort: bool | None = None) -> None:
     communicators are aborted (a local call: no peer is waited for); gloo (the CPU) is destroyed."""
     if abort is None:
         abort = dist.get_backend() == "nccl"
+    from custom_ops import all_reduce
+    all_reduce.unregister(dist.group.WORLD.group_name)  # its buffer goes before the group it was mapped for
     if abort:
         from compile_backend.pool import live_graphs  # lazy: compile_backend is slow to import
         # Free what only a collection frees, and name the graphs that survive: the wait below is theirs.
