@@ -89,6 +89,8 @@ def _check_rank_stats(stats: dict) -> None:
     assert ranks[0]["kv_blocks_by_group"] == ranks[1]["kv_blocks_by_group"] == stats["kv_blocks_by_group"]
     assert ranks[0]["kv_blocks"] == ranks[1]["kv_blocks"] >= SMALL["num_gpu_blocks"]
     assert len(stats["kv_blocks_by_group"]) > 1 or stats["kv_blocks"] == SMALL["num_gpu_blocks"]
+    # ranks on one host take the step header from shared memory, not a gloo broadcast
+    assert [r["step_headers"] for r in ranks] == [os.environ.get("INFER_GRAPHS_TP_HEADERS", "shared_memory")] * 2
 
 
 def test_two_spawned_ranks_generate_the_same_greedy_tokens_as_one_compiled_llama(saved):
@@ -122,6 +124,17 @@ def test_two_spawned_ranks_generate_the_same_greedy_tokens_as_one_compiled_llama
     # the engine, and NCCL's communicator cannot be left while a graph that captured it lives.
     gc.collect()
     assert compiled() is None
+
+
+def test_step_headers_over_gloo_as_across_hosts_give_the_same_tokens(saved, monkeypatch):
+    expected = _one_rank(saved["llama"])
+    monkeypatch.setenv("INFER_GRAPHS_TP_HEADERS", "gloo")  # spawned ranks inherit it
+    llm = LLM(saved["llama"], **SMALL, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        _check_rank_stats(llm.stats())
+    finally:
+        llm.close()
 
 
 def test_gemma3_on_two_ranks_matches_and_a_worker_that_dies_makes_the_engine_raise(saved):

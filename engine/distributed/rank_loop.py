@@ -12,6 +12,8 @@ same graphs and its collectives pair up with rank 0's.
 from __future__ import annotations
 
 import dataclasses
+import os
+from dataclasses import astuple
 import datetime
 import gc
 import logging
@@ -22,16 +24,14 @@ import torch.distributed as dist
 
 from custom_ops import RuntimeMode
 from engine.config import EngineConfig
+from engine.distributed.headers import STATS, STEP, STOP, StepHeader, make_headers
 from engine.worker.dispatch import BatchDescriptor
 
 logger = logging.getLogger("engine")
 
+COLLECTIVE_TIMEOUT_S = 300.0  # a step, or start-up's compile of one rank while the others wait
 CONTROL_TIMEOUT = datetime.timedelta(days=7)  # followers wait here for the next step of an idle engine
-STOP, STEP, STATS = 0, 1, 2
 MODES = list(RuntimeMode)
-# header: op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-#         num_sampling, num_chunks, table_width
-HEADER_LEN = 12
 
 
 class TensorParallelError(RuntimeError):
@@ -39,8 +39,8 @@ class TensorParallelError(RuntimeError):
 
 
 class StepChannel:
-    """What every rank shares: the compute group (the model's collectives, the staged buffers),
-    the control group (step headers, stats) and the header tensor."""
+    """What every rank shares: the compute group (the model's collectives, the staged buffers), the
+    control group (stats, start-up's agreements) and the step headers (engine.distributed.headers)."""
 
     def __init__(self, config: EngineConfig) -> None:
         import models.parallel
@@ -50,7 +50,7 @@ class StepChannel:
         self.all_reduce, self.all_reduce_path = _symmetric_all_reduce(config, self.control)
         self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD,
                                                        symmetric_all_reduce=self.all_reduce is not None)
-        self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        self.headers = make_headers(self.control, self.rank, self.world_size, timeout_s=COLLECTIVE_TIMEOUT_S)
         self.packed: torch.Tensor | None = None  # the staged buffers of one step, flat
         self.runtime = None
 
@@ -116,6 +116,7 @@ class StepChannel:
             # which kernels the graphs hold, not how often they replayed; {} where NCCL does all
             "all_reduce_calls": dict(self.all_reduce.calls) if self.all_reduce is not None else {},
             "all_reduce": self.all_reduce_path,
+            "step_headers": self.headers.kind,  # shared_memory (ranks on one host) or gloo
         }
         if self.runtime.backend is not None:
             stats["backend"] = dataclasses.asdict(self.runtime.backend.stats)
@@ -166,7 +167,7 @@ def _all_ranks(flag: bool, control: Any) -> bool:
     return bool(t.item())
 
 
-def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -> None:
+def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool, spawned: bool = False) -> None:
     """A rank other than 0: build the same runtime as rank 0, then run each step it sends."""
     from engine.worker.startup import build_runtime
     group = StepChannel(config)
@@ -175,16 +176,21 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
     with torch.inference_mode():
         group.runtime = build_runtime(model, config, min_over_ranks=group.min_over_ranks)
         runner = group.runtime.runner
-        header = group.header
+        parent = os.getppid()
+
+        def rank0_alive() -> None:  # a spawned rank whose rank 0 died must not poll forever
+            if spawned and os.getppid() != parent:
+                raise TensorParallelError(f"rank {rank}: rank 0 (the parent process) exited")
+
         while True:
-            dist.broadcast(header, src=0, group=group.control)
-            (op, num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-             num_sampling, num_chunks, table_width) = header.tolist()
-            if op == STOP:
+            header = group.headers.receive(rank0_alive)
+            if header.op == STOP:
                 break
-            if op == STATS:
+            if header.op == STATS:
                 dist.gather_object(group.local_stats(), None, dst=0, group=group.control)
                 continue
+            (num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
+             num_sampling, num_chunks, table_width) = astuple(header)[1:]
             dispatch = runner.dispatcher.dispatch(BatchDescriptor(num_tokens, bool(uniform)))
             if dispatch.mode is not MODES[mode] or dispatch.descriptor.num_tokens != num_padded:
                 raise TensorParallelError(
@@ -199,6 +205,7 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool) -
             runner.run_staged(dispatch, meta, num_sampling, num_chunks)
         group.runtime.close()  # this rank's graphs go before the communicator they captured
         group.runtime = None
+        group.headers.close()
     del model
     if torch.device(config.device).type == "cuda":
         torch.cuda.empty_cache()

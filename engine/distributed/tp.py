@@ -37,14 +37,14 @@ import torch.distributed as dist
 
 from engine.config import ConfigError, EngineConfig
 from engine.worker.dispatch import BatchDescriptor, Dispatch
-from engine.distributed.rank_loop import (MODES, STATS, STEP, StepChannel, TensorParallelError, abort_process_groups,
-                                follow, leave_process_group)
+from engine.distributed.headers import STATS, STEP, STOP, StepHeader
+from engine.distributed.rank_loop import (COLLECTIVE_TIMEOUT_S, MODES, StepChannel, TensorParallelError,
+                                          abort_process_groups, follow, leave_process_group)
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "Leader", "TensorParallelError", "check_model_fits", "launch"]
 
 logger = logging.getLogger("engine")
 
-COLLECTIVE_TIMEOUT_S = 300.0  # a step, or start-up's compile of one rank while the others wait
 JOIN_TIMEOUT_S = 30.0
 
 
@@ -160,7 +160,7 @@ def _spawned_rank(rank: int, world: int, port: int, config: EngineConfig, model:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                               timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         _init_group(rank, world, rank, cuda, store)
-        follow(_rank_config(config, rank, cuda), model, rank, owns_group=True)
+        follow(_rank_config(config, rank, cuda), model, rank, owns_group=True, spawned=True)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
@@ -231,14 +231,13 @@ class Leader:
             num_seqs, num_actual = meta.seq_lens.shape[0], meta.num_actual_tokens
             max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
         table_width = group.table_width(num_seqs)
-        group.header.copy_(torch.tensor([
-            STEP, batch.num_tokens, int(batch.uniform_decode), MODES.index(dispatch.mode),
-            dispatch.descriptor.num_tokens, num_seqs, num_actual, max_query_len, max_seq_len, num_sampling,
-            num_chunks, table_width]))
+        header = StepHeader(STEP, batch.num_tokens, int(batch.uniform_decode), MODES.index(dispatch.mode),
+                            dispatch.descriptor.num_tokens, num_seqs, num_actual, max_query_len, max_seq_len,
+                            num_sampling, num_chunks, table_width)
         try:
-            dist.broadcast(group.header, src=0, group=group.control)
+            group.headers.send(header, self.check_workers)
             group.broadcast_buffers(dispatch.descriptor.num_tokens, num_seqs, num_sampling, table_width)
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
             self._fail(f"sending a step failed: {exc}")
 
     def rank_stats(self) -> list[dict[str, Any]]:
@@ -247,13 +246,11 @@ class Leader:
             return []
         group = self._group()
         self.check_workers()
-        group.header.zero_()
-        group.header[0] = STATS
         gathered: list[Any] = [None] * group.world_size
         try:
-            dist.broadcast(group.header, src=0, group=group.control)
+            group.headers.send(StepHeader(STATS), self.check_workers)
             dist.gather_object(group.local_stats(), gathered, dst=0, group=group.control)
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
             self._fail(f"gathering stats failed: {exc}")
         return gathered
 
@@ -299,8 +296,7 @@ class Leader:
         # otherwise (rank 0 failed during start-up) they are stopped by signal in join_workers.
         self._stop_sent = group is not None and group.runtime is not None and self.failure is None
         if self._stop_sent:
-            group.header.zero_()
-            _bounded(lambda: dist.broadcast(group.header, src=0, group=group.control), JOIN_TIMEOUT_S,
+            _bounded(lambda: group.headers.send(StepHeader(STOP), self.check_workers), JOIN_TIMEOUT_S,
                      "sending stop to the tensor-parallel workers")
         if group is not None:
             group.runtime = None  # the model and its KV pool are the engine's to free
@@ -308,6 +304,8 @@ class Leader:
     def leave_group(self) -> None:
         """Leave the process group this engine made (a torchrun script's own group is left alone),
         after this rank's CUDA graphs are freed (engine.distributed.rank_loop.leave_process_group says how)."""
+        if self.group is not None:
+            self.group.headers.close()
         if not self.owns_group or not dist.is_initialized():
             return
         self.owns_group = False
