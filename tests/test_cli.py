@@ -74,6 +74,13 @@ def test_quantization_fp8_reaches_the_engine_config_from_both_commands(command):
     assert cli.engine_config_fields(args)["quantization"] == "fp8"
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_disable_custom_all_reduce_reaches_the_engine_config_from_both_commands(command):
+    args = cli.build_parser().parse_args([*command, "--model", "m", "--disable-custom-all-reduce"])
+    assert cli.engine_config_fields(args)["disable_custom_all_reduce"] is True
+    assert "disable_custom_all_reduce" not in cli.engine_config_fields(cli.build_parser().parse_args([*command]))
+
+
 def test_an_unknown_flag_is_named(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["generate", "--prompt", "hi", "--max-tokns-typo", "3"])

@@ -324,6 +324,7 @@ def test_dispatch_without_graphs_runs_everything_unpadded():
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 1.5), ("dtype", "float64"),
     ("device", "tpu"), ("kv_memory_fraction", 1.5), ("num_gpu_blocks", 1), ("piece_compiler", "tvm"),
     ("decode_graph_sizes", (0, 4)), ("decode_graph_sizes", (64,)), ("prefill_graph_sizes", (4096,)),
+    ("disable_custom_all_reduce", "yes"),
 ])
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"EngineConfig.{field}"):

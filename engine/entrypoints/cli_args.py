@@ -78,6 +78,8 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                   "step's tokens before scheduling the next (debugging)"),
     "--tensor-parallel-size": ("tensor_parallel_size", dict(
         type=int, help="ranks (GPUs) to split the model over; spawned, or torchrun's processes")),
+    "--disable-custom-all-reduce": _set("disable_custom_all_reduce", True, "every tensor-parallel all-reduce on "
+                                        "NCCL (default: small ones on symmetric memory where the GPUs allow)"),
     "--max-waiting-requests": ("max_waiting_requests", dict(
         type=int, help="requests allowed to wait for a slot; past it add_request refuses and the server answers "
                        "503 + Retry-After (default: unbounded)")),
