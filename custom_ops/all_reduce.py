@@ -42,8 +42,10 @@ _MAPPED_GROUP_NAMES: set[str] = set()  # every group name this process rendezvou
 class SymmetricAllReduce:
     """One group's symmetric buffer and the choice of kernel per message size."""
 
-    def __init__(self, group: Any, buffer: torch.Tensor, one_shot_max_bytes: int, two_shot_max_bytes: int) -> None:
+    def __init__(self, group: Any, buffer: torch.Tensor, one_shot_max_bytes: int, two_shot_max_bytes: int,
+                 handle: Any = None) -> None:
         self.group = group
+        self.handle = handle  # torch's _SymmetricMemory of the buffer: its signal pads (release_waits)
         self.group_name = group.group_name
         self.world_size = group.size()
         self.buffer = buffer  # uint8, symmetric (every rank's is mapped into every rank)
@@ -84,11 +86,40 @@ class SymmetricAllReduce:
             if enable is not None and getattr(enable, "__deprecated__", None) is None:  # older torch needs it
                 enable(group.group_name)
             buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-            symm_mem.rendezvous(buffer, group.group_name)
+            handle = symm_mem.rendezvous(buffer, group.group_name)
         except Exception as exc:
             logger.warning("tensor parallelism: symmetric-memory all-reduce unavailable (%s); using NCCL", exc)
             return None
-        return cls(group, buffer, one_shot_max_bytes, two_shot_max_bytes)
+        return cls(group, buffer, one_shot_max_bytes, two_shot_max_bytes, handle)
+
+    def release_waits(self, device: torch.device, deadline_s: float = 30.0) -> bool:
+        """After a peer died: let this rank's queued work finish instead of spinning forever.
+
+        The kernels' barriers spin on signal pads (a put waits for the peer's slot to be 0, a wait for
+        this rank's slot to be 1) with no timeout and no abort; a dead peer never does its half. So,
+        from a side stream, this rank's own pad is set to 1 and every peer's (still mapped) to 0, again
+        and again, until the work queued on `device`'s current stream has drained or `deadline_s`
+        passed. The sums computed meanwhile are garbage: only a failed engine calls this, and its
+        results are never read. True when the device drained."""
+        if self.handle is None:
+            return False
+        import time
+        try:
+            rank, world = self.handle.rank, self.handle.world_size
+            pads = [self.handle.get_signal_pad(r, dtype=torch.uint32) for r in range(world)]
+            drained = torch.cuda.Event()
+            drained.record(torch.cuda.current_stream(device))
+            side = torch.cuda.Stream(device)
+            end = time.monotonic() + deadline_s
+            while not drained.query() and time.monotonic() < end:
+                with torch.cuda.stream(side):
+                    for r, pad in enumerate(pads):
+                        pad.fill_(1 if r == rank else 0)
+                time.sleep(0.001)
+            return drained.query()
+        except Exception as exc:  # best effort: the engine already failed and says why
+            logger.warning("tensor parallelism: releasing the symmetric-memory waits failed: %s", exc)
+            return False
 
     def kind(self, x: torch.Tensor) -> str:
         """Which kernel all-reduces x: by size, and NCCL for what the symmetric kernels refuse."""

@@ -77,3 +77,34 @@ def test_nccl_only_all_reduce_gives_the_same_tokens(model_dirs):
             assert rank["all_reduce"] == "nccl: EngineConfig.disable_custom_all_reduce"
     finally:
         llm.close()
+
+
+def test_a_rank_killed_while_steps_are_in_flight_makes_the_engine_raise_naming_it(model_dirs):
+    """The kill lands while rank 0 has steps queued (async scheduling keeps one in flight): a
+    symmetric-memory all-reduce whose peer died spins with no timeout, so rank 0 must notice the
+    death while it waits for the step (LLM raises TensorParallelError naming the rank) and release
+    its own GPU's waits so that close() can free the graphs."""
+    import os
+    import signal
+    import time
+
+    from engine import SamplingParams
+    from engine.distributed.tp import TensorParallelError
+    llm = _engine(model_dirs["llama"], **GRAPHS, tensor_parallel_size=2)
+    try:
+        for i in range(4):  # decode steps until the kill (max_model_len 128 bounds them)
+            llm.add_request([1, 5 + i, 9], SamplingParams(max_tokens=120, ignore_eos=True))
+        for _ in range(5):
+            llm.step()
+        worker = llm.tp.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            for _ in range(1000):
+                llm.step()
+                assert time.monotonic() - start < 60
+        assert time.monotonic() - start < 30
+    finally:
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 60

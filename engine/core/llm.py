@@ -143,6 +143,8 @@ class LLM:
             raise
         # async scheduling: the host runs one step ahead of the device (engine/core/step_loop.py)
         self._loop = StepLoop(self.scheduler, self.runtime, depth=1 if self.config.async_scheduling else 0)
+        if self.tp is not None and self._loop.device.type == "cuda":
+            self._loop.wait_for = self.tp.wait_for
         self._requests: dict[str, Request] = {}
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output

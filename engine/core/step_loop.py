@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -159,6 +159,9 @@ class StepLoop:
         self.num_drains = 0            # the host had to read the in-flight step before scheduling more
         self.num_discarded_tokens = 0  # sampled after their request had finished
         self.num_spec_waits = 0        # the host read the in-flight step before scheduling, for proposals
+        # how the host waits for a CUDA event: under tensor parallelism the leader's wait, which raises
+        # when a rank dies instead of blocking on a collective that can no longer complete
+        self.wait_for: Callable[[torch.cuda.Event], None] = torch.cuda.Event.synchronize
         self.num_tokens_read = 0       # tokens appended to requests (a verify chunk adds up to 1 + k)
 
     def has_inflight(self) -> bool:
@@ -214,7 +217,9 @@ class StepLoop:
         previous, self._inflight = self._inflight, None
         resolved = self._resolve(previous) if previous is not None else []
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            idle = torch.cuda.Event()
+            idle.record(torch.cuda.current_stream(self.device))
+            self.wait_for(idle)
         return resolved
 
     def finished(self, request: Request) -> None:
@@ -305,7 +310,7 @@ class StepLoop:
         if not step.sampling:
             return []
         if step.ready is not None:
-            step.ready.synchronize()
+            self.wait_for(step.ready)
         if step.verify is not None:
             return self._resolve_verify(step)
         tokens = step.host_tokens.tolist()

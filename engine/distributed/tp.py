@@ -180,11 +180,26 @@ class Leader:
         self._stop_sent = False
         self._lock = threading.Lock()  # close() against the watcher's abort
 
+    def wait_for(self, event: torch.cuda.Event, check_every_s: float = 0.2) -> None:
+        """Wait for a CUDA event of rank 0's step, asking every check_every_s whether the workers live:
+        a collective whose peer died never completes (a symmetric-memory kernel spins on its signal pad;
+        no abort reaches it), so a plain synchronize would block forever. Raises TensorParallelError
+        naming the dead rank, before anything the step computed is read."""
+        if event.query():
+            return
+        last_check = time.monotonic()
+        while not event.query():
+            now = time.monotonic()
+            time.sleep(0)  # spin as a CUDA synchronize does, the GIL free for the other threads
+            if now - last_check > check_every_s:
+                last_check = now
+                self.check_workers()
+
     def watch(self, interval_s: float = 1.0) -> None:
-        """On CUDA, a daemon thread that aborts the NCCL communicators when a spawned worker dies:
-        rank 0 may be blocked in a device sync on a collective that can no longer complete, and an
-        abort ends it in about interval_s instead of the collective timeout (after which NCCL's
-        watchdog would tear this process down)."""
+        """On CUDA, a daemon thread that, when a spawned worker dies, aborts the NCCL communicators and
+        releases this rank's symmetric-memory waits (custom_ops.all_reduce.SymmetricAllReduce.release_waits):
+        rank 0's GPU may be inside a collective that can no longer complete; released, its queued work
+        drains (its results are never read: wait_for raises first) and close() can free the graphs."""
         def run() -> None:
             while True:
                 time.sleep(interval_s)
@@ -193,13 +208,16 @@ class Leader:
                         return
                     if all(p.is_alive() for p in self.processes):
                         continue
+                    comm = self.group.all_reduce if self.group is not None else None
                     if dist.is_initialized():
                         logger.error("tensor parallelism: a worker died; aborting the process group")
                         try:
                             abort_process_groups()
                         except Exception as exc:  # the step still fails, by check_workers or timeout
                             logger.warning("tensor parallelism: abort failed: %s", exc)
-                    return
+                if comm is not None:  # outside the lock: close() must not wait on a drain
+                    comm.release_waits(torch.device(self.config.device))
+                return
 
         threading.Thread(target=run, name="tp-watch", daemon=True).start()
 
