@@ -92,11 +92,9 @@ class StepChannel:
         if self.rank == 0:
             torch.cat([t.reshape(-1) for t in staged], out=packed)
         dist.broadcast(packed, src=0)
-        if self.rank != 0:
-            offset = 0
-            for tensor in staged:  # into the buffers themselves: a narrowed table is a strided view
-                tensor.copy_(packed[offset:offset + tensor.numel()].view(tensor.shape))
-                offset += tensor.numel()
+        if self.rank != 0:  # into the buffers themselves (a narrowed table is a strided view), in one call
+            sources = [part.view(t.shape) for part, t in zip(packed.split([t.numel() for t in staged]), staged)]
+            torch._foreach_copy_(staged, sources)
 
     def local_stats(self) -> dict[str, Any]:
         """This rank's graph counts and fallbacks (LLM.stats()['ranks'])."""
