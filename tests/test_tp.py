@@ -356,3 +356,36 @@ def test_speculative_decoding_on_two_ranks_matches_one_rank(saved):
         _check_rank_stats(stats)
     finally:
         llm.close()
+
+
+def test_rank_0_waiting_for_a_step_raises_naming_a_worker_that_died():
+    """Leader.wait_for (how rank 0 waits for its steps on GPUs): a step whose peer died never
+    completes, so the wait must end by asking about the workers, not by the step."""
+    from engine.config import EngineConfig
+    from engine.distributed.tp import Leader
+
+    class DeadWorker:
+        name, pid, exitcode = "tp-rank-1", 4321, -9
+
+        def is_alive(self) -> bool:
+            return False
+
+    class NeverDone:
+        def query(self) -> bool:
+            return False
+
+    class DoneAfter:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def query(self) -> bool:
+            self.n -= 1
+            return self.n < 0
+
+    leader = Leader(EngineConfig(device="cpu"), processes=[DeadWorker()], errors=None, owns_group=False)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid 4321\) exited with code -9"):
+        leader.wait_for(NeverDone(), check_every_s=0.05)
+    assert time.monotonic() - start < 5
+    healthy = Leader(EngineConfig(device="cpu"), processes=[], errors=None, owns_group=False)
+    healthy.wait_for(DoneAfter(1000), check_every_s=0.0)  # a step that completes: no error
