@@ -265,12 +265,17 @@ def test_a_built_model_cannot_be_split_and_the_size_must_be_positive(saved):
 def test_tp_bench_times_one_and_two_ranks_on_the_cpu(tmp_path, monkeypatch):
     from bench import tp as tp_bench
     monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
-    report = tp_bench.run("tiny-llama", batches="1", tokens="16", iters=2, context=16)
-    assert [(r["tp"], r["workload"]) for r in report.rows] == [
-        (1, "decode bs1 ctx16"), (1, "prefill 16"), (2, "decode bs1 ctx16"), (2, "prefill 16")]
+    report = tp_bench.run("tiny-llama", batches="1", tokens="16", iters=2, context=16, tp_sizes="1,2",
+                          all_reduce="both")
+    assert [(r["tp"], r["all_reduce"], r["workload"]) for r in report.rows] == [
+        (1, "-", "decode bs1 ctx16"), (1, "-", "prefill 16"), (2, "custom", "decode bs1 ctx16"),
+        (2, "custom", "prefill 16"), (2, "nccl", "decode bs1 ctx16"), (2, "nccl", "prefill 16")]
     assert all(r["median_ms"] > 0 and r["floor_ms"] is None for r in report.rows)
-    assert [r["collectives"] for r in report.rows] == [0, 0, 5, 5]  # 2 layers x 2 + the embedding
+    assert [r["collectives"] for r in report.rows] == [0, 0, 5, 5, 5, 5]  # 2 layers x 2 + the embedding
     assert report.meta["engine_stats_tp2"]["ranks"][1]["modes"] == report.meta["engine_stats_tp2"]["modes"]
+    # on the CPU both engines all-reduce over gloo; the NCCL-only one says it was told to
+    assert report.meta["engine_stats_tp2"]["ranks"][0]["all_reduce"] == "gloo: the CPU"
+    assert report.meta["engine_stats_tp2_nccl"]["ranks"][0]["all_reduce"] == "nccl: EngineConfig.disable_custom_all_reduce"
 
 
 def test_each_rank_reads_only_its_shards_and_they_tile_the_full_weights(saved, monkeypatch):
