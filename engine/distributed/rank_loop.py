@@ -1,22 +1,23 @@
 """The step channel between tensor-parallel ranks: what rank 0 sends each step and how the others run it.
 
 Every rank holds a StepChannel: the compute group (the default process group: the model's
-collectives and the staged buffers) and a gloo control group for the small step header and stats.
-Rank 0's ModelRunner stages a step into its static buffers; the channel broadcasts the header (the
-step's size, dispatch and metadata bounds; on gloo, so followers read it on the host without a device
-sync) and the staged buffer slices packed into one tensor (block tables only as wide as the step's
-longest table, not max_model_len / block_size wide); each follower unpacks them into its own
-static buffers at their fixed addresses and calls the same ModelRunner.run_staged, so it replays the
-same graphs and its collectives pair up with rank 0's.
+collectives and the staged buffers), a gloo control group for stats and start-up's agreements, and
+the step headers (engine.distributed.headers: shared memory on one host, gloo across hosts). Rank 0's
+ModelRunner stages a step into its static buffers; the channel sends the header (the step's size,
+dispatch and metadata bounds, read on the host without a device sync) and broadcasts the staged
+buffer slices packed into one tensor (block tables only as wide as the step's longest table, not
+max_model_len / block_size wide); each follower unpacks them into its own static buffers at their
+fixed addresses and calls the same ModelRunner.run_staged, so it replays the same graphs and its
+collectives pair up with rank 0's. The model's all-reduces run on symmetric memory where every rank
+can map it (custom_ops.all_reduce), on NCCL otherwise.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import astuple
 import datetime
 import gc
 import logging
+import os
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from custom_ops import RuntimeMode
 from engine.config import EngineConfig
-from engine.distributed.headers import STATS, STEP, STOP, StepHeader, make_headers
+from engine.distributed.headers import STATS, STOP, make_headers
 from engine.worker.dispatch import BatchDescriptor
 
 logger = logging.getLogger("engine")
@@ -187,20 +188,19 @@ def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool, s
             if header.op == STATS:
                 dist.gather_object(group.local_stats(), None, dst=0, group=group.control)
                 continue
-            (num_tokens, uniform, mode, num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-             num_sampling, num_chunks, table_width) = astuple(header)[1:]
-            dispatch = runner.dispatcher.dispatch(BatchDescriptor(num_tokens, bool(uniform)))
-            if dispatch.mode is not MODES[mode] or dispatch.descriptor.num_tokens != num_padded:
+            h = header  # a STEP
+            dispatch = runner.dispatcher.dispatch(BatchDescriptor(h.num_tokens, bool(h.uniform)))
+            if dispatch.mode is not MODES[h.mode] or dispatch.descriptor.num_tokens != h.num_padded:
                 raise TensorParallelError(
-                    f"rank {rank} dispatched a {num_tokens}-token step to {dispatch.mode.value} at "
-                    f"{dispatch.descriptor.num_tokens} tokens, rank 0 to {MODES[mode].value} at {num_padded}: "
+                    f"rank {rank} dispatched a {h.num_tokens}-token step to {dispatch.mode.value} at "
+                    f"{dispatch.descriptor.num_tokens} tokens, rank 0 to {MODES[h.mode].value} at {h.num_padded}: "
                     "the ranks' graph sizes differ")
-            group.broadcast_buffers(num_padded, num_seqs, num_sampling, table_width)
+            group.broadcast_buffers(h.num_padded, h.num_seqs, h.num_sampling, h.table_width)
             meta = None
             if dispatch.mode is not RuntimeMode.FULL:
-                meta = runner.buffers.metadata(num_padded, num_seqs, num_actual, max_query_len, max_seq_len,
-                                               bool(uniform))
-            runner.run_staged(dispatch, meta, num_sampling, num_chunks)
+                meta = runner.buffers.metadata(h.num_padded, h.num_seqs, h.num_actual, h.max_query_len,
+                                               h.max_seq_len, bool(h.uniform))
+            runner.run_staged(dispatch, meta, h.num_sampling, h.num_chunks)
         group.runtime.close()  # this rank's graphs go before the communicator they captured
         group.runtime = None
         group.headers.close()
