@@ -185,8 +185,6 @@ class Leader:
         a collective whose peer died never completes (a symmetric-memory kernel spins on its signal pad;
         no abort reaches it), so a plain synchronize would block forever. Raises TensorParallelError
         naming the dead rank, before anything the step computed is read."""
-        if event.query():
-            return
         last_check = time.monotonic()
         while not event.query():
             now = time.monotonic()
