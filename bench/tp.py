@@ -81,8 +81,9 @@ def _collective_rank(rank: int, world: int, port: int, shapes: list[tuple[int, i
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     largest = max(tokens * hidden for tokens, hidden, _, _ in shapes) * 2
     symm = all_reduce.SymmetricAllReduce.create(group, torch.device("cuda", rank), largest, largest)
-    engine_choice = all_reduce.SymmetricAllReduce.create(group, torch.device("cuda", rank), ONE_SHOT_MAX_BYTES,
-                                                         TWO_SHOT_MAX_BYTES)
+    # the engine's thresholds over the same buffer (every shape here fits it, so its size decides nothing)
+    engine_choice = (all_reduce.SymmetricAllReduce(group, symm.buffer, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES)
+                     if symm is not None else None)
 
     def waited(t: torch.Tensor) -> torch.Tensor:
         return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
@@ -118,8 +119,7 @@ def _collective_rank(rank: int, world: int, port: int, shapes: list[tuple[int, i
         row = {"nccl": graph_us(lambda: waited(funcol.all_reduce(x, "sum", group))),
                "all_gather": graph_us(lambda: waited(gather(y, 0, group)))}
         for kind in (all_reduce.ONE_SHOT, all_reduce.TWO_SHOT):
-            ok = symm is not None and (kind == all_reduce.ONE_SHOT or x.numel() * 2 % (16 * world) == 0)
-            row[kind] = graph_us(lambda: symm.run(x, kind)) if ok else None
+            row[kind] = graph_us(lambda: symm.run(x, kind)) if symm is not None and symm.accepts(x, kind) else None
         row["engine_kind"] = engine_choice.kind(x) if engine_choice is not None else all_reduce.NCCL
         row["engine"] = row[row["engine_kind"]]
         results.append(row)
@@ -248,7 +248,8 @@ def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZE
             per_workload = {**{f"decode bs{b} ctx{context}": b for b in batches},
                             **{f"prefill {t}": t for t in tokens}}
             measured = _workloads(llm, batches, tokens, context, config["vocab_size"], iters)
-            report.meta[f"engine_stats_tp{n}" + ("_nccl" if kind == "nccl" else "")] = {k: v for k, v in llm.stats().items() if k != "backend"}
+            key = f"engine_stats_tp{n}" + ("_nccl" if kind == "nccl" else "")
+            report.meta[key] = {k: v for k, v in llm.stats().items() if k != "backend"}
         finally:
             llm.close()
             del llm

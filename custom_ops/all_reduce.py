@@ -124,13 +124,21 @@ class SymmetricAllReduce:
     def kind(self, x: torch.Tensor) -> str:
         """Which kernel all-reduces x: by size, and NCCL for what the symmetric kernels refuse."""
         nbytes = x.numel() * x.element_size()
-        if x.dtype not in (torch.bfloat16, torch.float32) or nbytes % ALIGN_BYTES or x.device != self.buffer.device:
-            return NCCL
-        if nbytes <= self.one_shot_max_bytes:
+        if nbytes <= self.one_shot_max_bytes and self.accepts(x, ONE_SHOT):
             return ONE_SHOT
-        if nbytes <= self.two_shot_max_bytes and nbytes % (ALIGN_BYTES * self.world_size) == 0:
+        if nbytes <= self.two_shot_max_bytes and self.accepts(x, TWO_SHOT):
             return TWO_SHOT
         return NCCL
+
+    def accepts(self, x: torch.Tensor, kind: str) -> bool:
+        """Whether the kernel `kind` can all-reduce x at all (its dtypes, its alignment, the buffer's size)."""
+        nbytes = x.numel() * x.element_size()
+        if x.dtype not in (torch.bfloat16, torch.float32) or x.device != self.buffer.device:
+            return False
+        if nbytes > self.buffer.numel():
+            return False
+        share = ALIGN_BYTES * (self.world_size if kind == TWO_SHOT else 1)  # two-shot: a whole vector per rank
+        return nbytes % share == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.kind(x)
