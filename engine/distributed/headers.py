@@ -28,7 +28,12 @@ import torch.distributed as dist
 __all__ = ["STATS", "STEP", "STOP", "GlooHeaders", "SharedHeaders", "StepHeader", "make_headers"]
 
 STOP, STEP, STATS = 0, 1, 2
-SPIN_S = 0.002          # a follower polls without sleeping this long after a header, then backs off
+# A follower on a GPU polls without sleeping for this long, then backs off: longer than a step (a few ms),
+# so a busy engine's next header is taken at once (the follower's delay is rank 0's: its first collective
+# waits for it), while an idle engine's followers sleep. On the CPU the ranks' compute needs the cores:
+# CPU_SPIN_S.
+SPIN_S = 0.05
+CPU_SPIN_S = 0.0002
 IDLE_SLEEP_S = 0.0005   # the longest sleep between polls of an idle follower
 CHECK_EVERY_S = 0.5     # how often a wait asks whether the other side is still alive
 
@@ -79,9 +84,10 @@ class SharedHeaders:
 
     kind = "shared_memory"
 
-    def __init__(self, rank: int, world_size: int, name: str | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(self, rank: int, world_size: int, name: str | None = None, timeout_s: float = 300.0,
+                 spin_s: float = SPIN_S) -> None:
         from multiprocessing import shared_memory
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.rank, self.world_size, self.timeout_s, self.spin_s = rank, world_size, timeout_s, spin_s
         slots = world_size + HEADER_LEN + 1
         if name is None:  # rank 0
             self.shm = shared_memory.SharedMemory(create=True, size=8 * slots)
@@ -130,13 +136,13 @@ class SharedHeaders:
         return StepHeader(*values)
 
     def _wait(self, ready: Callable[[], bool], alive: Callable[[], None] | None, what: str | None) -> None:
-        """Poll `ready`: without sleeping for SPIN_S, then with sleeps growing to IDLE_SLEEP_S. `what`
+        """Poll `ready`: without sleeping for spin_s, then with sleeps growing to IDLE_SLEEP_S. `what`
         set: give up after timeout_s with a TimeoutError naming it."""
         start = last_check = time.monotonic()
         sleep = 0.0
         while not ready():
             now = time.monotonic()
-            if now - start > SPIN_S:
+            if now - start > self.spin_s:
                 sleep = min(IDLE_SLEEP_S, sleep + 0.00005)
                 time.sleep(sleep)
             if now - last_check > CHECK_EVERY_S:
@@ -171,19 +177,21 @@ def _untrack(shm: Any) -> None:
         pass
 
 
-def make_headers(control: Any, rank: int, world_size: int, timeout_s: float) -> GlooHeaders | SharedHeaders:
+def make_headers(control: Any, rank: int, world_size: int, timeout_s: float,
+                 on_gpu: bool = True) -> GlooHeaders | SharedHeaders:
     """Shared memory when every rank is on this host (told by their host names, gathered over the
     control group), else gloo; a collective, called by every rank at the same point."""
     hosts: list[Any] = [None] * world_size
     dist.all_gather_object(hosts, (socket.gethostname(), _boot_id()), group=control)
     if len(set(hosts)) != 1 or os.environ.get("INFER_GRAPHS_TP_HEADERS") == "gloo":
         return GlooHeaders(control)
-    shared = SharedHeaders(rank, world_size, timeout_s=timeout_s) if rank == 0 else None
+    spin_s = SPIN_S if on_gpu else CPU_SPIN_S
+    shared = SharedHeaders(rank, world_size, timeout_s=timeout_s, spin_s=spin_s) if rank == 0 else None
     name = [shared.name if shared else None]
     dist.broadcast_object_list(name, src=0, group=control)
     if rank != 0:
         try:
-            shared = SharedHeaders(rank, world_size, name=name[0], timeout_s=timeout_s)
+            shared = SharedHeaders(rank, world_size, name=name[0], timeout_s=timeout_s, spin_s=spin_s)
         except OSError:  # one host name, separate /dev/shm (containers): gloo, below
             shared = None
     # every rank mapped it (or none keeps it) before rank 0 may unlink it

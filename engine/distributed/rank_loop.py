@@ -51,7 +51,8 @@ class StepChannel:
         self.all_reduce, self.all_reduce_path = _symmetric_all_reduce(config, self.control)
         self.parallel = models.parallel.TensorParallel(self.rank, self.world_size, dist.group.WORLD,
                                                        symmetric_all_reduce=self.all_reduce is not None)
-        self.headers = make_headers(self.control, self.rank, self.world_size, timeout_s=COLLECTIVE_TIMEOUT_S)
+        self.headers = make_headers(self.control, self.rank, self.world_size, timeout_s=COLLECTIVE_TIMEOUT_S,
+                                    on_gpu=torch.device(config.device).type == "cuda")
         self.packed: torch.Tensor | None = None  # the staged buffers of one step, flat
         self.runtime = None
 
