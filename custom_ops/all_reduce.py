@@ -49,8 +49,8 @@ class SymmetricAllReduce:
         self.group_name = group.group_name
         self.world_size = group.size()
         self.buffer = buffer  # uint8, symmetric (every rank's is mapped into every rank)
-        self.one_shot_max_bytes = min(one_shot_max_bytes, buffer.numel())
-        self.two_shot_max_bytes = min(two_shot_max_bytes, buffer.numel())
+        self.one_shot_max_bytes = one_shot_max_bytes  # past the buffer's size, accepts() refuses either kernel
+        self.two_shot_max_bytes = two_shot_max_bytes
         self.calls: Counter[str] = Counter()  # per kind, counted when the op runs eagerly (a capture counts once)
 
     @staticmethod

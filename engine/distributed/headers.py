@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATS", "STEP", "STOP", "GlooHeaders", "SharedHeaders", "StepHeader", "make_headers"]
+__all__ = ["STATS", "STEP", "STOP", "GlooHeaders", "SharedHeaders", "StepHeader", "make_headers", "min_over_ranks"]
 
 STOP, STEP, STATS = 0, 1, 2
 # A follower on a GPU polls without sleeping for this long, then backs off: longer than a step (a few ms),
@@ -195,13 +195,18 @@ def make_headers(control: Any, rank: int, world_size: int, timeout_s: float,
         except OSError:  # one host name, separate /dev/shm (containers): gloo, below
             shared = None
     # every rank mapped it (or none keeps it) before rank 0 may unlink it
-    mapped = torch.tensor([int(shared is not None)], dtype=torch.int64)
-    dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=control)
-    if mapped.item():
+    if min_over_ranks(int(shared is not None), control):
         return shared
     if shared is not None:
         shared.close()
     return GlooHeaders(control)
+
+
+def min_over_ranks(value: int, control: Any) -> int:
+    """The minimum of an int over the ranks of the (gloo) control group: how the ranks agree on the host."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return int(t.item())
 
 
 def _boot_id() -> str:

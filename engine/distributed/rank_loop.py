@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from custom_ops import RuntimeMode
 from engine.config import EngineConfig
-from engine.distributed.headers import STATS, STOP, make_headers
+from engine.distributed.headers import STATS, STOP, make_headers, min_over_ranks
 from engine.worker.dispatch import BatchDescriptor
 
 logger = logging.getLogger("engine")
@@ -63,9 +63,7 @@ class StepChannel:
                                       quantization=self.config.quantization)
 
     def min_over_ranks(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
-        return int(t.item())
+        return min_over_ranks(value, self.control)
 
     def _staged(self, num_tokens: int, num_seqs: int, num_sampling: int, table_width: int) -> list[torch.Tensor]:
         b = self.runtime.runner.buffers
@@ -145,10 +143,10 @@ def _symmetric_all_reduce(config: EngineConfig, control: Any) -> tuple[Any, str]
     group = dist.group.WORLD
     reason = all_reduce.SymmetricAllReduce.unavailable(group, torch.device(config.device))
     comm = None
-    if _all_ranks(reason is None, control):
+    if min_over_ranks(int(reason is None), control):
         comm = all_reduce.SymmetricAllReduce.create(group, torch.device(config.device), ONE_SHOT_MAX_BYTES,
                                                     TWO_SHOT_MAX_BYTES)
-        if not _all_ranks(comm is not None, control):
+        if not min_over_ranks(int(comm is not None), control):
             reason = reason or ("symmetric memory failed on this rank" if comm is None else
                                 "symmetric memory failed on another rank")
             comm = None
@@ -159,12 +157,6 @@ def _symmetric_all_reduce(config: EngineConfig, control: Any) -> tuple[Any, str]
         return None, f"nccl: {reason}"
     all_reduce.register(comm)
     return comm, "symmetric memory below the crossover, nccl above"
-
-
-def _all_ranks(flag: bool, control: Any) -> bool:
-    t = torch.tensor([int(flag)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
-    return bool(t.item())
 
 
 def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool, spawned: bool = False) -> None:
