@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="e2e, host, serving: the tokenizer directory the engine holds (default "
                         "bench/.tokenizer, written by `python -m bench tokenizer`), or 'none' for no tokenizer")
     parser.add_argument("--variants", help="e2e, host: front-end variants, comma-separated, of plain (no tokenizer), "
-                        "tokenizer, stop (tokenizer + 2 stop strings) (default all three)")
+                        "tokenizer, stop (tokenizer + 2 stop strings) (default all three); spec: of ngram, rejected, "
+                        "ceiling, draft, draft_small (default all; none always runs)")
+    parser.add_argument("--draft-layers", type=int, help="spec: layers of the draft_small rows' draft (default a "
+                        "quarter of the target's)")
     parser.add_argument("--source", help="tokenizer: a tokenizer directory or .gguf file to read (default the "
                         "default model's GGUF)")
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "

@@ -16,6 +16,15 @@ the KV pool and the process:
               near-tied logits flip within tens of tokens (`diverges_at`: the median first token that
               differs), after which the replay proposes the wrong text. Greedy identity is tested in
               float32 (tests/test_spec_decode_gpu.py).
+  draft       a draft model equal to the target (a second copy, same seed: acceptance ~1 where bf16
+              rounding agrees): the whole draft-model path (engine/spec/draft.py: catch-up, k - 1 draft
+              decode graphs, sampling, verify), its draft_ms a round; a draft as costly as the target
+              cannot speed anything up (k draft steps + one verify step for at most 1 + k tokens), so
+              this row shows the mechanism's overhead, not a gain
+  draft_small a draft of the target's shape cut to --draft-layers layers (default a quarter), random
+              weights, so acceptance ~0, proposing on every step (no back-off): its ms_per_token is one
+              drafting round plus one verify step; derived_ceiling_x = (1 + k) tokens per such round
+              over `none`, what a draft of that cost that the target always agreed with would give
 The models carry random weights, so no proposer but the replay sees text a real model would copy;
 acceptance on real text is measured with the real default model on the CPU (bench/spec_acceptance.py
 where present, bench/results/*/spec-acceptance).
@@ -28,6 +37,7 @@ Per batch B (B requests of prompt_len random tokens, output_len tokens out, gree
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 
@@ -44,30 +54,39 @@ BATCHES = (1, 8, 32)
 KS = (2, 4)
 PROMPT_LEN = 256
 OUTPUT_LEN = 128
-VARIANTS = ("none", "ngram", "rejected", "ceiling")
+VARIANTS = ("none", "ngram", "rejected", "ceiling", "draft", "draft_small")
+DRAFTS = ("draft", "draft_small")
 
 COLUMNS = ["batch", "variant", "k", "tok_per_s", "ms_per_token", "speedup", "acceptance", "accepted_len",
-           "verify_chunks", "steps", "derived_ceiling_x", "diverges_at"]
+           "verify_chunks", "steps", "draft_ms", "derived_ceiling_x", "diverges_at"]
 
 
 def run(model: str, batches=None, ks=None, prompt_len: int | None = None, output_len: int | None = None,
-        repeats: int = 2, **_: object) -> Report:
+        repeats: int = 2, variants: str | None = None, draft_layers: int | None = None, **_: object) -> Report:
     from engine import LLM, SamplingParams
 
     batches = parse_ints(batches, BATCHES)
     ks = parse_ints(ks, KS)
     prompt_len, output_len = int(prompt_len or PROMPT_LEN), int(output_len or OUTPUT_LEN)
-    vocab = load_config(model)["vocab_size"]
+    wanted = _variants(variants)
+    config = load_config(model)
+    vocab = config["vocab_size"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = Report("spec", model, device, COLUMNS)
     net = build_model(model)
     max_k = max(ks)
+    drafting = [v for v in DRAFTS if v in wanted]
     llm = LLM(net, max_num_seqs=max(batches), max_model_len=prompt_len + output_len + 16, show_progress=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": max_k,
-                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+              # the drafts' weights and KV pools are built after the target's pool: leave them room
+              **({"kv_memory_fraction": 0.5} if drafting else {}))
+    layers = int(draft_layers or max(1, config["num_hidden_layers"] // 4))
+    drafts = {v: _draft_proposer(llm, model, config, max_k, None if v == "draft" else layers) for v in drafting}
     report.meta.update(batches=batches, ks=ks, prompt_len=prompt_len, output_len=output_len, repeats=repeats,
                        torch=torch.__version__, cudagraph_mode=llm.config.cudagraph_mode,
-                       mixed_graphs=llm.stats()["mixed_graphs"])
+                       mixed_graphs=llm.stats()["mixed_graphs"], variants=list(wanted),
+                       draft_small_layers=layers if "draft_small" in drafts else None)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     for b in batches:
@@ -78,31 +97,70 @@ def run(model: str, batches=None, ks=None, prompt_len: int | None = None, output
         greedy = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, base["outputs"])}
         report.add(batch=b, variant="none", k=0, **base["row"], speedup=1.0)
         for k in ks:
-            for variant in VARIANTS[1:]:
+            for variant in (v for v in VARIANTS[1:] if v in wanted):
                 config = SpeculativeConfig(k, 1, 3)
                 if variant == "ngram":
                     proposer = Proposer(config)
+                elif variant in drafts:
+                    proposer = drafts[variant]
+                    proposer.config = dataclasses.replace(proposer.config, num_speculative_tokens=k)
+                    proposer.reset_stats()
                 else:
                     wrong = 1.0 if variant == "rejected" else 0.0
                     proposer = ReplayProposer(config, greedy, vocab, wrong, backoff=variant != "rejected")
                 llm.scheduler.proposer = proposer
                 got = _measure(llm, prompts, params, repeats)
-                stats = proposer.stats.as_dict()
+                stats = {**proposer.stats.as_dict(), **proposer.stats_dict()}
                 derived = None
-                if variant == "rejected":
+                if variant in ("rejected", "draft_small"):  # one token per step or round: what 1 + k would give
                     derived = ratio((1 + k) / got["row"]["ms_per_token"], 1 / base["row"]["ms_per_token"])
                 report.add(batch=b, variant=variant, k=k, **got["row"],
                            speedup=ratio(got["row"]["tok_per_s"], base["row"]["tok_per_s"]),
                            acceptance=stats["acceptance_rate"], accepted_len=stats["mean_accepted_length"],
-                           verify_chunks=stats["verify_chunks"], derived_ceiling_x=derived,
-                           diverges_at=_first_difference(got["outputs"], base["outputs"]))
+                           verify_chunks=stats["verify_chunks"], draft_ms=stats.get("draft_ms_per_round"),
+                           derived_ceiling_x=derived, diverges_at=_first_difference(got["outputs"], base["outputs"]))
     stats = llm.stats()
     report.notes.append(f"{repeats} measured generate calls per row (median of their medians) after one warm-up; "
                         f"prompts of {prompt_len} random tokens, {output_len} out, greedy; engine defaults "
                         f"(cudagraph_mode {stats['cudagraph_mode']}), speculative_config k={max_k} (verify graphs "
                         f"for every k up to it); steps by mode {stats['modes']}, fallbacks {stats['fallback_reasons']}")
+    for variant, proposer in drafts.items():
+        draft = proposer.stats_dict()
+        report.notes.append(f"{variant}: the draft's steps by mode {draft['draft_modes']}, graph fallbacks "
+                            f"{draft['draft_graph_fallbacks']}; draft_ms is host time a drafting round takes "
+                            "(its catch-up and k - 1 decode steps and the read-back that waits for them)")
+        proposer.close()
     llm.close()
     return report
+
+
+def _variants(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return VARIANTS
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"bench spec --variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    return ("none",) + tuple(v for v in VARIANTS[1:] if v in names)
+
+
+def _draft_proposer(llm, model: str, config: dict, k: int, layers: int | None):
+    """A DraftProposer beside the bench's engine: the target's own weights (a second copy: same seed) or,
+    with `layers`, the target's shape cut to that many layers, random weights."""
+    import models
+    from engine.spec.draft import build_draft_proposer
+    from engine.worker.timeline import StartupTimeline
+    from bench.common import device_and_dtype
+
+    if layers is None:
+        draft = build_model(model)
+    else:
+        device, dtype = device_and_dtype()
+        draft = models.from_config({**config, "num_hidden_layers": layers}, dtype=dtype, device=device, seed=1)
+    spec = SpeculativeConfig(k, 1, 1, "draft_model", draft)
+    proposer = build_draft_proposer(spec, llm.config, llm.model_config, StartupTimeline())
+    proposer.backoff = layers is None  # the small random draft proposes on every step (its cost row)
+    return proposer
 
 
 def _measure(llm, prompts, params, repeats: int) -> dict:
@@ -146,7 +204,3 @@ class ReplayProposer(Proposer):
         n = len(request.token_ids)
         return [t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                 for t in known[n:n + num_tokens]]
-
-    def _miss(self, request: Request, now: int) -> None:
-        if self.backoff:
-            super()._miss(request, now)

@@ -121,7 +121,8 @@ class EngineConfig:
     # for its own prompts, so a queue bound would only refuse what the caller is about to run.
     max_waiting_requests: int | None = None
     # speculative decoding, in vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b} (engine.spec); None: one token per step
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DRAFT_PATH, "num_speculative_tokens": k}
+    # (engine.spec); None: one token per step
     speculative_config: dict | SpeculativeConfig | None = None
     # "fp8": the decoder's linear layers hold float8_e4m3fn weights with a float32 scale per output row,
     # quantized at load (the LM head and embedding stay in `dtype`; activations too: weight-only), read by
@@ -169,6 +170,10 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except SpeculativeConfigError as exc:
             raise ConfigError(f"EngineConfig.{exc}") from None
+        spec = self.speculative_config
+        if spec is not None and spec.draft_model and not isinstance(spec.model, str) and self.tensor_parallel_size > 1:
+            raise ConfigError("EngineConfig.speculative_config['model']: under tensor_parallel_size > 1 give the "
+                              "draft model's path, not a built model (the draft runs on rank 0, loaded by the engine)")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization", self.quantization,
                f"None or one of {', '.join(QUANTIZATIONS)}")
         if self.max_waiting_requests is not None:

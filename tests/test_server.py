@@ -746,11 +746,14 @@ def test_the_server_on_two_tensor_parallel_ranks_streams_what_one_rank_generates
     assert proc.returncode is not None
 
 
-def test_a_speculating_server_answers_as_the_engine_without_speculation(model_dir, reference, tmp_path):
-    """`serve --speculative-config`: streamed and plain completions equal LLM.generate without
-    speculation, and /metrics carries the speculation counters."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_speculating_server_answers_as_the_engine_without_speculation(model_dir, reference, tmp_path, method):
+    """`serve --speculative-config`, prompt lookup or a draft model (here the target itself): streamed
+    and plain completions equal LLM.generate without speculation, and /metrics carries the speculation
+    counters."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                       "prompt_lookup_max": 2})
+                       "prompt_lookup_max": 2} if method == "ngram" else
+                      {"model": str(model_dir), "num_speculative_tokens": 3})
     proc, url = start_server(model_dir, tmp_path / "stderr.txt", "--device", "cpu", "--api-key", KEY,
                              "--speculative-config", spec, *_flags(ENGINE))
     try:
@@ -768,5 +771,8 @@ def test_a_speculating_server_answers_as_the_engine_without_speculation(model_di
         assert (metrics["infer_graphs_spec_decode_verify_chunks_total"]
                 + metrics["infer_graphs_spec_decode_no_proposal_total"]) > 0
         assert "infer_graphs_spec_decode_acceptance_rate" in metrics
+        if method == "draft_model":  # the target as its own draft: every proposal accepted
+            assert metrics["infer_graphs_spec_decode_acceptance_rate"] > 0.9
+            assert metrics["infer_graphs_spec_decode_draft_forwards_total"] > 0
     finally:
         stop_server(proc)

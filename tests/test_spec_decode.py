@@ -197,7 +197,10 @@ def test_config_parse_and_errors():
     for bad, words in [({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
                        ({"num_speculative_tokens": 2, "method": "eagle"}, "method"),
-                       ({"num_speculative_tokens": 2, "model": "/some/draft"}, "draft-model"),
+                       ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs the draft"),
+                       ({"num_speculative_tokens": 2, "model": "/d", "prompt_lookup_max": 3}, "prompt_lookup_max"),
+                       ({"num_speculative_tokens": 2, "model": "/d", "method": "ngram"}, "'model' is given"),
+                       ({"num_speculative_tokens": 2, "model": 3}, "a path or a built model"),
                        ({"num_speculative_tokens": 2, "lookahead": 1}, "lookahead")]:
         with pytest.raises(ConfigError, match="speculative_config") as info:
             LLM("unused", device="cpu", speculative_config=bad)
@@ -254,12 +257,23 @@ def test_bench_spec_rows(model_dirs, tmp_path):
     from bench.spec import run
     report = run(model_dirs["llama"], batches="1,2", ks="2", prompt_len=12, output_len=10, repeats=1)
     rows = {(r["batch"], r["variant"]): r for r in report.rows}
-    assert set(rows) == {(b, v) for b in (1, 2) for v in ("none", "ngram", "ceiling", "rejected")}
+    variants = ("none", "ngram", "ceiling", "rejected", "draft", "draft_small")
+    assert set(rows) == {(b, v) for b in (1, 2) for v in variants}
     for b in (1, 2):
         assert rows[b, "ceiling"]["acceptance"] == 1.0 and rows[b, "ceiling"]["steps"] < rows[b, "none"]["steps"]
         assert rows[b, "rejected"]["acceptance"] == 0.0 and rows[b, "rejected"]["verify_chunks"] > 0
         assert rows[b, "rejected"]["derived_ceiling_x"] > 0
-        assert all(rows[b, v]["diverges_at"] is None for v in ("ngram", "ceiling", "rejected"))  # float32
+        # the target as its own draft (float32): every proposal accepted
+        assert rows[b, "draft"]["acceptance"] == 1.0 and rows[b, "draft"]["steps"] < rows[b, "none"]["steps"]
+        # a one-layer random draft proposes on every step, and the target rejects it
+        small = rows[b, "draft_small"]
+        assert small["verify_chunks"] > 0 and small["acceptance"] < 0.5 and small["derived_ceiling_x"] > 0
+        assert rows[b, "draft"]["draft_ms"] > 0 and small["draft_ms"] > 0
+        assert all(rows[b, v]["diverges_at"] is None for v in variants[1:])  # float32
+    assert run(model_dirs["llama"], batches="1", ks="1", prompt_len=6, output_len=4, repeats=1,
+               variants="rejected").rows[-1]["variant"] == "rejected"
+    with pytest.raises(ValueError, match="unknown"):
+        run(model_dirs["llama"], batches="1", variants="eagle")
 
 
 def test_verify_graph_sizes_follow_the_decode_buckets():

@@ -4,7 +4,8 @@ Greedy output over the staggered workload of tests/test_engine_gpu.py is identic
 speculation (float32, three architectures), under the default graph mode (decode graphs, piecewise
 graphs for prefills, verify graphs with a decode row per token, mixed-step graphs for larger verify
 steps) and under FULL; every verify step within the captured sizes replays a graph (no verify
-fallback), and the steps with proposals are fewer.
+fallback), and the steps with proposals are fewer. A draft model beside the target replays its own
+decode graphs.
 """
 from __future__ import annotations
 
@@ -56,3 +57,22 @@ def test_prompt_lookup_greedy_identical(model_dirs):
     with _engine(path, speculative_config=SPEC) as llm:
         assert _run_workload(llm) == expected
         assert llm.stats()["spec_decode"]["verify_chunks"] > 0
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_draft_model_greedy_identical_and_its_steps_replay_graphs(model_dirs, arch):
+    """A draft model (the target itself: float32, so it agrees with the verify step but where logits
+    tie) beside the target under the default graph mode: the same tokens as without speculation, every
+    draft decode step a decode-graph replay, no verify or draft step without its graph."""
+    path = model_dirs[arch]
+    with _engine(path) as llm:
+        expected = _run_workload(llm)
+        plain_steps = llm.stats()["steps"]
+    with _engine(path, speculative_config={"model": str(path), "num_speculative_tokens": 4}) as llm:
+        got = _run_workload(llm)
+        stats = llm.stats()
+    assert got == expected
+    spec = stats["spec_decode"]
+    assert spec["acceptance_rate"] > 0.9 and stats["steps"] < plain_steps, spec
+    assert spec["verify_graph_fallbacks"] == 0 and spec["draft_graph_fallbacks"] == 0, spec
+    assert spec["draft_modes"].get("full", 0) > 0 and "none" not in spec["draft_modes"], spec

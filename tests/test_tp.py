@@ -363,6 +363,21 @@ def test_speculative_decoding_on_two_ranks_matches_one_rank(saved):
         llm.close()
 
 
+def test_a_draft_model_on_two_ranks_matches_one_rank(saved):
+    """The draft runs whole on rank 0 (loaded there from its path, outside the ranks' group); only the
+    target's verify steps reach the other rank, and the tokens are those of one rank."""
+    expected = _one_rank(saved["qwen3"])
+    spec = {"model": saved["qwen3"], "num_speculative_tokens": 3}  # the target itself: always accepted
+    llm = LLM(saved["qwen3"], **SMALL, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+        stats = llm.stats()
+        assert stats["spec_decode"]["acceptance_rate"] > 0.9 and stats["spec_decode"]["draft_forwards"] > 0
+        _check_rank_stats(stats)
+    finally:
+        llm.close()
+
+
 def test_rank_0_waiting_for_a_step_raises_naming_a_worker_that_died():
     """Leader.wait_for (how rank 0 waits for its steps on GPUs): a step whose peer died never
     completes, so the wait must end by asking about the workers, not by the step."""

@@ -33,6 +33,7 @@ from engine.core.step_loop import StepLoop
 from engine.outputs import RequestOutput
 from engine.params import InvalidRequestError, SamplingParams, check_prompt
 from engine.request import FinishReason, Request
+from engine.spec.draft import build_draft_proposer
 from engine.spec.proposer import Proposer
 from engine.worker.startup import build_runtime
 from engine.worker.timeline import StartupTimeline
@@ -126,20 +127,32 @@ class LLM:
         self.tokenizer = tokenizer
         self.model_config = model.config
         self.config = config.resolve(model.config.max_position_embeddings)
-        with torch.inference_mode():
-            self.runtime = build_runtime(model, self.config, timeline,
-                                         self.tp.min_over_ranks if self.tp else None)
+        spec = self.config.speculative_config
+        proposer = None
+        if spec is not None:
+            # a draft model first: the target's KV pool is sized from the memory the draft leaves
+            proposer = (build_draft_proposer(spec, self.config, model.config, timeline) if spec.draft_model
+                        else Proposer(spec))
+        try:
+            with torch.inference_mode():
+                self.runtime = build_runtime(model, self.config, timeline,
+                                             self.tp.min_over_ranks if self.tp else None)
+        except BaseException:
+            if proposer is not None:
+                proposer.close()
+            raise
         if self.tp:
             self.tp.attach(self.runtime)
         try:
             self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                        self.config.max_num_batched_tokens, self.config.max_model_len,
                                        tuple(model.config.eos_token_ids), self.config.enable_prefix_caching,
-                                       Proposer(self.config.speculative_config) if self.config.speculative_config
-                                       else None)
+                                       proposer)
         except BaseException:
             self.runtime.close()  # a refused configuration leaves nothing behind
             self.runtime = None
+            if proposer is not None:
+                proposer.close()
             raise
         # async scheduling: the host runs one step ahead of the device (engine/core/step_loop.py)
         self._loop = StepLoop(self.scheduler, self.runtime, depth=1 if self.config.async_scheduling else 0)
@@ -352,6 +365,8 @@ class LLM:
         self.model = None
         cuda = runtime.kv_cache.device.type == "cuda"
         attempt(runtime.close)
+        if self.scheduler.proposer is not None:
+            attempt(self.scheduler.proposer.close)  # a draft model's engine
         del runtime  # the runner's static buffers and the model (if the engine loaded it) go here
         # A collection now, not at some later one: whatever of the engine is left in a reference cycle
         # (the capture loops' gc.freeze moved their survivors to the oldest generation, collected

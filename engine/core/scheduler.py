@@ -119,19 +119,25 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.num_schedules += 1
+        speculating: list[tuple[int, int]] = []  # (chunk index, proposal room) of decode chunks that may propose
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, num_new, out):
                 chunk = ScheduledChunk.next_for(request, num_new)
-                if self.proposer is not None and num_new == 1 and chunk.samples:
-                    chunk = self._with_proposals(chunk, budget)
-                out.chunks.append(chunk)
                 budget -= chunk.num_tokens
+                if self.proposer is not None and num_new == 1 and chunk.samples:
+                    room = self._proposal_room(request, budget)
+                    if room > 0:  # the room is held out of the budget until the proposals are known
+                        speculating.append((len(out.chunks), room))
+                        budget -= room
+                out.chunks.append(chunk)
                 i += 1
             else:  # the request preempted itself: it was the newest, nothing after it runs
                 break
+        if speculating:
+            budget += self._with_proposals(out, speculating)
         if out.preempted:  # blocks are short: admitting more would only preempt again
             return self._checked(out)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -151,25 +157,38 @@ class Scheduler:
             budget -= num_new
         return self._checked(out)
 
-    def _with_proposals(self, chunk: ScheduledChunk, budget: int) -> ScheduledChunk:
-        """A decode chunk with the proposer's tokens after it where they fit: the step's token budget,
-        max_tokens and max_model_len (the last token a verify step can add is its extra one), and the
-        free blocks (proposals never preempt anyone: without a block they are dropped)."""
-        request = chunk.request
+    def _proposal_room(self, request: Request, budget: int) -> int:
+        """Tokens a decode chunk may verify after its last one: none while it has a token in flight or
+        the proposer holds it back; else bounded by the step's token budget, k, max_tokens and
+        max_model_len (the last token a verify step can add is its extra one)."""
         if request.num_inflight_tokens or not self.proposer.eligible(request, self.num_schedules):
-            return chunk
-        room = min(budget, self.max_model_len - request.num_tokens)
+            return 0
+        room = min(budget, self.max_model_len - request.num_tokens - 1, self.proposer.config.num_speculative_tokens)
         if request.params.max_tokens is not None:
-            room = min(room, request.params.max_tokens - (request.num_tokens - request.num_prompt_tokens))
-        room -= 1
-        proposals = self.proposer.propose(request, room, self.num_schedules) if room > 0 else []
-        if not proposals:
-            return chunk
-        end = chunk.start + 1 + len(proposals)
-        if not (self.pool.holds(request.request_id, end, chunk.start) or self.pool.grow(request.request_id, end)):
-            self.proposer.dropped(len(proposals))
-            return chunk
-        return ScheduledChunk(request, chunk.start, 1 + len(proposals), True, tuple(proposals))
+            room = min(room, request.params.max_tokens - (request.num_tokens - request.num_prompt_tokens) - 1)
+        return room
+
+    def _with_proposals(self, out: SchedulerOutput, speculating: list[tuple[int, int]]) -> int:
+        """Turn the decode chunks at `speculating` into verify chunks with the proposer's tokens, all
+        proposed in one call (a draft model runs them as one batch), where the blocks allow (proposals
+        never preempt anyone: without a block they are dropped). Returns the budget left unused."""
+        chunks = [out.chunks[index] for index, _ in speculating]
+        proposals = self.proposer.propose_batch([(c.request, room) for c, (_, room) in zip(chunks, speculating)],
+                                                self.num_schedules)
+        unused = 0
+        for (index, room), chunk, tokens in zip(speculating, chunks, proposals):
+            tokens = tokens[:room]
+            unused += room - len(tokens)
+            if not tokens:
+                continue
+            request = chunk.request
+            end = chunk.start + 1 + len(tokens)
+            if not (self.pool.holds(request.request_id, end, chunk.start) or self.pool.grow(request.request_id, end)):
+                self.proposer.dropped(len(tokens))
+                unused += len(tokens)
+                continue
+            out.chunks[index] = ScheduledChunk(request, chunk.start, 1 + len(tokens), True, tuple(tokens))
+        return unused
 
     def _checked(self, out: SchedulerOutput) -> SchedulerOutput:
         """Under debug checks: no chunk writes into a shared or published block, and the pool adds up."""

@@ -68,7 +68,6 @@ def _spec_stats(llm: LLM) -> dict[str, Any] | None:
     if proposer is None:
         return None
     config = proposer.config
-    return {"method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
-            **proposer.stats.as_dict(),
+    return {**config.describe(), **proposer.stats.as_dict(), **proposer.stats_dict(),
             "waits": llm._loop.num_spec_waits,  # steps planned after reading the step in flight
             "verify_graph_fallbacks": llm.runtime.runner.dispatcher.fallback_kinds["verify"]}

@@ -287,7 +287,7 @@ class StepLoop:
         runtime = self.runtime
         result = runtime.runner.execute(out, runtime.block_pool, device_ids)
         chunks = [c for c in out.chunks if c.samples]
-        layout = VerifyLayout(sampling, [c.proposals for c in chunks], self.width)
+        layout = VerifyLayout(sampling, [c.proposals for c in chunks], self.width, self.scheduler.proposer.draft_probs)
         tokens = sample_verify(runtime.sampler, result.logits, layout)
         keep, host_tokens, ready, logprob_rows, host_logprobs = [tokens], tokens.view(-1), None, [], None
         if any(r.params.logprobs is not None for r in sampling):

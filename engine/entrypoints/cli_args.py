@@ -85,7 +85,8 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
                        "503 + Retry-After (default: unbounded)")),
     "--speculative-config": ("speculative_config", dict(
         type=_json_object, help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                                '"prompt_lookup_max": 4}\' (docs/engine.md)')),
+                                '"prompt_lookup_max": 4}\' (prompt lookup) or \'{"model": DRAFT_PATH, "num_speculative_tokens": 4}\' '
+                                '(a draft model with the target\'s vocabulary); docs/engine.md')),
     "--quantization": ("quantization", dict(
         help="fp8: the decoder's linear weights in FP8 (float8_e4m3fn, a scale per output row), quantized at "
              "load; activations, LM head and embedding stay in --dtype. A checkpoint already in FP8 loads as "

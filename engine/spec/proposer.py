@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.request import Request
 from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import ngram_propose
@@ -61,6 +63,7 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecStats()
+        self.backoff = True  # False: propose on every step whatever is rejected (benchmarks' cost rows)
         self._backoff: dict[Request, _Backoff] = {}
 
     def eligible(self, request: Request, now: int) -> bool:
@@ -68,6 +71,10 @@ class Proposer:
             return False
         state = self._backoff.get(request)
         return state is None or now >= state.until
+
+    def propose_batch(self, items: list[tuple[Request, int]], now: int) -> list[list[int]]:
+        """Proposals for each (request, room) of a step, at most room tokens each, [] where none."""
+        return [self.propose(request, room, now) for request, room in items]
 
     def propose(self, request: Request, max_tokens: int, now: int) -> list[int]:
         """Up to min(k, max_tokens) tokens to verify after the request's last one; [] counts as a miss."""
@@ -99,7 +106,24 @@ class Proposer:
         """A finished request leaves the back-off table."""
         self._backoff.pop(request, None)
 
+    def draft_probs(self, requests: list[Request]) -> torch.Tensor | None:
+        """[len(requests), k, V] the distributions the proposals of these (sampled) requests were drawn
+        from, for rejection sampling; None where proposals are deterministic (one-hot: prompt lookup)."""
+        return None
+
+    def close(self) -> None:
+        """Release what the proposer holds on the device (a draft model's engine)."""
+
+    def stats_dict(self) -> dict[str, object]:
+        """Counts of the proposer's own beyond SpecStats (a draft model's forwards)."""
+        return {}
+
+    def reset_stats(self) -> None:
+        self.stats = SpecStats()
+
     def _miss(self, request: Request, now: int) -> None:
+        if not self.backoff:
+            return
         state = self._backoff.setdefault(request, _Backoff())
         state.misses += 1
         if state.misses >= MISSES_BEFORE_BACKOFF:

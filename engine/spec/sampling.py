@@ -10,13 +10,15 @@ one after them, then -1.
 - Greedy verify chunks: the target's argmax at each row (engine.spec.verify.verify_greedy), so the
   output is token for token that of decoding without speculation.
 - Sampled verify chunks: the Sampler's own temperature / top-k / top-p / min-p distribution per row,
-  then rejection sampling against the one-hot n-gram proposal (verify_sampled): the tokens are
+  then rejection sampling (verify_sampled) against the distribution the proposals were drawn from: a
+  draft model's (the proposer's draft_probs), or one-hot at an n-gram proposal. The tokens are
   distributed exactly as the target's. The uniforms come from the request's generator where it has
   one (a seeded request reproduces), else the engine's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,6 +34,8 @@ class VerifyLayout:
     requests: list[Request]          # per sampling chunk
     proposals: list[tuple[int, ...]]  # per sampling chunk (empty: a plain chunk)
     width: int                       # 1 + K: the columns of the result
+    # requests -> [len, K, V] the distributions their proposals were drawn from (None: one-hot)
+    draft_probs: Callable[[list[Request]], torch.Tensor | None] | None = None
 
     @property
     def row_starts(self) -> list[int]:
@@ -73,13 +77,16 @@ def sample_verify(sampler: Sampler, logits: torch.Tensor, layout: VerifyLayout) 
             padded = host_to_device([list(proposals[i]) + [-1] * (width - 1 - len(proposals[i])) for i in chosen],
                                     torch.int64, device)
             counts = host_to_device([len(proposals[i]) for i in chosen], torch.int64, device)
-            tokens = verify(sampler, logits, index, padded, counts, [requests[i] for i in chosen])
+            chosen_requests = [requests[i] for i in chosen]
+            draft = (layout.draft_probs(chosen_requests) if verify is _verify_sampled and layout.draft_probs
+                     else None)
+            tokens = verify(sampler, logits, index, padded, counts, chosen_requests, draft)
             out.index_copy_(0, host_to_device(chosen, torch.int64, device), tokens)
     return out
 
 
 def _verify_greedy(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor,
-                   counts: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+                   counts: torch.Tensor, requests: list[Request], draft: torch.Tensor | None) -> torch.Tensor:
     # torch's argmax, not the Sampler's per-row-count Triton variants: a verify step's row count
     # varies with the proposals, and each new count would compile mid-serving; both take the first
     # index of a tie, as greedy decoding without speculation does
@@ -88,7 +95,7 @@ def _verify_greedy(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor, 
 
 
 def _verify_sampled(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor,
-                    counts: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+                    counts: torch.Tensor, requests: list[Request], draft: torch.Tensor | None) -> torch.Tensor:
     batch, width = index.shape
     rows = logits.index_select(0, index.flatten()).float()
     row_requests = [r for r in requests for _ in range(width)]
@@ -97,4 +104,4 @@ def _verify_sampled(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor,
     uniforms = torch.empty(batch, width, dtype=torch.float32, device=logits.device)
     for i, request in enumerate(requests):
         uniforms[i].uniform_(generator=request.generator or sampler.generator)
-    return verify_sampled(probs, proposals, counts, uniforms[:, :width - 1], uniforms[:, width - 1]).tokens
+    return verify_sampled(probs, proposals, counts, uniforms[:, :width - 1], uniforms[:, width - 1], draft).tokens

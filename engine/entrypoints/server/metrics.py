@@ -81,6 +81,12 @@ class _EngineStats:
             yield gauge("spec_decode_acceptance_rate", "accepted / proposed tokens", spec["acceptance_rate"])
             yield gauge("spec_decode_mean_accepted_length", "tokens a verify chunk adds (accepted + 1)",
                         spec["mean_accepted_length"])
+            if "draft_forwards" in spec:  # a draft model's (engine.spec.draft)
+                yield counter("spec_decode_draft_forwards", "the draft model's forward passes", spec["draft_forwards"])
+                yield gauge("spec_decode_draft_ms_per_round", "host ms per drafting round (its steps and read-back)",
+                            spec["draft_ms_per_round"])
+                yield gauge("spec_decode_draft_kv_blocks_free", "free blocks of the draft's KV pool",
+                            spec["draft_kv_blocks_free"])
         if self.device.type == "cuda":
             yield gauge("cuda_memory_allocated_bytes", "memory torch's allocator hands out on the engine's device",
                         torch.cuda.memory_allocated(self.device))
