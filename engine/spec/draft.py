@@ -73,7 +73,10 @@ class _Step:
     def is_uniform_decode(self) -> bool:
         return all(c.num_tokens == 1 for c in self.chunks)
 
-    is_verify = False
+    @property
+    def is_verify(self) -> bool:  # as the core's SchedulerOutput.is_verify
+        return (any(c.proposals for c in self.chunks)
+                and all(c.samples and c.num_tokens == 1 + len(c.proposals) for c in self.chunks))
 
 
 @dataclass
@@ -192,12 +195,18 @@ class DraftProposer(Proposer):
         while pending:
             step, owners, rest, budget = _Step(), [], [], self.max_num_batched_tokens
             for b, start in pending:
-                n = requests[b].num_tokens
+                request = requests[b]
+                n = request.num_tokens
                 num = min(n - start, budget)
                 if num <= 0:
                     rest.append((b, start))
                     continue
-                step.chunks.append(_Chunk(requests[b], start, num, start + num == n))
+                # Two tokens (the last round's proposals all accepted: the last one and the target's
+                # next) go as a verify chunk, its second token a "proposal": with the other requests'
+                # one-token catch-ups the step replays the draft's verify graph (a decode row per
+                # token), not piecewise graphs, which cost more than a decode step of the same model.
+                proposals = (request.token_ids[n - 1],) if num == 2 and start + num == n else ()
+                step.chunks.append(_Chunk(request, start, num, start + num == n, proposals))
                 budget -= num
                 if start + num < n:
                     rest.append((b, start + num))
@@ -223,7 +232,16 @@ class DraftProposer(Proposer):
         self.num_forwards += 1
         if not owners:
             return
-        logits = result.logits[:len(owners)]
+        logits = result.logits
+        if any(c.proposals for c in step.chunks):  # a verify chunk's every row has logits
+            last, row = [], -1
+            for chunk in step.chunks:
+                if chunk.samples:
+                    row += 1 + len(chunk.proposals)
+                    last.append(row)
+            logits = logits.index_select(0, host_to_device(last, torch.int64, logits.device))
+        else:
+            logits = logits[:len(owners)]
         chosen = [requests[b] for b in owners]
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(chosen) if r.params.temperature != 0]
@@ -272,7 +290,9 @@ def build_draft_proposer(spec: SpeculativeConfig, config: EngineConfig, target_c
         raise ConfigError(f"EngineConfig.speculative_config['model']: the draft's max_position_embeddings ({limit}) "
                           f"is below max_model_len ({config.max_model_len})")
     draft_config = dataclasses.replace(
-        config, speculative_config=None, enable_prefix_caching=False, async_scheduling=False,
+        # k = 1: the draft's runtime captures verify graphs of 2-token chunks (its catch-up after a
+        # round whose proposals were all accepted); the draft proposes nothing itself
+        config, speculative_config=SpeculativeConfig(1, 1, 1), enable_prefix_caching=False, async_scheduling=False,
         num_gpu_blocks=_draft_blocks(draft, config), tensor_parallel_size=1, max_waiting_requests=None)
     draft_timeline = StartupTimeline()
     with timeline.phase("draft start-up"), torch.inference_mode():

@@ -187,11 +187,13 @@ class ModelRunner:
                     group_slots[g].append(group_table[block] * block_size + offset)
                     group_tables[g].append(group_table)
             else:
-                ids.extend(known[start:end])
-                if chunk.proposals:  # a verify chunk: the request's last token, then the proposals
+                if chunk.proposals:  # a verify chunk: the request's known tokens, then the proposals
+                    ids.extend(known[start:end - len(chunk.proposals)])
                     ids.extend(chunk.proposals)
-                elif end > len(known):
-                    ids.extend([0] * (end - max(start, len(known))))
+                else:
+                    ids.extend(known[start:end])
+                    if end > len(known):
+                        ids.extend([0] * (end - max(start, len(known))))
                 positions.extend(range(start, end))
                 _extend_slots(slots, table, start, end, block_size)
                 for g, group_table in enumerate(extra):
