@@ -123,6 +123,26 @@ def test_preemption_limits_and_a_built_draft(dirs):
         _check_draft_released(llm, free)
 
 
+def test_a_full_draft_pool_skips_proposals_and_changes_nothing(dirs, monkeypatch):
+    """A draft KV pool smaller than the batch needs: requests sit out rounds (draft_kv_full), the
+    preempted ones hand their draft blocks back; tokens as without speculation."""
+    import engine.spec.draft as draft_module
+    monkeypatch.setattr(draft_module, "_draft_blocks", lambda draft, config: 18)  # ~2 requests of 32 tokens
+    target, draft = dirs["llama"]["target"], dirs["llama"]["draft"]
+    prompts = PROMPTS + [[1] + list(range(30, 50))]
+    params = SamplingParams(max_tokens=30)
+    config = dict(num_gpu_blocks=20, max_model_len=64)
+    ref = _reference(target, prompts, params, **config)
+    with LLM(target, **CONFIG | config, speculative_config=_spec(draft)) as llm:
+        free = llm.scheduler.proposer.runtime.block_pool.num_free_blocks
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+        stats = llm.stats()
+        spec = stats["spec_decode"]
+        assert stats["preemptions"] > 0 and spec["draft_kv_full"] > 0, spec
+        assert spec["accepted_tokens"] > 0
+        _check_draft_released(llm, free)
+
+
 # -- sampled: the target's distribution, reproducible with a seed ---------------------------------------------
 
 def _sampled_tokens(target: str, draft: str | None, n: int = 320) -> list[tuple[int, ...]]:

@@ -215,6 +215,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.pool.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.preempted(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

@@ -110,11 +110,13 @@ class DraftProposer(Proposer):
         counts: list[int] = []
         for i, (request, room) in enumerate(items):
             count = min(k, room)
+            if count < 1:
+                continue
             state = self._states.setdefault(request, _DraftState())
             # K/V of every token up to the last one, then of the count - 1 proposals fed back
-            if count < 1 or not self._reserve(request, state, request.num_tokens + count - 1):
-                if count >= 1:
-                    self.num_kv_full += 1
+            needed = request.num_tokens + count - 1
+            if not self._reserve(request, state, needed):
+                self.num_kv_full += 1
                 continue
             rows.append(i)
             counts.append(count)
@@ -148,6 +150,11 @@ class DraftProposer(Proposer):
 
     def forget(self, request: Request) -> None:
         super().forget(request)
+        self.preempted(request)
+
+    def preempted(self, request: Request) -> None:
+        # the target recomputes a preempted request from its prompt: so does the draft, whose blocks
+        # go to the running requests meanwhile
         if self._states.pop(request, None) is not None:
             self.runtime.block_pool.free(request.request_id)
 

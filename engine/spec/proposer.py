@@ -106,6 +106,9 @@ class Proposer:
         """A finished request leaves the back-off table."""
         self._backoff.pop(request, None)
 
+    def preempted(self, request: Request) -> None:
+        """The scheduler preempted the request (its KV blocks are gone; it recomputes when readmitted)."""
+
     def draft_probs(self, requests: list[Request]) -> torch.Tensor | None:
         """[len(requests), k, V] the distributions the proposals of these (sampled) requests were drawn
         from, for rejection sampling; None where proposals are deterministic (one-hot: prompt lookup)."""
