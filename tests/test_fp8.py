@@ -416,6 +416,22 @@ def test_fp8_greedy_is_identical_with_speculative_decoding(saved):
         assert llm.stats()["spec_decode"]["accepted_tokens"] > 0
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_fp8_greedy_is_identical_with_a_draft_model(saved):
+    """A draft model under quantization="fp8" is quantized like the target (here it is the target: its
+    FP8 proposals are the FP8 model's tokens, so nearly all are accepted)."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = dict(SMALL, max_num_batched_tokens=16, quantization="fp8")
+    with LLM(str(saved["qwen3"]), **config) as llm:
+        ref = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    spec = {"model": str(saved["qwen3"]), "num_speculative_tokens": 3}
+    with LLM(str(saved["qwen3"]), **config, speculative_config=spec) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
+        assert llm.stats()["spec_decode"]["acceptance_rate"] > 0.9
+        draft = llm.scheduler.proposer.runtime.runner.model
+        assert any(m.is_fp8 for m in draft.modules() if isinstance(m, models.layers.Linear))
+
+
 def test_tensor_parallel_shards_of_fp8_layers(saved, tmp_path):
     """Each rank's FP8 shards, without processes (the group is only used in forward): quantized at load,
     column-parallel rows are the one-rank model's rows and scales, and a row-parallel shard quantizes its
