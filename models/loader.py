@@ -224,6 +224,62 @@ def _load_fp8_weight(name: str, slot: Slot, source: Any, scales: dict[str, Slot]
     filled.add(scale_name)
 
 
+class _BlockPairs:
+    """A block-wise FP8 checkpoint's weights and tile scales, held until both of a layer have been read
+    (the checkpoint may store them in any order), then dequantized and quantized per row into the slots."""
+
+    def __init__(self, checkpoint: Fp8Checkpoint, slots: dict[str, Slot], filled: set[str]) -> None:
+        self.block, self.scale_name, self.slots, self.filled = checkpoint.block, checkpoint.scale_name, slots, filled
+        self.weights: dict[str, torch.Tensor] = {}  # weight name -> its shard, FP8
+        self.scales: dict[str, Any] = {}  # scale name -> the checkpoint's tile scales (all of them)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights or name in self.scales
+
+    def add_weight(self, name: str, value: torch.Tensor) -> None:
+        self.weights[name] = value
+        self._pair(name)
+
+    def add_scale(self, name: str, source: Any) -> None:
+        self.scales[name] = source
+        self._pair(name[:-len(_SCALE)] + "weight")
+
+    def _pair(self, weight_name: str) -> None:
+        scale_name = weight_name[:-len("weight")] + _SCALE
+        if weight_name not in self.weights or scale_name not in self.scales:
+            return
+        slot = self.slots[weight_name]
+        scales = self.scales.pop(scale_name)[...].float()
+        rows, cols = slot.shard.full_shape
+        b0, b1 = self.block
+        expected = (-(-rows // b0), -(-cols // b1))
+        if tuple(scales.shape) != expected:
+            raise WeightShapeError(f"checkpoint weight scale {self._file_name(scale_name)!r} has shape "
+                                   f"{tuple(scales.shape)}; a "
+                                   f"{rows} x {cols} weight in {b0} x {b1} tiles has {expected} scales")
+        r0, r1 = (slot.shard.start, slot.shard.stop) if slot.shard.dim == 0 else (0, rows)
+        c0, c1 = (slot.shard.start, slot.shard.stop) if slot.shard.dim == 1 else (0, cols)
+        device = slot.target.device  # the arithmetic where the weight goes (a GPU's, for a large model)
+        tiles = scales[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)].to(device)
+        per_value = tiles.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        per_value = per_value[r0 % b0:r0 % b0 + r1 - r0, c0 % b1:c0 % b1 + c1 - c0]
+        q, scale = quantize_rows(self.weights.pop(weight_name).to(device).float() * per_value)
+        slot.target.copy_(q)
+        self.slots[scale_name].target.copy_(scale)
+        self.filled.update((weight_name, scale_name))
+
+    def _file_name(self, scale_name: str) -> str:
+        return scale_name[:-len(_SCALE)] + self.scale_name
+
+    def check_done(self) -> None:
+        for name in self.weights:
+            raise MissingWeightError(f"checkpoint weight {name!r} is FP8 in {self.block[0]} x {self.block[1]} tiles "
+                                     f"but its scale {self._file_name(name[:-len('weight')] + _SCALE)!r} is missing")
+        for name in self.scales:
+            raise UnexpectedWeightError(f"checkpoint weight scale {self._file_name(name)!r} has no FP8 weight "
+                                        "beside it")
+
+
 def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[str, Any],
                  checkpoint: Fp8Checkpoint | None = None) -> None:
     """Copy checkpoint tensors into the model, cast to its dtype; every slot must be filled once.
@@ -235,6 +291,7 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[s
     slots = weight_slots(model)
     filled: set[str] = set()
     arch = model.config.architecture
+    blocks = _BlockPairs(checkpoint, slots, filled) if checkpoint is not None and checkpoint.block else None
     with torch.no_grad():
         for name, source in items:
             if checkpoint is not None:
@@ -252,11 +309,14 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[s
                 raise UnexpectedWeightError(
                     f"checkpoint weight {name!r} {shape} has no place in {arch} "
                     f"(check the config's architecture and tie_word_embeddings)")
-            if name in filled:
+            if name in filled or (blocks is not None and name in blocks):
                 raise UnexpectedWeightError(
                     f"checkpoint weight {name!r} appears more than once (in two shards?); "
                     "each weight must be stored exactly once")
             if name.endswith("." + _SCALE):
+                if blocks is not None:
+                    blocks.add_scale(name, source)
+                    continue
                 _load_scale(name, slot, source, shape, arch)
                 filled.add(name)
                 continue
@@ -264,6 +324,11 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[s
                 raise WeightShapeError(
                     f"checkpoint weight {name!r} has shape {shape}, "
                     f"but {arch} expects {slot.shard.full_shape} (config and checkpoint disagree)")
+            if slot.target.dtype == FP8_DTYPE and blocks is not None:
+                value = source[slot.shard.index()]
+                if value.dtype == FP8_DTYPE:
+                    blocks.add_weight(name, value)
+                    continue
             if slot.target.dtype == FP8_DTYPE:
                 _load_fp8_weight(name, slot, source, slots, filled)
             else:
@@ -275,6 +340,8 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]] | Mapping[s
                         "config.json, FP8 tensors are not read)")
                 slot.target.copy_(value)
             filled.add(name)
+    if blocks is not None:
+        blocks.check_done()
     missing = [name for name in slots if name not in filled]
     if missing:
         shown = ", ".join(f"{n!r} {slots[n].shard.full_shape}" for n in missing[:8])

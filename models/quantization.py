@@ -8,8 +8,11 @@ the model dtype too (weight-only FP8): the matmuls widen the FP8 values in regis
 Checkpoints already in FP8 (config.json's `quantization_config`) load as they are, their scales
 broadcast to one per row:
 - transformers' "fp8" (quant_method "fp8"): `weight` in float8_e4m3fn and `weight_scale_inv`, the
-  factor that dequantizes it, per tensor (weight_block_size null). Block-wise scales (DeepSeek's
-  weight_block_size [128, 128]) are refused: storing them per row would requantize the weights.
+  factor that dequantizes it, per tensor (weight_block_size null) or per block (weight_block_size
+  [b0, b1], the layout of DeepSeek's and Qwen3's FP8 releases: one scale per b0 x b1 tile). The kernels
+  here read one scale per row, so block-wise weights are dequantized as they load and quantized again
+  per row (models.loader): the values round twice, an error of the order of quantizing the original
+  weights at load (tests/test_fp8.py bounds it against the block-wise weights).
 - compressed-tensors' float-quantized weights (quant_method "compressed-tensors", 8-bit float weights,
   strategy "tensor" or "channel"): `weight` and `weight_scale`.
 - transformers' "fbgemm_fp8" (Meta's FP8 releases): `weight` and a per-channel `weight_scale`.
@@ -37,6 +40,7 @@ class Fp8Checkpoint:
     method: str                                 # quantization_config.quant_method
     scale_name: str                             # the weight's scale tensor: "<layer>.<scale_name>"
     skipped: tuple[str, ...] = ("input_scale",)  # tensors not read (activation scales)
+    block: tuple[int, int] | None = None        # (rows, columns) of a scale's tile; None: per tensor / row
 
 
 def check_quantization(quantization: str | None, what: str = "quantization") -> str | None:
@@ -70,11 +74,11 @@ def checkpoint_quantization(hf_config: dict[str, Any], source: str) -> Fp8Checkp
 
 def _transformers_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:
     block = qc.get("weight_block_size")
-    if block is not None:
+    if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2
+                                  and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
         raise UnsupportedConfigError(
-            f"{source}: quantization_config.weight_block_size={block!r} (block-wise FP8 scales, quant_method "
-            "'fp8') is not supported: only per-tensor or per-channel weight scales load (weight_block_size "
-            "null); quantize the bf16 checkpoint at load instead (quantization='fp8')")
+            f"{source}: quantization_config.weight_block_size={block!r} is not supported: expected null (a scale "
+            "per tensor) or [rows, columns] of each scale's tile, two ints >= 1")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise UnsupportedConfigError(f"{source}: quantization_config.activation_scheme={scheme!r} is not "
@@ -83,7 +87,7 @@ def _transformers_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:
     if fmt != "e4m3":
         raise UnsupportedConfigError(f"{source}: quantization_config.fmt={fmt!r} is not supported: FP8 weights "
                                      "load as float8_e4m3fn ('e4m3')")
-    return Fp8Checkpoint("fp8", "weight_scale_inv")
+    return Fp8Checkpoint("fp8", "weight_scale_inv", block=None if block is None else (block[0], block[1]))
 
 
 def _compressed_tensors(qc: dict[str, Any], source: str) -> Fp8Checkpoint:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -266,6 +267,24 @@ def test_fp8_model_without_the_op_traces_as_one_graph_of_the_dequantized_matmuls
 # --- FP8 checkpoints ------------------------------------------------------------------------------------
 
 
+# Tiles that do not divide the tiny models' 64 / 96 / 32-wide weights: the last row and column of tiles
+# are partial, as a checkpoint's are wherever a dimension is not a multiple of its 128.
+BLOCK = (24, 40)
+
+
+def _quantize_tiles(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 weight, one float32 scale per block[0] x block[1] tile, that scale at every value) of `w`,
+    as DeepSeek's and Qwen3's FP8 releases store it (weight_scale_inv: the factor that dequantizes)."""
+    rows, cols = w.shape
+    b0, b1 = block
+    padded = torch.zeros(-(-rows // b0) * b0, -(-cols // b1) * b1)
+    padded[:rows, :cols] = w.float()
+    tiles = padded.reshape(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1).abs().amax(dim=(1, 3))
+    tiles = tiles.clamp(min=1e-12) / 448
+    per_value = tiles.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:rows, :cols]
+    return (w.float() / per_value).to(FP8_DTYPE), tiles, per_value
+
+
 def _write_fp8_checkpoint(src: Path, dst: Path, fmt: str) -> Path:
     """`src` re-saved with every projection weight in FP8 as `fmt` stores it, beside a float32 copy of
     the weights those FP8 values and scales stand for (`dst`/reference): what the load must equal."""
@@ -278,6 +297,11 @@ def _write_fp8_checkpoint(src: Path, dst: Path, fmt: str) -> Path:
             fp8[name] = reference[name] = w
             continue
         prefix = name[:-len("weight")]
+        if fmt == "transformers_fp8_block":
+            q, tiles, per_value = _quantize_tiles(w, BLOCK)
+            fp8[name], fp8[prefix + "weight_scale_inv"] = q, tiles
+            reference[name] = q.float() * per_value
+            continue
         if fmt in ("compressed_tensors_channel", "fbgemm_fp8_channel"):
             q, scale = quantize_rows(w)
             fp8[prefix + "weight_scale"] = scale[:, None]
@@ -290,9 +314,9 @@ def _write_fp8_checkpoint(src: Path, dst: Path, fmt: str) -> Path:
             scale = scale.expand(w.shape[0])
         fp8[name] = q
         reference[name] = q.float() * scale.float()[:, None]
-    if fmt == "transformers_fp8_tensor":
+    if fmt in ("transformers_fp8_tensor", "transformers_fp8_block"):
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                         "weight_block_size": None}
+                                         "weight_block_size": list(BLOCK) if fmt.endswith("block") else None}
     elif fmt == "fbgemm_fp8_channel":
         config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
                                          "modules_to_not_convert": ["lm_head"]}
@@ -335,8 +359,70 @@ def test_fp8_checkpoint_loads_as_fp8_and_equals_its_dequantized_weights(saved, t
     torch.testing.assert_close(_teacher_forced(model, ids), _teacher_forced(reference, ids), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_block_wise_fp8_checkpoint_loads_requantized_per_row_within_fp8_rounding(saved, tmp_path, arch):
+    """weight_block_size checkpoints (a scale per tile): each weight dequantized with its tiles and
+    quantized again per row, so it equals the checkpoint's values within one FP8 rounding of its row's
+    scale, and the model's log-probs stay within the stated FP8 tolerance of the dequantized model's;
+    a tensor-parallel rank requantizes its own shard (rows, or its columns of each row)."""
+    from models.parallel import TensorParallel
+    path = _write_fp8_checkpoint(saved[arch], tmp_path / "block", "transformers_fp8_block")
+    model = models.from_pretrained(path, dtype=torch.float32)
+    reference = models.from_pretrained(path / "reference", dtype=torch.float32)
+    ref_layers = dict(reference.named_modules())
+    checked = 0
+    for name, layer in model.named_modules():
+        if isinstance(layer, models.layers.Linear) and layer.is_fp8:
+            want = ref_layers[name].weight
+            got = dequantize(layer.weight, layer.weight_scale, torch.float32)
+            bound = want.abs() * 2 ** -4 + layer.weight_scale[:, None] * 2 ** -9  # e4m3: 3 mantissa bits
+            assert ((got - want).abs() <= bound).all(), name
+            checked += 1
+    assert checked >= 2 * model.config.num_layers
+    diffs, agree = [], []
+    for seed in range(4):
+        ids = torch.randint(3, 96, (48,), generator=torch.Generator().manual_seed(seed))
+        ref, got = _teacher_forced(reference, ids), _teacher_forced(model, ids)
+        chosen = ids[1:, None]
+        diffs.append((ref[:-1].gather(1, chosen) - got[:-1].gather(1, chosen)).abs().flatten())
+        top2 = ref.topk(2, dim=-1).values
+        agree.append((ref.argmax(-1) == got.argmax(-1))[top2[:, 0] - top2[:, 1] >= MARGIN_NATS])
+    assert torch.cat(diffs).median() <= MEDIAN_DLOGPROB_NATS
+    assert torch.cat(agree).float().mean() >= GREEDY_AGREEMENT
+    layer = "model.layers.1"
+    full = dict(model.named_modules())
+    ranks = [dict(models.from_pretrained(path, dtype=torch.float32, tp=TensorParallel(r, 2, group=object()))
+                  .named_modules()) for r in range(2)]
+    rows = ranks[1][f"{layer}.mlp.gate_up_proj"].weight.shape[0] // 2  # rank 1's gate rows: the full model's
+    gate_up = full[f"{layer}.mlp.gate_up_proj"]
+    assert torch.equal(ranks[1][f"{layer}.mlp.gate_up_proj"].weight[:rows].view(torch.uint8),
+                       gate_up.weight[rows:2 * rows].view(torch.uint8))
+    down = torch.cat([dequantize(r[f"{layer}.mlp.down_proj"].weight, r[f"{layer}.mlp.down_proj"].weight_scale,
+                                 torch.float32) for r in ranks], dim=1)
+    want = ref_layers[f"{layer}.mlp.down_proj"].weight
+    assert ((down - want).abs() <= want.abs() * 2 ** -4 + 1e-5).all()
+
+
+def test_block_wise_fp8_checkpoint_errors_name_the_tensor(saved, tmp_path):
+    path = _write_fp8_checkpoint(saved["llama"], tmp_path / "block", "transformers_fp8_block")
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    for change, error, words in [(lambda t: t.pop(name), models.MissingWeightError, "o_proj.weight"),
+                                 (lambda t: t.__setitem__(name, t[name][:1]), models.WeightShapeError, name)]:
+        broken = dict(tensors)
+        change(broken)
+        save_file(broken, path / "model.safetensors")
+        with pytest.raises(error, match=re.escape(words)):
+            models.from_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [128]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(models.UnsupportedConfigError, match="weight_block_size"):
+        models.from_pretrained(path)
+
+
 @pytest.mark.parametrize("quantization_config,field", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
     ({"quant_method": "gptq", "bits": 4}, "quant_method"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}}, "strategy"),
