@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                         "kernels: one context (default 512); knockout, gemv_graph: one context (default 576)")
     parser.add_argument("--ks", help="spec: numbers of speculative tokens, comma-separated (default 2,4); "
                         "spec_acceptance: default 2,4,6")
+    parser.add_argument("--device", help="spec_acceptance: cpu (default: float32, step counts) or cuda (bf16, "
+                        "and timed batch-1 rows without and with speculation)")
     parser.add_argument("--lookups", help="spec_acceptance: prompt_lookup_min-max pairs, comma-separated "
                         "(default 1-3,2-4)")
     parser.add_argument("--tokens", help="prefill: prompt lengths (default 16..2048; tp: 512)")

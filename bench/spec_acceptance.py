@@ -31,6 +31,7 @@ Per (workload, k, lookup), over the workload's requests (rows for copy's three i
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 
 import torch
@@ -120,7 +121,9 @@ FREE_PROMPTS = (
 )
 
 COLUMNS = ["workload", "k", "lookup", "requests", "tokens", "acceptance", "accepted_len", "chunks_per_tok",
-           "verify_frac", "steps_base", "steps_spec", "projected_speedup", "identical", "engine_steps", "seconds"]
+           "verify_frac", "steps_base", "steps_spec", "projected_speedup", "identical", "engine_steps", "seconds",
+           "tok_per_s_base", "tok_per_s_spec", "speedup"]
+TIMED_REPEATS = 3
 
 
 def build_workload(tokenizer=None, copy_output_len: int = COPY_OUTPUT_LEN,
@@ -197,22 +200,75 @@ def _groups(items: list[dict]) -> list[tuple[str, list[int]]]:
     return [(name, idx) for name, idx in groups if idx]
 
 
+def _timed_batch_1(llm, items: list[dict], proposer) -> tuple[float, float, list]:
+    """Each request alone (batch 1), TIMED_REPEATS times: (its decode seconds, median over the repeats,
+    summed over the requests; the tokens after the first summed; the last repeat's outputs)."""
+    from engine import SamplingParams
+
+    llm.scheduler.proposer = proposer
+    seconds, tokens, outputs = 0.0, 0, []
+    for item in items:
+        params = SamplingParams(max_tokens=item["max_tokens"], temperature=0.0)
+        runs = [llm.generate(item["prompt"], params)[0] for _ in range(TIMED_REPEATS)]
+        seconds += statistics.median(sum(o.inter_token_latencies_s) for o in runs)
+        tokens += len(runs[-1].token_ids) - 1
+        outputs.append(runs[-1].token_ids)
+    return seconds, tokens, outputs
+
+
+def _add_timed_rows(report: Report, llm, items: list[dict], ks, lookups) -> None:
+    """On the GPU: tokens/s of each copy instruction's requests one at a time, without and with
+    speculation, in the same engine (the GPU measurement the CPU's step counts project)."""
+    from engine import SamplingParams
+
+    totals: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0.0, 0, 0.0, 0, 0, 0])
+    for name, idx in _groups(items):
+        if name == "copy" or name == "free":
+            continue
+        group = [items[i] for i in idx]
+        llm.generate(group[0]["prompt"], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        base_s, base_n, base_out = _timed_batch_1(llm, group, None)
+        for k in ks:
+            for low, high in lookups:
+                proposer = RecordingProposer(SpeculativeConfig(k, low, high))
+                spec_s, spec_n, spec_out = _timed_batch_1(llm, group, proposer)
+                stats = proposer.stats.as_dict()
+                same = sum(a == b for a, b in zip(spec_out, base_out))
+                total = totals[k, f"{low}-{high}"]
+                for i, value in enumerate((base_s, base_n, spec_s, spec_n, len(group), same)):
+                    total[i] += value
+                report.add(workload=f"batch1:{name.removeprefix('copy:')}", k=k, lookup=f"{low}-{high}",
+                           requests=len(group), tokens=spec_n, acceptance=stats["acceptance_rate"],
+                           accepted_len=stats["mean_accepted_length"], tok_per_s_base=base_n / base_s,
+                           tok_per_s_spec=spec_n / spec_s, speedup=ratio(spec_n / spec_s, base_n / base_s),
+                           identical="yes" if same == len(group) else f"NO ({len(group) - same}/{len(group)})")
+    for (k, lookup), (base_s, base_n, spec_s, spec_n, requests, same) in totals.items():
+        report.add(workload="batch1:copy", k=k, lookup=lookup, requests=requests, tokens=spec_n,
+                   tok_per_s_base=base_n / base_s, tok_per_s_spec=spec_n / spec_s,
+                   speedup=ratio(spec_n / spec_s, base_n / base_s),
+                   identical="yes" if same == requests else f"NO ({requests - same}/{requests})")
+    llm.scheduler.proposer = None
+
+
 def run(model: str = "default", ks=None, lookups=None, output_len: int | None = None,
-        free_output_len: int | None = None, **_: object) -> Report:
+        free_output_len: int | None = None, device: str | None = None, **_: object) -> Report:
     from engine import LLM
 
     ks = parse_ints(ks, KS)
     lookups = parse_lookups(lookups)
     copy_len, free_len = int(output_len or COPY_OUTPUT_LEN), int(free_output_len or FREE_OUTPUT_LEN)
+    device = device or "cpu"
+    cuda = device.startswith("cuda")
     started = time.perf_counter()
-    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=len(PASSAGES) + len(FREE_PROMPTS),
-              max_model_len=1024, show_progress=False,
+    # float32 on the CPU (greedy outputs must then be identical); the GPU in bf16, as served
+    llm = LLM(model, device=device, dtype="bfloat16" if cuda else "float32",
+              max_num_seqs=len(PASSAGES) + len(FREE_PROMPTS), max_model_len=1024, show_progress=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": max(ks),
                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     if llm.tokenizer is None:
         raise RuntimeError(f"spec_acceptance needs a model with a tokenizer (real text); {model!r} has none")
     items = build_workload(llm.tokenizer, copy_len, free_len)
-    report = Report("spec_acceptance", model, "cpu", COLUMNS)
+    report = Report("spec_acceptance", model, torch.cuda.get_device_name(device) if cuda else "cpu", COLUMNS)
     report.meta.update(ks=ks, lookups=lookups, copy_output_len=copy_len, free_output_len=free_len,
                        torch=torch.__version__, threads=torch.get_num_threads(),
                        chat_template=bool(getattr(llm.tokenizer, "chat_template", None)),
@@ -270,9 +326,17 @@ def run(model: str = "default", ks=None, lookups=None, output_len: int | None = 
             report.meta.setdefault("proposer_stats", {})[f"k{k} {lookup}"] = stats
             print(f"spec_acceptance: k {k} lookup {lookup}: {got['engine_steps']} steps in {got['seconds']:.0f} s, "
                   f"acceptance {stats['acceptance_rate']:.3f}", flush=True)
+    if cuda:
+        _add_timed_rows(report, llm, items, ks, lookups)
+        report.notes.append(
+            f"rows batch1:*: each copy request alone (batch 1), without and with speculation, in the same engine "
+            f"(bf16, engine defaults); decode seconds per request the median of {TIMED_REPEATS} runs, summed over "
+            "the instruction's requests; tok_per_s_* their tokens after the first over those seconds, speedup the "
+            "ratio: a measured time ratio, unlike projected_speedup")
     llm.close()
     report.notes[:0] = [
-        f"Gemma 3 270M (real weights, float32) on the CPU ({torch.get_num_threads()} threads), greedy, "
+        (f"Gemma 3 270M (real weights, bf16) on {report.device}, greedy, " if cuda else
+         f"Gemma 3 270M (real weights, float32) on the CPU ({torch.get_num_threads()} threads), greedy, ") +
         f"{len(PASSAGES)} copy-heavy prompts ({copy_len} tokens out) and {len(FREE_PROMPTS)} free-generation "
         f"prompts ({free_len} out) per run, all at once (max_num_seqs {len(items)}); EOS stops a request",
         "projected_speedup is a STEP-COUNT ratio (decode steps without / with speculation, the gain in tokens "
