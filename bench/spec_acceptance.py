@@ -1,8 +1,10 @@
 """Suite `spec_acceptance`: how much prompt lookup ("ngram") speculation accepts on real text, with the
-real default model (Gemma 3 270M) in float32 on the CPU, greedy.
+real default model (Gemma 3 270M), greedy: in float32 on the CPU by default, or in bf16 on the GPU
+with `--device cuda`, which adds timed rows.
 
-The GPU machines hold random-weight models only, whose outputs never copy their prompts; acceptance on
-text a real model writes is measured here, by step counts (never by time: a CPU step is no GPU step).
+Random-weight models never copy their prompts; acceptance on text a real model writes is measured
+here, by step counts on the CPU (never by time: a CPU step is no GPU step), and on the GPU also by
+time: rows `batch1:<instruction>` run each copy-heavy request alone, without and with speculation.
 
 One engine (speculative_config k = the largest k asked for); one run per configuration over the same
 requests, all submitted at once (max_num_seqs = their number, so each runs from the first step):
