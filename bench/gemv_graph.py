@@ -41,11 +41,43 @@ CANDIDATES = tuple(GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w) for 
     (32, 512, 1, 4)))
 
 
-def candidates(shape: tuple[int, int], entry: GemvConfig) -> list[GemvConfig]:
+# FP8 weights (--quantization fp8): one byte a value, so a K tile of the bf16 tables' width loads half
+# the bytes; these add the wider K tiles that load as much as the bf16 ones do.
+FP8_CANDIDATES = CANDIDATES + tuple(GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w) for n, k, s, w in (
+    (2, 2048, 1, 4), (4, 2048, 1, 4), (8, 2048, 1, 4), (8, 1024, 2, 4), (16, 1024, 2, 4), (4, 2048, 1, 8),
+    (8, 2048, 1, 8), (8, 1024, 1, 8), (32, 1024, 1, 8)))
+
+
+def candidates(shape: tuple[int, int], entry: GemvConfig, pool: tuple[GemvConfig, ...] = CANDIDATES
+               ) -> list[GemvConfig]:
     """The configs to try for `shape` (N, K): every candidate but the entry itself, without those whose
     splits would each get less than a quarter of one K tile's worth of work."""
     k = shape[1]
-    return [c for c in CANDIDATES if c != entry and c.block_k * c.split_k <= 4 * k]
+    return [c for c in pool if c != entry and c.block_k * c.split_k <= 4 * k]
+
+
+class Fp8Table:
+    """The FP8 GEMV entries as the sweep edits them: reading a shape gives the config the engine runs
+    now (custom_ops.gemv_table.fp8_config: FP8_GEMV_CONFIGS, else the bf16 table's entry, else the
+    default); writing one sets FP8_GEMV_CONFIGS; restoring the entry puts back what was there."""
+
+    def __init__(self, shapes: list[tuple[int, int]], capability: tuple[int, int] | None = None) -> None:
+        self.shapes, self.capability = shapes, capability
+        self.saved = dict(gemv_table.FP8_GEMV_CONFIGS)
+
+    def __contains__(self, shape) -> bool:
+        return shape in self.shapes
+
+    def __getitem__(self, shape: tuple[int, int]) -> GemvConfig:
+        return gemv_table.fp8_config(1, *shape, torch.bfloat16, "cuda", capability=self.capability)
+
+    def __setitem__(self, shape: tuple[int, int], config: GemvConfig) -> None:
+        gemv_table.FP8_GEMV_CONFIGS[shape] = config
+
+    def restore(self, shape: tuple[int, int]) -> None:
+        gemv_table.FP8_GEMV_CONFIGS.pop(shape, None)
+        if shape in self.saved:
+            gemv_table.FP8_GEMV_CONFIGS[shape] = self.saved[shape]
 
 
 def neighbours(entry: GemvConfig) -> list[GemvConfig]:
@@ -104,9 +136,11 @@ def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]
 
 
 def run(model: str, contexts=None, time_budget_s: float | None = None, candidate_set: str = "tiles",
-        **_: object) -> Report:
-    """candidate_set: "tiles" (CANDIDATES, the tile shapes), "neighbours" (each entry's tile with
-    other stages and warps) or "whole_k" (whole_k)."""
+        quantization: str | None = None, **_: object) -> Report:
+    """candidate_set: "tiles" (CANDIDATES, the tile shapes; FP8_CANDIDATES with FP8 weights),
+    "neighbours" (each entry's tile with other stages and warps) or "whole_k" (whole_k).
+    quantization "fp8": the engine's linears in FP8, and the sweep edits the FP8 GEMV entries
+    (custom_ops.gemv_table.FP8_GEMV_CONFIGS), starting from the configs the engine runs now."""
     if not torch.cuda.is_available():
         raise RuntimeError("the gemv_graph suite needs a CUDA device: it times decode graph replays")
     from bench.decode import graph_replay_ms
@@ -118,8 +152,16 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
     budget = TIME_BUDGET_S if time_budget_s is None else time_budget_s
     table = device_table()  # before the engine: a GPU without a table has nothing to sweep
     net = build_model(model)
+    fp8 = quantization == "fp8"
+    shapes = model_shapes(net, table)
     llm = LLM(net, max_num_seqs=1, max_model_len=context + 64, prefill_graphs=False, show_progress=False,
-              decode_graph_sizes=(1,))
+              decode_graph_sizes=(1,), quantization=quantization)
+    if fp8:  # the FP8 layers' shapes (the LM head and the embedding keep their dtype and bf16 entries)
+        from custom_ops.fp8 import FP8_DTYPE
+        fp8_shapes = {tuple(m.weight.shape) for m in net.modules()
+                      if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dtype == FP8_DTYPE}
+        shapes = [shape for shape in shapes if shape in fp8_shapes]
+        table = Fp8Table(shapes)
     runner = llm.runtime.runner
 
     def replay_ms() -> float:
@@ -128,15 +170,18 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
             return graph_replay_ms(runner, net.config.vocab_size, 1, context, ITERS)
 
     report = Report("gemv_graph", model, torch.cuda.get_device_name(), COLUMNS)
-    report.meta.update(torch=torch.__version__, context=context, iters=ITERS, candidate_set=candidate_set)
+    report.meta.update(torch=torch.__version__, context=context, iters=ITERS, candidate_set=candidate_set,
+                       quantization=quantization)
     rows: list[dict] = []
     start = time.perf_counter()
     skipped = 0
     try:
         base_ms = [replay_ms()]
-        for shape in model_shapes(net, table):
-            entry = table[shape]
-            tried = {"tiles": lambda: candidates(shape, entry), "neighbours": lambda: neighbours(entry),
+        entries: dict[tuple[int, int], GemvConfig] = {}
+        for shape in shapes:
+            entry = entries[shape] = table[shape]
+            pool = FP8_CANDIDATES if fp8 else CANDIDATES
+            tried = {"tiles": lambda: candidates(shape, entry, pool), "neighbours": lambda: neighbours(entry),
                      "whole_k": lambda: whole_k(shape, entry)}[candidate_set]()
             for config in tried:
                 if time.perf_counter() - start > budget:
@@ -146,20 +191,40 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
                 try:
                     ms = replay_ms()
                 finally:
-                    table[shape] = entry
-                rows.append(dict(shape=shape, config=config.label(), replay_ms=ms, table_entry=entry.label()))
+                    if fp8:
+                        table.restore(shape)
+                    else:
+                        table[shape] = entry
+                rows.append(dict(shape=shape, config=config.label(), replay_ms=ms, table_entry=entry.label(),
+                                 candidate=config))
             base_ms.append(replay_ms())  # the entry restored: the run's drift and noise
+        base = sorted(base_ms)[len(base_ms) // 2]
+        for row in rows:
+            row["delta_us"] = (row["replay_ms"] - base) * 1e3
+        chosen = picks(rows, base_ms)
+        if chosen:  # every pick at once: the step they give together (picks were timed one at a time)
+            for shape, row in chosen.items():
+                table[shape] = row["candidate"]
+            try:
+                report.meta["all_picks_ms"] = [replay_ms() for _ in range(3)]
+            finally:
+                for shape, row in chosen.items():
+                    if fp8:
+                        table.restore(shape)
+                    else:
+                        table[shape] = entries[shape]
     finally:
         llm.close()
-    base = sorted(base_ms)[len(base_ms) // 2]
-    for row in rows:
-        row["delta_us"] = (row["replay_ms"] - base) * 1e3
-    chosen = picks(rows, base_ms)
+    report.meta.update(base_ms=base_ms, picks={f"{n}x{k}": r["config"] for (n, k), r in chosen.items()},
+                       pick_configs={f"{n}x{k}": dataclasses.asdict(r["candidate"]) for (n, k), r in chosen.items()})
     for row in rows:
         row["pick"] = "pick" if chosen.get(row["shape"]) is row else ""
         row["shape"] = f"{row['shape'][0]}x{row['shape'][1]}"
+        del row["candidate"]
         report.add(**row)
-    report.meta.update(base_ms=base_ms, picks={f"{n}x{k}": r["config"] for (n, k), r in chosen.items()})
+    if "all_picks_ms" in report.meta:
+        report.notes.append(f"every pick at once: replays of {', '.join(f'{ms:.4f}' for ms in report.meta['all_picks_ms'])}"
+                            f" ms against the base's median {base:.4f} ms")
     report.notes.append(f"batch-1 decode graph at {context} cached tokens, re-captured per candidate; median of "
                         f"{ITERS} replays; delta against the median base replay {base:.4f} ms (base timed "
                         f"{len(base_ms)} times: {min(base_ms):.4f}-{max(base_ms):.4f} ms)")

@@ -67,3 +67,19 @@ def test_the_suite_refuses_to_run_without_cuda():
         pytest.skip("a GPU is here: the suite would run")
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         gemv_graph.run("llama-3.2-3b")
+
+
+def test_the_fp8_sweep_starts_from_what_the_engine_runs_and_restores_it(monkeypatch):
+    """--quantization fp8: a shape's entry is fp8_config's choice (here the bf16 table's tile, no FP8
+    entry yet); a candidate is written as an FP8 entry and restoring leaves FP8_GEMV_CONFIGS as it was."""
+    from custom_ops import gemv_table
+    monkeypatch.setattr(gemv_table, "FP8_GEMV_CONFIGS", {})
+    shape = (3072, 8192)
+    table = gemv_graph.Fp8Table([shape], capability=(9, 0))
+    assert shape in table and table[shape] == gemv_table.TABLES[(9, 0)].gemv[shape]
+    wide = GemvConfig(block_n=8, block_k=2048)
+    assert wide in gemv_graph.candidates(shape, table[shape], gemv_graph.FP8_CANDIDATES)
+    table[shape] = wide
+    assert table[shape] == wide and gemv_table.FP8_GEMV_CONFIGS == {shape: wide}
+    table.restore(shape)
+    assert gemv_table.FP8_GEMV_CONFIGS == {} and table[shape] == gemv_table.TABLES[(9, 0)].gemv[shape]
