@@ -174,9 +174,10 @@ def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str,
 
 # FP8 weights (custom_ops.fp8: float8_e4m3fn matrices, a float32 scale per row, activations in bf16 /
 # fp16). Up to 64 rows the Triton GEMV / skinny GEMM read the FP8 bytes and widen them in registers;
-# their tiles come from FP8_GEMV_CONFIGS / FP8_SKINNY_CONFIGS (nothing measured yet), else from the
-# bf16 table's Triton entry for the shape (the same loop over half the bytes), else from the defaults
-# below. Above 64 rows: FP8_LARGE_METHODS per (N, K), else FP8_LARGE_DEFAULT, either DEQUANT (the
+# their tiles come from FP8_GEMV_CONFIGS / FP8_SKINNY_CONFIGS (overrides: benchmarks write them), else
+# at one row from FP8_GEMV_TUNED (per compute capability, measured in the decode graph by `bench
+# gemv_graph --quantization fp8`), else from the bf16 table's Triton entry for the shape, else from the
+# defaults below. Above 64 rows: FP8_LARGE_METHODS per (N, K), else FP8_LARGE_DEFAULT, either DEQUANT (the
 # weight widened to the activation dtype, then cuBLAS) or SCALED_MM (torch._scaled_mm on FP8 tensor
 # cores, activations quantized per token); the environment variable INFER_GRAPHS_FP8_LARGE
 # (dequant | scaled_mm) overrides every shape, for benchmarking. Dequantizing is the default until a
@@ -187,6 +188,15 @@ SCALED_MM = "scaled_mm"
 FP8_LARGE_CHOICES = (DEQUANT, SCALED_MM)
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 conversions and tensor cores: Ada / Hopper and newer
 FP8_GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+FP8_GEMV_TUNED: dict[tuple[int, int], dict[tuple[int, int], GemvConfig]] = {
+    # sm_90, one H100, llama-3.2-3b's decode graph at 576 cached tokens, the batch-1 step 2.018 -> 1.738 ms
+    # (bench/results/h100-2026-12-06/fp8-tiles/); its 3072x8192 down projection kept the bf16 table's tile
+    (9, 0): {
+        (5120, 3072): GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=8),
+        (3072, 3072): GemvConfig(block_n=4, block_k=1024, split_k=1, num_warps=4),
+        (16384, 3072): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4),
+    },
+}
 FP8_SKINNY_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig]] = {}
 FP8_GEMV_DEFAULT = GemvConfig(block_n=8, block_k=512, split_k=1, num_warps=4)
 FP8_SKINNY_DEFAULT = GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4)
@@ -223,8 +233,8 @@ def fp8_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str, 
         if capability >= FP8_MIN_CAPABILITY:
             tables = TABLES.get(capability, _UNTUNED)
             if rows == 1:
-                bf16 = tables.gemv.get((n, k))
-                return FP8_GEMV_CONFIGS.get((n, k)) or bf16 or FP8_GEMV_DEFAULT
+                return (FP8_GEMV_CONFIGS.get((n, k)) or FP8_GEMV_TUNED.get(capability, {}).get((n, k))
+                        or tables.gemv.get((n, k)) or FP8_GEMV_DEFAULT)
             bucket = next(b for b in ROW_BUCKETS if rows <= b)
             bf16 = tables.skinny.get((n, k), {}).get(bucket)
             return (FP8_SKINNY_CONFIGS.get((n, k), {}).get(bucket)
