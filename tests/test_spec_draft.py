@@ -143,6 +143,25 @@ def test_a_full_draft_pool_skips_proposals_and_changes_nothing(dirs, monkeypatch
         _check_draft_released(llm, free)
 
 
+def test_logprobs_with_a_draft(dirs):
+    """Logprobs of every emitted token, each prompt twice at once (two requests drafted for apart over
+    one shared target prefix): the same as without speculation (greedy; the target drafts for itself,
+    so most tokens come from verify steps)."""
+    target = draft = dirs["qwen3"]["target"]
+    params = SamplingParams(max_tokens=16, logprobs=2)
+    prompts = [p for p in PROMPTS[:2] for _ in range(2)]
+    with LLM(target, **CONFIG) as llm:
+        ref = llm.generate(prompts, params)
+    with LLM(target, **CONFIG, speculative_config=_spec(draft)) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.stats()["spec_decode"]["acceptance_rate"] > 0.9
+    for got, want in zip(outs, ref):
+        assert got.token_ids == want.token_ids
+        assert [p.token_id for p in got.logprobs] == [p.token_id for p in want.logprobs]
+        assert [p.logprob for p in got.logprobs] == pytest.approx([p.logprob for p in want.logprobs], abs=1e-4)
+        assert [[t for t, _ in p.top] for p in got.logprobs] == [[t for t, _ in p.top] for p in want.logprobs]
+
+
 # -- sampled: the target's distribution, reproducible with a seed ---------------------------------------------
 
 def _sampled_tokens(target: str, draft: str | None, n: int = 320) -> list[tuple[int, ...]]:
