@@ -217,6 +217,23 @@ def test_cli_takes_a_json_object(capsys):
     assert "JSON object" in capsys.readouterr().err
 
 
+def test_a_proposer_may_allow_misses_before_backing_off():
+    """misses_before_backoff (3 for a draft model): that many attempts in a row that gain nothing before
+    the request backs off; an acceptance in between starts the count again."""
+    proposer = Proposer(SpeculativeConfig.parse(NGRAM))
+    proposer.misses_before_backoff = 3
+    request = Request("r", [1, 2, 3], SamplingParams())
+    for now in (0, 1):
+        proposer.verified(request, 3, 0, now)
+        assert proposer.eligible(request, now + 1)
+    proposer.verified(request, 3, 1, 2)  # accepted: the count starts again
+    for now in (3, 4):
+        proposer.verified(request, 3, 0, now)
+        assert proposer.eligible(request, now + 1)
+    proposer.verified(request, 3, 0, 5)
+    assert not proposer.eligible(request, 6) and proposer.stats.backoffs == 1
+
+
 def test_back_off_after_misses_aligned_and_recovery():
     """Attempts that gain nothing space the next ones out (windows doubling up to MAX_BACKOFF_STEPS),
     on steps shared by every backing-off request, and one acceptance ends the back-off."""

@@ -48,6 +48,10 @@ logger = logging.getLogger("engine")
 # share of the memory free once the draft's weights are loaded (the target's pool is sized after it,
 # from what is left).
 DRAFT_KV_SHARE = 0.3
+# A draft whose proposals are accepted with probability a per token has a round with none accepted
+# with probability 1 - a (0.3 at a = 0.7, a useful draft): one such round must not send the request
+# into prompt lookup's back-off. Three in a row (0.027 at a = 0.7, 0.73 at a = 0.1) do.
+DRAFT_MISSES_BEFORE_BACKOFF = 3
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class _DraftState:
 
 
 class DraftProposer(Proposer):
+    misses_before_backoff = DRAFT_MISSES_BEFORE_BACKOFF
+
     def __init__(self, config: SpeculativeConfig, runtime: Runtime, max_num_batched_tokens: int, seed: int) -> None:
         super().__init__(config)
         self.runtime = runtime

@@ -60,6 +60,10 @@ class _Backoff:
 
 
 class Proposer:
+    # consecutive attempts that gain nothing before a request backs off (engine.spec.draft raises it:
+    # a draft that usually agrees still has rounds where none of its proposals is accepted)
+    misses_before_backoff = MISSES_BEFORE_BACKOFF
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecStats()
@@ -129,10 +133,11 @@ class Proposer:
             return
         state = self._backoff.setdefault(request, _Backoff())
         state.misses += 1
-        if state.misses >= MISSES_BEFORE_BACKOFF:
-            if state.misses == MISSES_BEFORE_BACKOFF:
+        first = self.misses_before_backoff
+        if state.misses >= first:
+            if state.misses == first:
                 self.stats.backoffs += 1
-            window = min(BACKOFF_GROWTH ** (state.misses - MISSES_BEFORE_BACKOFF + 1), MAX_BACKOFF_STEPS)
+            window = min(BACKOFF_GROWTH ** (state.misses - first + 1), MAX_BACKOFF_STEPS)
             # The next probe at a multiple of the window: a multiple of a window is one of every smaller
             # window too, so the probes of all backing-off requests fall on the same steps, and a batch
             # of them waits for the step in flight once per window, not whenever one of them probes.
