@@ -25,59 +25,17 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
 from engine.kv.block_pool import BlockPool
 from engine.request import FinishReason, Request, RequestStatus
+from engine.step import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.spec.proposer import Proposer
 
 logger = logging.getLogger("engine")
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start: int        # position of the chunk's first token (= tokens already cached)
-    num_tokens: int   # tokens computed this step (the proposals included)
-    samples: bool     # the chunk reaches the end of the request's tokens: its last logits give the next one
-    # Speculative decoding: tokens proposed after the request's last one (engine.spec). The chunk is
-    # then a verify chunk: its last token and the proposals, num_tokens = 1 + len(proposals), and
-    # every one of its rows gives logits (engine.spec.sampling).
-    proposals: tuple[int, ...] = ()
-
-    @classmethod
-    def next_for(cls, request: Request, num_tokens: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        return cls(request, start, num_tokens, start + num_tokens == request.num_planned_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_uniform_decode(self) -> bool:
-        return bool(self.chunks) and all(c.num_tokens == 1 for c in self.chunks)
-
-    @property
-    def is_verify(self) -> bool:
-        """Some chunk verifies proposals and every chunk is a decode (of one token or with proposals):
-        a step of uniform shape that speculation's graphs serve (engine.worker.dispatch)."""
-        return (any(c.proposals for c in self.chunks)
-                and all(c.samples and c.num_tokens == 1 + len(c.proposals) for c in self.chunks))
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:

@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
 from engine.request import Request
 from engine.sample.staging import host_to_device
 from engine.spec.sampling import VerifyLayout, sample_verify
+from engine.step import ScheduledChunk, SchedulerOutput
 from engine.worker.input_buffers import DeviceIds
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from engine.sample.sampler import Sampler
 from engine.sample.staging import host_to_device
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import Proposer
+from engine.step import ScheduledChunk, SchedulerOutput
 from engine.worker.input_buffers import DeviceIds
 from engine.worker.startup import Runtime, build_runtime
 from engine.worker.timeline import StartupTimeline
@@ -52,35 +53,6 @@ DRAFT_KV_SHARE = 0.3
 # with probability 1 - a (0.3 at a = 0.7, a useful draft): one such round must not send the request
 # into prompt lookup's back-off. Three in a row (0.027 at a = 0.7, 0.73 at a = 0.1) do.
 DRAFT_MISSES_BEFORE_BACKOFF = 3
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """A step chunk as engine.worker.model_runner reads one (the core's ScheduledChunk, which this
-    package does not import: the core imports it)."""
-    request: Any
-    start: int
-    num_tokens: int
-    samples: bool
-    proposals: tuple[int, ...] = ()
-
-
-@dataclass
-class _Step:
-    chunks: list[_Chunk] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_uniform_decode(self) -> bool:
-        return all(c.num_tokens == 1 for c in self.chunks)
-
-    @property
-    def is_verify(self) -> bool:  # as the core's SchedulerOutput.is_verify
-        return (any(c.proposals for c in self.chunks)
-                and all(c.samples and c.num_tokens == 1 + len(c.proposals) for c in self.chunks))
 
 
 @dataclass
@@ -206,7 +178,7 @@ class DraftProposer(Proposer):
         # (min: a round needs the last token's logits, whatever the cache holds)
         pending = [(b, min(self._states[r].computed, r.num_tokens - 1)) for b, r in enumerate(requests)]
         while pending:
-            step, owners, rest, budget = _Step(), [], [], self.max_num_batched_tokens
+            step, owners, rest, budget = SchedulerOutput(), [], [], self.max_num_batched_tokens
             for b, start in pending:
                 request = requests[b]
                 n = request.num_tokens
@@ -219,7 +191,7 @@ class DraftProposer(Proposer):
                 # one-token catch-ups the step replays the draft's verify graph (a decode row per
                 # token), not piecewise graphs, which cost more than a decode step of the same model.
                 proposals = (request.token_ids[n - 1],) if num == 2 and start + num == n else ()
-                step.chunks.append(_Chunk(request, start, num, start + num == n, proposals))
+                step.chunks.append(ScheduledChunk(request, start, num, start + num == n, proposals))
                 budget -= num
                 if start + num < n:
                     rest.append((b, start + num))
@@ -231,12 +203,13 @@ class DraftProposer(Proposer):
         flat = drafted.view(-1)
         for j in range(1, max(counts)):
             live = [b for b in range(batch) if counts[b] > j]
-            step = _Step([_Chunk(requests[b], requests[b].num_tokens - 1 + j, 1, True) for b in live])
+            step = SchedulerOutput([ScheduledChunk(requests[b], requests[b].num_tokens - 1 + j, 1, True)
+                                    for b in live])
             ids = DeviceIds(flat, list(range(len(live))), [b * k + j - 1 for b in live])
             self._run(step, ids, live, requests, drafted, j)
         return drafted
 
-    def _run(self, step: _Step, ids: DeviceIds | None, owners: list[int], requests: list[Request],
+    def _run(self, step: SchedulerOutput, ids: DeviceIds | None, owners: list[int], requests: list[Request],
              drafted: torch.Tensor, column: int) -> None:
         """One draft forward; its sampling rows' tokens (owners, in chunk order) into drafted[:, column]
         at once (a decode graph's logits are overwritten by its next replay)."""

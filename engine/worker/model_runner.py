@@ -22,7 +22,7 @@ from engine.worker.dispatch import BatchDescriptor, Dispatch, Dispatcher
 from engine.worker.input_buffers import DeviceIds, StaticBuffers
 
 if TYPE_CHECKING:  # the runner reads a scheduled step; it never imports the core that makes it
-    from engine.core.scheduler import SchedulerOutput
+    from engine.step import SchedulerOutput
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

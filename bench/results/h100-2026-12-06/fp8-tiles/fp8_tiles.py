@@ -2,7 +2,9 @@
 gemv_graph --quantization fp8: the base and every pick at once timed in the sweep's engine), then with
 the picks in custom_ops.gemv_table.FP8_GEMV_CONFIGS (in this process) the decode suite's bf16 and FP8
 rows next to their floors, and the FP8 GPU tests.
-Usage: python bench/results/h100-2026-12-06/fp8-tiles/fp8_tiles.py OUT_DIR SWEEP_BUDGET_S"""
+Usage: python bench/results/h100-2026-12-06/fp8-tiles/fp8_tiles.py OUT_DIR SWEEP_BUDGET_S [CANDIDATES]
+CANDIDATES: tiles (the run here) or neighbours, the second pass: each entry's tile (FP8_GEMV_TUNED once
+the first pass's picks are in it) with other stages and warps."""
 import json
 import sys
 
@@ -13,7 +15,8 @@ from custom_ops import gemv_table
 from custom_ops.gemv_table import GemvConfig
 
 out, budget = sys.argv[1], float(sys.argv[2])
-sweep = gemv_graph.run("llama-3.2-3b", time_budget_s=budget, quantization="fp8")
+candidates = sys.argv[3] if len(sys.argv) > 3 else "tiles"
+sweep = gemv_graph.run("llama-3.2-3b", time_budget_s=budget, quantization="fp8", candidate_set=candidates)
 sweep.write(out)
 print(sweep.markdown(), flush=True)
 picks = {tuple(int(v) for v in shape.split("x")): GemvConfig(**cfg)
