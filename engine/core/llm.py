@@ -28,6 +28,7 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
 from engine.core.scheduler import Scheduler
+from engine.core.tokenizer_load import PendingTokenizer
 from engine.core.stats import collect_stats
 from engine.core.step_loop import StepLoop
 from engine.outputs import RequestOutput
@@ -80,7 +81,6 @@ class LLM:
             # resolved once here: every later reader (the load, the tokenizer, the other ranks) gets
             # the snapshot directory, and `revision` is not lost on the way
             model = models.resolve_model_path(model, revision)
-        model_dir = model if isinstance(model, str) else None
         if not isinstance(model, str):
             # A built model fixes the dtype and device the KV cache and buffers must match.
             weight = next(model.parameters())
@@ -92,14 +92,14 @@ class LLM:
             from engine.distributed.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
             self.tp, config = launch(config, model)
         try:
-            self._start(model, tokenizer, config, timeline, name, model_dir)
+            self._start(model, tokenizer, config, timeline, name)
         except BaseException:
             if self.tp is not None:
                 self.tp.close()  # the other ranks must not outlive a start-up that failed here
             raise
 
     def _start(self, model: str | torch.nn.Module, tokenizer: Any, config: EngineConfig,
-               timeline: StartupTimeline, name: str, model_dir: str | None) -> None:
+               timeline: StartupTimeline, name: str) -> None:
         """Everything after the config (and the other ranks, under tensor parallelism): load, build
         the runtime, the scheduler; the engine is open once this returns."""
         import models
@@ -112,19 +112,23 @@ class LLM:
                             models.quantize_fp8(model))
         device, dtype = config.device_and_dtype()
         timeline.device = torch.device(device)
+        pending = None  # the tokenizer, loading beside the weights and the compile on a GPU engine
+        background = torch.device(device).type == "cuda"
+        if tokenizer is None and config.tokenizer is not None:
+            pending = PendingTokenizer(config.tokenizer, required=True, background=background)
         if isinstance(model, str):
             with timeline.phase("load"):
+                # "default" and .gguf files are converted once, here, before the tokenizer reads the result
+                model = models.resolve_model_path(model)
+                if tokenizer is None and pending is None:
+                    pending = PendingTokenizer(model, required=False, background=background)
                 model = models.from_pretrained(model, dtype=dtype, device=device, quantization=config.quantization,
                                                **({"tp": self.tp.parallel} if self.tp else {}))
             logger.info("loaded %s", name)
-        if tokenizer is None and (config.tokenizer is not None or model_dir is not None):
+        if pending is not None and not pending.background:
             with timeline.phase("tokenizer"):
-                if config.tokenizer is not None:
-                    tokenizer = _load_tokenizer(config.tokenizer, required=True)
-                else:
-                    tokenizer = _load_tokenizer(model_dir, required=False)
+                tokenizer, pending = pending.result(), None
         self.model = model
-        self.tokenizer = tokenizer
         self.model_config = model.config
         self.config = config.resolve(model.config.max_position_embeddings)
         spec = self.config.speculative_config
@@ -144,6 +148,10 @@ class LLM:
         if self.tp:
             self.tp.attach(self.runtime)
         try:
+            if pending is not None:
+                with timeline.phase("tokenizer"):  # what start-up still waits for of its load: ~0
+                    tokenizer = pending.result()
+            self.tokenizer = tokenizer
             self.scheduler = Scheduler(self.runtime.block_pool, self.config.max_num_seqs,
                                        self.config.max_num_batched_tokens, self.config.max_model_len,
                                        tuple(model.config.eos_token_ids), self.config.enable_prefix_caching,
@@ -420,25 +428,3 @@ def _check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:
     if asked.type != weight.device.type or asked.index not in (None, weight.device.index):
         raise ConfigError(f"EngineConfig.device={config.device!r} but the built model's weights are on "
                           f"{weight.device}: leave device unset for a built model, or move the model first")
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                    "tekken.json")
-
-
-def _load_tokenizer(name: str, required: bool) -> Any:
-    """The tokenizer `name` names; when not required (the model directory's own), None if it has none."""
-    import models
-    if not required and os.path.isdir(name) and not any(
-            os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
-        # a weights-only dir (tests, converted checkpoints): asking transformers costs seconds to fail
-        logger.info("no tokenizer files in %s: prompts must be token ids", name)
-        return None
-    try:
-        return models.load_tokenizer(name)
-    except Exception as exc:
-        if required:
-            raise ConfigError(f"EngineConfig.tokenizer={name!r} could not be loaded: {exc}") from exc
-        # a weights-only dir (tests, converted checkpoints) has no tokenizer
-        logger.info("no tokenizer for %s (%s): prompts must be token ids", name, exc)
-        return None
