@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from custom_ops.registry import infer_op
 
 __all__ = ["SymmetricAllReduce", "all_reduce", "mapped_group_names", "registered", "register", "unregister"]
 
@@ -182,7 +183,7 @@ def registered(group_name: str) -> SymmetricAllReduce | None:
     return _REGISTRY.get(group_name)
 
 
-@torch.library.custom_op("infer::all_reduce", mutates_args=())
+@infer_op("all_reduce")
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of x over the ranks of `group_name` (out of place), by the group's registered
     SymmetricAllReduce, or NCCL's functional all-reduce where none is registered."""

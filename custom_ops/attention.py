@@ -23,6 +23,7 @@ from custom_ops import reference
 from custom_ops.forward_context import get_forward_context
 from custom_ops.layers import AttentionLayer, get_attention_layer
 from custom_ops.rope import QKRotary, check_rope_tables, rotary_deferred, rotate_qk
+from custom_ops.registry import infer_op
 
 # layer name compiled into a piece -> the layer it computes now (see `attention_layer_renamed`)
 _renamed: dict[str, str] = {}
@@ -96,7 +97,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         reference.paged_attention(q, k, v, out, layer, kv_cache, meta)
 
 
-@torch.library.custom_op("infer::attention", mutates_args=("out",))
+@infer_op("attention", mutates_args=("out",))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_name: str,
               raw_q: Optional[torch.Tensor] = None, raw_k: Optional[torch.Tensor] = None,
               cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,

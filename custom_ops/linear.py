@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from custom_ops.fp8 import fp8_linear_plain, run_fp8_linear
 from custom_ops.gemv_table import CUBLASLT, GemvConfig, gemv_config
+from custom_ops.registry import infer_op
 
 
 def table_config(x: torch.Tensor, weight: torch.Tensor, rows: int) -> GemvConfig | str | None:
@@ -185,7 +186,7 @@ def run_act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 # Opaque to Inductor on purpose: the pieces it compiles for the symbolic token count lower
 # act(gate) * up to a pointwise kernel that reaches about half the Triton kernel's bandwidth on an
 # H100, and a prefill step runs it once per layer.
-@torch.library.custom_op("infer::act_and_mul", mutates_args=())
+@infer_op("act_and_mul")
 def act_and_mul_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return run_act_and_mul(gate_up, activation)
 
@@ -258,7 +259,7 @@ def gated_gemv_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: s
     return run_gated_linear(gate_up, weight, activation, weight_scale)
 
 
-@torch.library.custom_op("infer::gated_linear", mutates_args=())
+@infer_op("gated_linear")
 def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
                  weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     return run_gated_linear(gate_up, weight, activation, weight_scale)
@@ -270,7 +271,7 @@ def _gated_linear_fake(gate_up: torch.Tensor, weight: torch.Tensor, activation: 
     return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("infer::linear", mutates_args=())
+@infer_op("linear")
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     return run_linear(x, weight, bias, weight_scale=weight_scale)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from custom_ops.registry import infer_op
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
@@ -64,7 +65,7 @@ def run_add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return total.view(shape), normed.view(shape)
 
 
-@torch.library.custom_op("infer::add_rms_norm", mutates_args=())
+@infer_op("add_rms_norm")
 def add_rms_norm_op(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                     unit_offset: bool, delta_weight: Optional[torch.Tensor] = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:

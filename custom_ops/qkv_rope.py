@@ -24,6 +24,7 @@ from custom_ops.gemv_table import GemvConfig, fp8_config
 from custom_ops.fp8 import fp8_linear_plain
 from custom_ops.linear import run_linear, table_config
 from custom_ops.rope import check_rope_tables, run_qk_norm_rope
+from custom_ops.registry import infer_op
 
 
 def _fused_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -90,7 +91,7 @@ def linear_rope_fp8_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return qkv, q, k
 
 
-@torch.library.custom_op("infer::linear_rope", mutates_args=())
+@infer_op("linear_rope")
 def linear_rope_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor,
                    sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: Optional[torch.Tensor] = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

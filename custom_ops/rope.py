@@ -19,6 +19,7 @@ import torch
 
 from custom_ops.forward_context import RuntimeMode, get_forward_context
 from custom_ops.norm import rms_norm
+from custom_ops.registry import infer_op
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-@torch.library.custom_op("infer::qk_norm_rope", mutates_args=())
+@infer_op("qk_norm_rope")
 def qk_norm_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: Optional[torch.Tensor],
                     k_weight: Optional[torch.Tensor], eps: float, unit_offset: bool, num_heads: int,
                     num_kv_heads: int, defer_to_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
