@@ -2,6 +2,11 @@
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
 #   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|serving-tokenizer|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest  -> GPU test logs in $OUT (each plan fits one 10-minute call)
+#   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish  -> issue 43's
+#     10-minute soak, longer than one call: the first starts `bench soak` in a session of its own (setsid
+#     outlives the call) and watches it; the second waits for it and brings back soak.json and the logs.
+#     Carry .whl (fastapi, starlette, pydantic, pydantic_core, annotated-types, typing-inspection,
+#     uvicorn: not in the image) and bench/.tokenizer.
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -107,6 +112,29 @@ case "${1:-smoke}" in
     ;;
   tests-attention-rest)  # the prefill and dense attention tests: one compile per random shape, the slow part
     gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"
+    ;;
+  soak-start)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "soak-start: carry .whl with the server's wheels (see the header)"; exit 1; }
+    rm -rf /tmp/soakrepo /tmp/soak; mkdir -p /tmp/soak; cp -a . /tmp/soakrepo  # a later call's copy may replace this tree
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > /tmp/soak/gpu.txt
+    (cd /tmp/soakrepo && PYTHONPATH=/tmp/soakrepo:/tmp/site setsid nohup python3 -m bench soak --model "${SOAK_MODEL:-llama-3.2-3b}" \
+      --duration "${SOAK_S:-600}" --out /tmp/soak/soak.json > /tmp/soak/log.txt 2>&1 < /dev/null &)
+    setsid nohup nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 15 > /tmp/soak/smi.csv 2>&1 < /dev/null &
+    start=$(date +%s)
+    while [ $(( $(date +%s) - start )) -lt "${WATCH_S:-580}" ] && sleep 10; do pgrep -f "bench soak" > /dev/null || break; done
+    cp /tmp/soak/log.txt /tmp/soak/gpu.txt "$OUT"/; tail -20 /tmp/soak/log.txt
+    exit 0
+    ;;
+  soak-finish)
+    start=$(date +%s)
+    while pgrep -f "bench soak" > /dev/null && [ $(( $(date +%s) - start )) -lt "${WATCH_S:-580}" ]; do sleep 5; done
+    pkill -f "nvidia-smi --query-gpu"
+    cp /tmp/soak/* "$OUT"/ 2>/dev/null
+    server_log=$(ls -t /tmp/bench-soak-*.log 2>/dev/null | head -1)
+    [ -n "$server_log" ] && tail -c 2000000 "$server_log" > "$OUT/server-log.txt"
+    tail -60 /tmp/soak/log.txt
+    exit 0
     ;;
   rest)
     tokenizer_check  # e2e and serving run with bench/.tokenizer (issue 38)
