@@ -27,8 +27,9 @@ run: install
 	$(BIN)/python -m engine generate --model "$(MODEL)" --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
 # pytest exits 5 when it collected no tests: a CI run that ran nothing must fail.
+# -rfE: a summary line for each failure and error; the skips (the GPU tests on a CPU machine) are one count.
 test: install
-	$(BIN)/python -m pytest -q -ra; rc=$$?; \
+	$(BIN)/python -m pytest -q -rfE; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:
