@@ -20,7 +20,6 @@ import contextlib
 import gc
 import itertools
 import logging
-import os
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -28,9 +27,9 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
 from engine.core.scheduler import Scheduler
-from engine.core.tokenizer_load import PendingTokenizer
 from engine.core.stats import collect_stats
 from engine.core.step_loop import StepLoop
+from engine.core.tokenizer_load import PendingTokenizer
 from engine.outputs import RequestOutput
 from engine.params import InvalidRequestError, SamplingParams, check_prompt
 from engine.request import FinishReason, Request
