@@ -205,10 +205,12 @@ class Stream:
             assert out.finish_reason is None
 
 
-def run(path: Path, workload: Workload, async_scheduling: bool) -> tuple[dict[str, Stream], dict, dict]:
+def run(path: Path, workload: Workload, async_scheduling: bool,
+        frontend_process: bool = False) -> tuple[dict[str, Stream], dict, dict]:
     """Every request's stream (generate()'s outputs under ids "gen0", ...), the stats of the engine when
     fresh and once everything has finished."""
-    llm = LLM(str(path), **ENGINE, async_scheduling=async_scheduling)
+    llm = LLM(str(path), **ENGINE, async_scheduling=async_scheduling, frontend_process=frontend_process)
+    assert llm.stats()["frontend_process"] is frontend_process
     vocab = llm.model_config.vocab_size
     fresh = llm.stats()
     streams = {a.request_id: Stream(a.params) for a in workload.arrivals}
@@ -303,10 +305,12 @@ def test_random_workload_async_loop_equals_the_synchronous_loop_and_leaks_nothin
 
     sync, sync_fresh, sync_done = run(path, workload, async_scheduling=False)
     overlapped, fresh, done = run(path, workload, async_scheduling=True)
+    # the text in a process of its own: stop strings found there end their requests a step or two later
+    remote, remote_fresh, remote_done = run(path, workload, async_scheduling=True, frontend_process=True)
 
-    assert sync.keys() == overlapped.keys()
-    for rid in sync:
-        a, b = sync[rid], overlapped[rid]
+    assert sync.keys() == overlapped.keys() == remote.keys()
+    for rid, b in [(rid, s) for rid, s in overlapped.items()] + [(rid, s) for rid, s in remote.items()]:
+        a = sync[rid]
         check_finished(rid, a, prompt_len[rid])
         check_finished(rid, b, prompt_len[rid])
         if a.aborted or b.aborted:
@@ -322,7 +326,7 @@ def test_random_workload_async_loop_equals_the_synchronous_loop_and_leaks_nothin
             assert [lp.logprob for lp in b.final.logprobs] == pytest.approx([lp.logprob for lp in a.final.logprobs],
                                                                             abs=1e-4), rid
 
-    for stats_fresh, stats in ((sync_fresh, sync_done), (fresh, done)):
+    for stats_fresh, stats in ((sync_fresh, sync_done), (fresh, done), (remote_fresh, remote_done)):
         # nothing leaks: no request left, every block of every group free again or cached unreferenced
         # (BlockPool.num_free_blocks counts those: they are evicted when a block is needed)
         assert stats["requests_running"] == stats["requests_waiting"] == 0

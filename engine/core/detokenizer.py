@@ -96,78 +96,136 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
 
-class OutputTracker:
-    """What one request's outputs have said so far; `update` (or `update_all`) after every step that
-    gave it tokens."""
+class TextState:
+    """The text of one request's output as its tokens arrive: the detokenizer, the stop strings and
+    the text held back because it could still start one. It sees token ids and counts only, never the
+    Request, so the front end's process (engine.core.text_process) runs it from the records it gets."""
 
-    def __init__(self, request: Request, tokenizer: Any, decode: BatchDecoder | None = None) -> None:
-        params = request.params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, decode) if tokenizer else None
-        self.stops = tuple(params.stop)
-        self.include_stop = params.include_stop_str_in_output
-        self.pieces: list[str] = []   # emitted text, append-only: outputs share it
+    __slots__ = ("detokenizer", "stops", "include_stop", "min_tokens", "pending", "num_seen", "done",
+                 "stopped_at")
+
+    def __init__(self, decode: BatchDecoder | Any, prompt_context: list[int], stops: tuple[str, ...],
+                 include_stop: bool, min_tokens: int) -> None:
+        self.detokenizer = IncrementalDetokenizer(None, prompt_context, decode)
+        self.stops, self.include_stop, self.min_tokens = stops, include_stop, min_tokens
         self.pending = ""             # decoded text held back because it may start a stop string
-        self.num_seen = 0             # output tokens fed to the detokenizer (or skipped)
+        self.num_seen = 0             # output tokens taken (their text emitted, held, or dropped)
         self.done = False             # the text is final (finished, or a stop string matched)
+        self.stopped_at: int | None = None  # output tokens up to the one that completed a stop string
+
+    def begin(self, new: list[int], end: int) -> tuple[list[int], list[int]] | tuple[()] | None:
+        """Take the tokens the request got since the last call (`end`: one of the END_ codes); the
+        windows to decode (() when none waits), or None when the text is already final."""
+        if self.done:
+            return None
+        self.num_seen += len(new)
+        if end == END_BY_TOKEN and new and not self.include_stop:
+            new = new[:-1]  # the stop / EOS token ended the request: its text is not part of the output
+        return self.detokenizer.extend(new) or ()
+
+    def end(self, texts: tuple[str, str] | None, num_output_tokens: int, end: int) -> tuple[str, bool]:
+        """The second half, given the windows' texts (None: nothing was decoded): (the text now
+        emitted, whether a stop string matched)."""
+        finished = end != END_RUNNING
+        new_text = "" if texts is None else self.detokenizer.settle(*texts, final=finished)
+        text = self.pending + new_text
+        # before min_tokens tokens are out, a stop string does not end the request (vLLM's rule)
+        matched, emitted = self._emit(text, finished, num_output_tokens >= self.min_tokens)
+        if matched:
+            self.stopped_at = self.num_seen
+        self.done = finished or matched
+        return emitted, matched
+
+    def _emit(self, text: str, finished: bool, can_stop: bool) -> tuple[bool, str]:
+        if self.stops and can_stop:
+            found = [(i, stop) for stop in self.stops if (i := text.find(stop)) >= 0]
+            if found:
+                index, stop = min(found, key=lambda f: (f[0], -len(f[1])))
+                self.pending = ""
+                return True, text[:index + len(stop)] if self.include_stop else text[:index]
+        keep = 0 if finished else _stop_prefix_len(text, self.stops)
+        self.pending = text[len(text) - keep:]
+        return False, text[:len(text) - keep]
+
+
+# How a request stood after the step a record describes (TextState.begin / end)
+END_RUNNING, END_OTHER, END_BY_TOKEN = 0, 1, 2  # END_BY_TOKEN: its last token (EOS / stop token) ended it
+
+
+def end_code(request: Request) -> int:
+    if not request.is_finished:
+        return END_RUNNING
+    return END_BY_TOKEN if request.finish_reason in (FinishReason.EOS, FinishReason.STOP) else END_OTHER
+
+
+def text_state(request: Request, decode: BatchDecoder | Any) -> TextState:
+    params = request.params
+    return TextState(decode, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], tuple(params.stop),
+                     params.include_stop_str_in_output, params.min_tokens)
+
+
+def advance_all(updates: list[tuple[TextState, list[int], int, int]]) -> list[tuple[str, bool] | None]:
+    """Advance each (state, new tokens, output tokens so far, end code), decoding every window in one
+    batch (the states of one engine share one decoder); per update (the text emitted, whether a stop
+    string matched), or None where the text was already final."""
+    plans = [state.begin(new, end) for state, new, _, end in updates]
+    sequences = [seq for windows in plans if windows for seq in windows]
+    texts = iter(updates[0][0].detokenizer.decode(sequences) if sequences else ())
+    return [None if windows is None else
+            state.end((next(texts), next(texts)) if windows else None, num_out, end)
+            for (state, _, num_out, end), windows in zip(updates, plans)]
+
+
+class OutputTracker:
+    """What one request's outputs have said so far: its text pieces and the cursors of its previous
+    output. The text comes from a TextState here (`update` / `update_all`, after every step that gave
+    the request tokens) or, with the front end's process, from that process's replies
+    (engine.core.text_process), which fill `pieces`, `done` and `stopped_at` the same way."""
+
+    def __init__(self, request: Request, tokenizer: Any, decode: BatchDecoder | None = None,
+                 local: bool = True) -> None:
+        self.text = text_state(request, decode or BatchDecoder(tokenizer)) if tokenizer and local else None
+        self.pieces: list[str] = []   # emitted text, append-only: outputs share it
+        self.num_sent = 0             # output tokens handed to the text (here or to the process)
+        self.done = False             # the text is final (finished, or a stop string matched)
+        # Output tokens up to the one whose text completed a stop string. The request is finished
+        # when the match is applied, which with the front end's process is a step or two later: the
+        # tokens sampled meanwhile are never reported.
+        self.stopped_at: int | None = None
+        self.key: int | None = None   # the front end process's name for it
         self.num_reported_tokens = 0  # cursors of the previous RequestOutput
         self.num_reported_pieces = 0
+
+    @property
+    def pending(self) -> str:
+        return self.text.pending if self.text is not None else ""
 
     def update(self, request: Request) -> bool:
         """Detokenize the tokens the request got since the last call; True if a stop string matched
         (the caller then finishes the request with FinishReason.STOP)."""
         return bool(update_all([(self, request)]))
 
-    def _begin(self, request: Request) -> tuple[list[int], list[int]] | None:
-        """The first half of an update: take the new tokens; the windows to decode (both empty when
-        no token waits to be decoded), or None when there is nothing to do (no tokenizer, or the text
-        is final)."""
-        if self.done:
-            return None
-        start = request.num_prompt_tokens + self.num_seen
-        new = request.token_ids[start:]  # only the tail: O(new tokens)
-        self.num_seen += len(new)
-        finished = request.is_finished
-        if finished and new and not self.include_stop and request.finish_reason in (
-                FinishReason.EOS, FinishReason.STOP):
-            new = new[:-1]  # the stop / EOS token ended the request: its text is not part of the output
-        if self.detokenizer is None:
-            self.done = finished
-            return None
-        return self.detokenizer.extend(new) or ((), ())
+    def take_new(self, request: Request) -> list[int]:
+        """The output tokens not yet handed to the text (only the tail: O(new tokens))."""
+        new = request.token_ids[request.num_prompt_tokens + self.num_sent:]
+        self.num_sent += len(new)
+        return new
 
-    def _end(self, request: Request, texts: tuple[str, str] | None) -> bool:
-        """The second half: the windows' texts (None: nothing was decoded); True if a stop string matched."""
-        finished = request.is_finished
-        new_text = "" if texts is None else self.detokenizer.settle(*texts, final=finished)
-        text = self.pending + new_text
-        # before min_tokens tokens are out, a stop string does not end the request (vLLM's rule)
-        can_stop = request.num_tokens - request.num_prompt_tokens >= request.params.min_tokens
-        matched = self._emit(text, finished, can_stop)
-        self.done = finished or matched
-        return matched
-
-    def _emit(self, text: str, finished: bool, can_stop: bool) -> bool:
-        if self.stops and can_stop:
-            found = [(i, stop) for stop in self.stops if (i := text.find(stop)) >= 0]
-            if found:
-                index, stop = min(found, key=lambda f: (f[0], -len(f[1])))
-                self._append(text[:index + len(stop)] if self.include_stop else text[:index])
-                self.pending = ""
-                return True
-        keep = 0 if finished else _stop_prefix_len(text, self.stops)
-        self._append(text[:len(text) - keep])
-        self.pending = text[len(text) - keep:]
-        return False
-
-    def _append(self, text: str) -> None:
-        if text:
-            self.pieces.append(text)
+    def apply(self, piece: str, done: bool, stopped_at: int | None) -> None:
+        if piece:
+            self.pieces.append(piece)
+        if stopped_at is not None:
+            self.stopped_at = stopped_at
+        self.done = self.done or done
 
     def output(self, request: Request) -> RequestOutput:
         """The request's state now; the delta fields hold what is new since its previous output."""
-        if request.is_finished and not self.done:  # aborted, or finished between updates
-            self.update(request)
+        if request.is_finished and not self.done and (self.text is not None or self.key is None):
+            self.update(request)  # aborted, or finished between updates (a remote text is flushed by LLM)
         num_tokens = request.num_tokens - request.num_prompt_tokens
+        finished, reason = request.is_finished, request.finish_reason
+        if self.stopped_at is not None:
+            num_tokens, finished, reason = min(num_tokens, self.stopped_at), True, FinishReason.STOP
         start = request.num_prompt_tokens + self.num_reported_tokens
         new_text = "".join(self.pieces[self.num_reported_pieces:])
         times = request.token_times
@@ -175,10 +233,10 @@ class OutputTracker:
         out = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            new_token_ids=request.token_ids[start:],
+            new_token_ids=request.token_ids[start:request.num_prompt_tokens + num_tokens],
             new_text=new_text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            finished=finished,
+            finish_reason=reason.value if reason else None,
             ttft_s=times[0] - request.arrival_time if times else None,
             num_preemptions=request.num_preemptions,
             history=TextHistory(request.token_ids, request.num_prompt_tokens, num_tokens, self.pieces,
@@ -209,15 +267,18 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
 def update_all(pairs: list[tuple[OutputTracker, Request]]) -> list[Request]:
     """Update every tracker with its request's new tokens, decoding all windows in one batch (the
     trackers of one engine share one BatchDecoder); the requests whose stop string matched."""
-    plans = [(tracker, request, tracker._begin(request)) for tracker, request in pairs]
-    sequences = [seq for _, _, windows in plans if windows and windows[1] for seq in windows]
-    decode = next((t.detokenizer.decode for t, _, windows in plans if windows and windows[1]), None)
-    texts = iter(decode(sequences) if sequences else ())
+    live, updates = [], []
+    for tracker, request in pairs:
+        new = tracker.take_new(request)
+        if tracker.text is None:  # no tokenizer: no text, and the tokens end where the request ends
+            tracker.done = request.is_finished
+        elif not tracker.done:
+            live.append((tracker, request))
+            updates.append((tracker.text, new, request.num_tokens - request.num_prompt_tokens, end_code(request)))
     matched = []
-    for tracker, request, windows in plans:
-        if windows is None:
-            continue
-        decoded = (next(texts), next(texts)) if windows[1] else None
-        if tracker._end(request, decoded):
-            matched.append(request)
+    if updates:
+        for (tracker, request), (piece, stop) in zip(live, advance_all(updates)):
+            tracker.apply(piece, tracker.text.done, tracker.text.stopped_at)
+            if stop:
+                matched.append(request)
     return matched

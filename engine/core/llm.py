@@ -25,10 +25,11 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.core.detokenizer import BatchDecoder, OutputTracker, update_all
+from engine.core.detokenizer import BatchDecoder, OutputTracker
 from engine.core.scheduler import Scheduler
 from engine.core.stats import collect_stats
 from engine.core.step_loop import StepLoop
+from engine.core.text_process import start_front_end
 from engine.core.tokenizer_load import PendingTokenizer
 from engine.outputs import RequestOutput
 from engine.params import InvalidRequestError, SamplingParams, check_prompt
@@ -169,8 +170,13 @@ class LLM:
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output
         self._decode = BatchDecoder(tokenizer) if tokenizer is not None else None  # one batch a step
+        # detokenization and stop strings: in a process of their own where the host runs ahead of a
+        # GPU (engine/core/text_process.py), else on the step thread
+        self._front = start_front_end(tokenizer, self.config.frontend_process,
+                                      auto=self._loop.depth == 1 and self._loop.device.type == "cuda")
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_tokens_past_stop = 0  # sampled after a stop string's token (found late), never reported
         timeline.finish()
         self.startup = timeline
         self._final_stats: dict[str, Any] | None = None
@@ -225,7 +231,8 @@ class LLM:
 
     def _admit(self, request: Request) -> None:
         self.runtime.sampler.attach(request)
-        self._trackers[request.request_id] = OutputTracker(request, self.tokenizer, self._decode)
+        self._trackers[request.request_id] = OutputTracker(request, self.tokenizer, self._decode,
+                                                           local=not self._front.process)
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -244,6 +251,7 @@ class LLM:
         """
         self._check_open()
         sampled = self._step()
+        self._apply_stops(self._front.flush())  # outputs are built from the texts: every record applied first
         got_token = set(sampled)
         late = [r for r in self._unreported.values() if r not in got_token]
         self._unreported.clear()
@@ -258,14 +266,17 @@ class LLM:
         The engine's device is current meanwhile: Triton launches its kernels on the current device,
         and an engine on cuda:1 is stepped by callers whose current device is cuda:0.
         """
+        self._apply_stops(self._front.poll())  # found by the front end's process since the last step
         device = self.runtime.runner.device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             launched, sampling = self._loop.step()
-        self._detokenize(sampling)
         self.num_steps += launched
         for request in sampling:
             if request.is_finished:
-                del self._requests[request.request_id]
+                self._requests.pop(request.request_id, None)
+        if self._decode is not None:  # without a tokenizer an output's tracker catches up when it is built
+            trackers = self._trackers
+            self._apply_stops(self._front.hand_over([(trackers[r.request_id], r) for r in sampling]))
         return sampling
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -300,24 +311,36 @@ class LLM:
             for request in self._step():
                 if request not in own:
                     self._unreported[request.request_id] = request
+        self._apply_stops(self._front.flush())
+        for request in requests:  # reported here, not by a later step()
+            self._unreported.pop(request.request_id, None)
         return [self._output(r) for r in requests]
 
     def _output(self, request: Request) -> RequestOutput:
         tracker = self._trackers[request.request_id]
+        if request.is_finished and not tracker.done and tracker.key is not None:  # its end, to the process
+            self._front.hand_over([(tracker, request)])
+            self._apply_stops(self._front.flush())
         out = tracker.output(request)
         if request.is_finished:
             del self._trackers[request.request_id]
+            self._unreported.pop(request.request_id, None)  # this was its final output
         return out
 
-    def _detokenize(self, requests: list[Request]) -> None:
-        """Advance each request's text (one batched decode for the step); a stop string in it
-        finishes the request (its blocks go back now). Without a tokenizer there is no text and no
-        stop string: an output's tracker catches up when it is built (OutputTracker.output)."""
-        if self._decode is None:
-            return
-        for request in update_all([(self._trackers[r.request_id], r) for r in requests]):
+    def _apply_stops(self, requests: list[Request]) -> None:
+        """Finish the requests whose text reached a stop string (their blocks go back now). Inline
+        that is the step that sampled the completing token; with the front end's process a step or two
+        later, and the request's next output reports it (the tokens sampled meanwhile are not: its
+        tracker's stopped_at)."""
+        for request in requests:
+            tracker = self._trackers.get(request.request_id)
+            if tracker is not None and tracker.stopped_at is not None:
+                self.num_tokens_past_stop += request.num_tokens - request.num_prompt_tokens - tracker.stopped_at
             self.scheduler.stop_string_matched(request)
             self._loop.finished(request)
+            self._requests.pop(request.request_id, None)
+            if request.request_id in self._trackers:  # its final output is not built yet
+                self._unreported[request.request_id] = request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: it is not scheduled again, its KV blocks go back to the pool at once,
@@ -365,6 +388,7 @@ class LLM:
         self._closed = True
         if self.tp is not None:
             attempt(self.tp.send_stop)  # the other ranks first: they may be waiting for this rank's next step
+        attempt(self._front.close)
         runtime, self.runtime = self.runtime, None
         self._requests.clear()
         self._unreported.clear()

@@ -46,6 +46,12 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
         "async_drains": llm._loop.num_drains,
         "async_overlapped_steps": llm._loop.num_overlapped_steps,
         "async_discarded_tokens": llm._loop.num_discarded_tokens,
+        # detokenization and stop strings in their own process (engine/core/text_process.py): records
+        # sent, and the times an output waited for the process to answer (step() and generate()'s end)
+        "frontend_process": llm._front.process,
+        "frontend_records": getattr(llm._front, "records", 0),
+        "frontend_flush_waits": getattr(llm._front, "flush_waits", 0),
+        "frontend_tokens_past_stop": llm.num_tokens_past_stop,
         **llm.runtime.memory,
         "spec_decode": _spec_stats(llm),
         "startup": llm.startup.as_dict(),

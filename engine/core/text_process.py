@@ -1,0 +1,198 @@
+"""The front end's process: detokenization and stop strings beside the step loop, not on its thread.
+
+Inline, a step's text costs the step thread ~0.5 ms at batch 64 (one batched Rust decode plus the
+per-request windows and stop-string scans in Python). A thread of its own does not help: its Python
+holds the GIL when the step thread wakes from its wait for the device, and the next launch waits
+behind it (measured and rejected: bench/results/h100-2026-11-28/engine-core/h200-thread-vs-inline/).
+A process has its own interpreter, as vLLM's detokenizing API process and SGLang's detokenizer
+process do. The step thread's share is one record a step out and one reply in.
+
+Protocol, over two pipes (multiprocessing.connection framing, pickled tuples):
+- start: the tokenizer's JSON (the fast tokenizer's own serialization: the same Rust tokenizer).
+- per step, one record `(news, updates)`: `news` = (key, prompt context ids, stop strings,
+  include_stop, min_tokens) for requests seen the first time, `updates` = (key, new token ids, output
+  tokens so far, end code) for each request that got tokens (or ended) in the step.
+- per record, one reply: (key, text emitted, done, stopped_at or None) for each request whose text
+  moved or ended; ("error", traceback) if the process failed, after which it exits.
+
+Invariants:
+- Records are answered in order, one reply each; `flush()` waits until every record sent is answered.
+  `LLM.step()` and the end of `generate()` flush before they build outputs, so outputs hold the same
+  text as inline.
+- A stop string found in the process is applied by the step thread when its reply is read (at the
+  next step at the latest): the request is finished then, and the tokens sampled meanwhile are never
+  reported (OutputTracker.stopped_at), exactly the outputs of an inline match.
+- The process reads only what records carry; a request's state there is dropped with its last reply
+  (done). A process that dies or fails is an error raised on the step thread, never a silent loss.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.core.detokenizer import (
+    PROMPT_CONTEXT_TOKENS, BatchDecoder, OutputTracker, end_code, update_all)
+from engine.request import Request
+
+logger = logging.getLogger("engine")
+
+START_TIMEOUT_S = 120.0  # the process imports the engine's modules and parses the tokenizer
+
+
+class TextProcessError(RuntimeError):
+    """The front end's process failed or exited: the text of the requests in flight is lost."""
+
+
+class InlineText:
+    """The front end on the step thread: each record is applied at once."""
+
+    process = False
+
+    def hand_over(self, pairs: list[tuple[OutputTracker, Request]]) -> list[Request]:
+        """Advance these requests' texts; the requests whose stop string matched."""
+        return update_all(pairs) if pairs else []
+
+    def poll(self) -> list[Request]:
+        return []
+
+    def flush(self) -> list[Request]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class TextProcess:
+    """The front end in a process of its own; `poll` / `flush` return the requests whose stop string
+    it found (to be finished by the caller)."""
+
+    process = True
+
+    def __init__(self, tokenizer: Any) -> None:
+        backend = tokenizer._tokenizer  # the fast tokenizer's Rust object (checked by `can_run`)
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.core.text_worker", str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env)
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._send = Connection(to_child_w, readable=False)
+        self._recv = Connection(from_child_r, writable=False)
+        self._send.send_bytes(backend.to_str().encode())
+        self._live: dict[int, tuple[OutputTracker, Request]] = {}
+        self._next_key = 0
+        self._unanswered = 0
+        self.records = 0
+        self.flush_waits = 0
+
+    @staticmethod
+    def can_run(tokenizer: Any) -> bool:
+        """Whether the process decodes exactly as this tokenizer does: its Rust backend's batched
+        decode is the engine's decode (BatchDecoder), checked on a probe of token ids."""
+        decode = BatchDecoder(tokenizer)
+        if decode._batch is None:
+            return False
+        size = len(tokenizer)
+        probe = [[(i * 7919 + 13) % size for i in range(24)], list(range(min(size, 24)))]
+        return all(decode._batch([ids], skip_special_tokens=True)[0] == tokenizer.decode(ids, skip_special_tokens=True)
+                   for ids in probe)
+
+    def hand_over(self, pairs: list[tuple[OutputTracker, Request]]) -> list[Request]:
+        """Send one record of these requests' new tokens; [] (matches come back through poll / flush)."""
+        self.poll_failure()
+        news, updates = [], []
+        for tracker, request in pairs:
+            if tracker.done:
+                continue
+            if tracker.key is None:
+                tracker.key = key = self._next_key
+                self._next_key += 1
+                self._live[key] = (tracker, request)
+                params = request.params
+                news.append((key, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], tuple(params.stop),
+                             params.include_stop_str_in_output, params.min_tokens))
+            updates.append((tracker.key, tracker.take_new(request), request.num_tokens - request.num_prompt_tokens,
+                            end_code(request)))
+        if updates:
+            self._send.send((news, updates))
+            self._unanswered += 1
+            self.records += 1
+        return []
+
+    def poll(self) -> list[Request]:
+        """Apply the replies already here, without waiting."""
+        matched: list[Request] = []
+        while self._unanswered and self._recv.poll():
+            self._apply(self._recv.recv(), matched)
+        return matched
+
+    def flush(self) -> list[Request]:
+        """Apply every reply still owed (waiting for them)."""
+        matched = self.poll()
+        if self._unanswered:
+            self.flush_waits += 1
+        while self._unanswered:
+            try:
+                reply = self._recv.recv()
+            except EOFError:
+                raise TextProcessError(f"the front end's process exited (status {self._proc.poll()}) with "
+                                       f"{self._unanswered} record(s) unanswered") from None
+            self._apply(reply, matched)
+        return matched
+
+    def poll_failure(self) -> None:
+        code = self._proc.poll()
+        if code is not None:
+            raise TextProcessError(f"the front end's process exited with status {code}")
+
+    def _apply(self, reply: Any, matched: list[Request]) -> None:
+        self._unanswered -= 1
+        if isinstance(reply, tuple):
+            raise TextProcessError(f"the front end's process failed:\n{reply[1]}")
+        for key, piece, done, stopped_at in reply:
+            tracker, request = self._live[key]
+            tracker.apply(piece, done, stopped_at)
+            if stopped_at is not None:
+                matched.append(request)
+            if done:
+                del self._live[key]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._send.send(None)
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._send.close()
+        self._recv.close()
+
+
+def start_front_end(tokenizer: Any, want: bool | None, auto: bool) -> InlineText | TextProcess:
+    """The engine's front end: the process where `want` (EngineConfig.frontend_process) is True, or
+    None and `auto` (the host runs ahead of a GPU); inline without a tokenizer, or where the process
+    could not decode exactly as the tokenizer does (said once in the log)."""
+    if tokenizer is None or want is False or (want is None and not auto):
+        return InlineText()
+    if not TextProcess.can_run(tokenizer):
+        logger.info("the front end runs on the step thread: the tokenizer has no batched Rust decode equal to "
+                    "its decode()")
+        return InlineText()
+    try:
+        return TextProcess(tokenizer)
+    except OSError as exc:  # no process to be had (a sandbox, a limit): the text is the same inline
+        logger.warning("the front end runs on the step thread: its process did not start (%s)", exc)
+        return InlineText()

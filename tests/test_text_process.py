@@ -1,0 +1,159 @@
+"""The front end's process (engine/core/text_process.py): detokenization and stop strings off the step
+thread give the outputs the step thread gives inline, stop strings found late included, and a
+process that dies is an error on the step thread, never a silent loss.
+
+The tokenizer is a real byte-level BPE (tests/tiny_tokenizer.py); the reference is the inline front
+end of the same engine configuration, itself checked against the tokenizer's full decode.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, ConfigError, EngineConfig, SamplingParams
+from engine.core.text_process import InlineText, TextProcess, TextProcessError, start_front_end
+from tests.tiny_tokenizer import CORPUS, save_tiny_llama_with_tokenizer
+
+SMALL = dict(device="cpu", block_size=4, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _params(tokenizer) -> list[SamplingParams]:
+    """Greedy and seeded requests whose stop strings are pieces of what the engine generates (found
+    by a first inline run), so several end on a stop string mid-way."""
+    return [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, temperature=0.0 if i % 2 else 0.8)
+            for i in range(6)]
+
+
+def _stops_from(texts: list[str]) -> list[list[str]]:
+    """For each text, a stop string from its middle (or none for every third)."""
+    stops = []
+    for i, text in enumerate(texts):
+        clean = "".join(c for c in text[len(text) // 3:] if c.isalpha())
+        stops.append([clean[:2]] if i % 3 != 2 and len(clean) >= 2 else [])
+    return stops
+
+
+def _run(model_dir, frontend_process: bool, prompts, params, stream: bool):
+    with LLM(str(model_dir), frontend_process=frontend_process, **SMALL) as llm:
+        assert llm.stats()["frontend_process"] is frontend_process
+        if not stream:
+            outs = llm.generate(prompts, params)
+            return [(o.text, o.token_ids, o.finish_reason) for o in outs], llm.stats()
+        ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        deltas = {i: [] for i in ids}
+        finals = {}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                deltas[out.request_id].append(out.new_text)
+                assert out.request_id not in finals, "an output after the final one"
+                if out.finished:
+                    finals[out.request_id] = out
+        for i in ids:
+            assert "".join(deltas[i]) == finals[i].text  # the deltas add up to the text
+        return [(finals[i].text, finals[i].token_ids, finals[i].finish_reason) for i in ids], llm.stats()
+
+
+@pytest.mark.parametrize("stream,late", [(False, False), (False, True), (True, False)],
+                         ids=["generate", "generate-replies-at-end", "step"])
+def test_the_process_gives_the_inline_outputs_with_stop_strings_found_late(model_dir, stream, late, monkeypatch):
+    prompts = CORPUS[:6]
+    base = [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, temperature=0.0 if i % 2 else 0.8)
+            for i in range(6)]
+    plain, _ = _run(model_dir, False, prompts, base, stream=False)
+    stops = _stops_from([text for text, _, _ in plain])
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, temperature=sp.temperature, stop=s or None,
+                             include_stop_str_in_output=i == 3)
+              for i, (sp, s) in enumerate(zip(base, stops))]
+    inline, _ = _run(model_dir, False, prompts, params, stream)
+    if late:  # the process's replies are read only when generate() ends: every stop is found many steps late
+        monkeypatch.setattr(TextProcess, "poll", lambda self: [])
+    remote, stats = _run(model_dir, True, prompts, params, stream)
+    assert remote == inline
+    if late:  # the tokens sampled after a stop string's token were there, and not reported
+        assert stats["frontend_tokens_past_stop"] > 0
+    reasons = [reason for _, _, reason in inline]
+    assert reasons.count("stop") >= 2 and "length" in reasons  # the stop strings did end requests mid-way
+    for (text, ids, reason), p in zip(inline, params):
+        if reason == "stop":
+            assert len(ids) < 40 and any(s in text for s in p.stop) == p.include_stop_str_in_output
+    assert stats["frontend_records"] > 0
+    if not stream:  # generate() waits for the process once, at its end; its steps never wait
+        assert stats["frontend_flush_waits"] <= 1
+    # nothing leaks: every block is free (or cached) again once the late stops were applied
+    assert stats["requests_running"] == stats["requests_waiting"] == 0
+
+
+def test_an_aborted_request_ends_with_its_text_through_the_process(model_dir):
+    with LLM(str(model_dir), frontend_process=True, **SMALL) as llm:
+        victim = llm.add_request(CORPUS[0], SamplingParams(max_tokens=60, ignore_eos=True))
+        keep = llm.add_request(CORPUS[1], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+        outs = {}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                outs.setdefault(out.request_id, []).append(out)
+                if out.request_id == victim and len(out.token_ids) >= 5 and not out.finished:
+                    assert llm.abort(victim)
+        last = outs[victim][-1]
+        assert last.finished and last.finish_reason == "abort"
+        assert last.text == "".join(o.new_text for o in outs[victim])
+        assert outs[keep][-1].finish_reason == "length" and len(outs[keep][-1].token_ids) == 8
+        assert llm.tokenizer.decode(outs[keep][-1].token_ids, skip_special_tokens=True) == outs[keep][-1].text
+
+
+def test_a_process_that_dies_is_an_error_on_the_step_thread_and_close_still_works(model_dir):
+    llm = LLM(str(model_dir), frontend_process=True, **SMALL)
+    front = llm._front
+    assert isinstance(front, TextProcess)
+    front._proc.kill()
+    front._proc.wait()
+    with pytest.raises(TextProcessError, match="front end's process"):
+        llm.generate(CORPUS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.close()
+    assert front._proc.poll() is not None
+
+
+def test_close_ends_the_process(model_dir):
+    llm = LLM(str(model_dir), frontend_process=True, **SMALL)
+    proc = llm._front._proc
+    assert llm.generate(CORPUS[0], SamplingParams(max_tokens=3, ignore_eos=True))[0].finished
+    llm.close()
+    assert proc.poll() == 0  # it read the engine's None and exited on its own
+
+
+def test_the_choice_of_front_end(model_dir):
+    with LLM(str(model_dir), **SMALL) as llm:  # auto: inline on the CPU (the host does not run ahead of a GPU)
+        assert isinstance(llm._front, InlineText) and llm.stats()["frontend_process"] is False
+        tokenizer = llm.tokenizer
+    assert isinstance(start_front_end(None, True, auto=True), InlineText)  # no tokenizer: no text to make
+
+    class Cleaning:  # transformers post-processes decode(): the Rust batch would differ
+        _tokenizer = tokenizer._tokenizer
+        clean_up_tokenization_spaces = True
+
+        def __len__(self):
+            return len(tokenizer)
+
+        def decode(self, ids, **kwargs):
+            return tokenizer.decode(ids, **kwargs)
+
+    assert not TextProcess.can_run(Cleaning())
+    assert isinstance(start_front_end(Cleaning(), True, auto=True), InlineText)
+    assert TextProcess.can_run(tokenizer)
+
+
+def test_frontend_process_must_be_a_bool_or_none():
+    with pytest.raises(ConfigError, match="frontend_process"):
+        EngineConfig(frontend_process="yes")
