@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", help="e2e, host: front-end variants, comma-separated, of plain (no tokenizer), "
                         "tokenizer, stop (tokenizer + 2 stop strings) (default all three); spec: of ngram, rejected, "
                         "ceiling, draft, draft_small (default all; none always runs)")
+    parser.add_argument("--frontends", help="host: where the engine detokenizes, comma-separated, of process "
+                        "(EngineConfig.frontend_process=True) and inline (default both on CUDA, inline on the CPU)")
     parser.add_argument("--draft-layers", type=int, help="spec: layers of the draft_small rows' draft (default a "
                         "quarter of the target's)")
     parser.add_argument("--source", help="tokenizer: a tokenizer directory or .gguf file to read (default the "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
 #   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|serving-tokenizer|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
-#   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest  -> GPU test logs in $OUT (each plan fits one 10-minute call)
+#   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish  -> issue 43's
 #     10-minute soak, longer than one call: the first starts `bench soak` in a session of its own (setsid
 #     outlives the call) and watches it; the second waits for it and brings back soak.json and the logs.
@@ -112,6 +112,14 @@ case "${1:-smoke}" in
     ;;
   tests-attention-rest)  # the prefill and dense attention tests: one compile per random shape, the slow part
     gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"
+    ;;
+  frontend)  # issue 38: host time per step with the front end in its process vs inline (null forward,
+    # batch 64), then the GPU tests that build engines with a tokenizer (the process is their default); ~6 min
+    tokenizer_check
+    suite 150 host --model gemma-3-1b --frontends process,inline
+    suite 150 host --model llama-3.2-3b --frontends process,inline --variants stop
+    gpu_tests frontend 200 -o faulthandler_timeout=180 -m gpu tests/test_tokenizer_load.py tests/test_engine_gpu.py \
+      tests/test_spec_decode_gpu.py
     ;;
   soak-start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

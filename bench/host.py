@@ -27,7 +27,7 @@ from bench.paged import BLOCK_SIZE
 CUDA_SHAPE = {"batches": (64,), "prompt_len": 512, "output_len": 128}
 CPU_SHAPE = {"batches": (4,), "prompt_len": 16, "output_len": 8}
 NULL_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=16)
-COLUMNS = ["batch", "tokenizer", "stop_strings", "ms_per_step", "us_per_request", "steady_steps", "graph_replay_ms",
+COLUMNS = ["batch", "tokenizer", "stop_strings", "frontend", "ms_per_step", "us_per_request", "steady_steps", "graph_replay_ms",
            "step_x_replay", "prompt_len", "output_len"]
 
 
@@ -46,8 +46,22 @@ def null_forward_config(config: dict) -> dict:
     return tiny
 
 
+FRONTENDS = ("process", "inline")  # EngineConfig.frontend_process True / False
+
+
+def parse_frontends(value: str | None, on_cuda: bool) -> list[str]:
+    """`--frontends process,inline` (default: both on CUDA, inline on the CPU, where the engine's own
+    default is inline)."""
+    names = [v.strip() for v in value.split(",")] if value else list(FRONTENDS if on_cuda else FRONTENDS[1:])
+    unknown = [n for n in names if n not in FRONTENDS]
+    if unknown or not names:
+        raise ValueError(f"--frontends: unknown {unknown}; choose from {', '.join(FRONTENDS)}")
+    return list(dict.fromkeys(names))
+
+
 def run(model: str, batches=None, prompt_len: int | None = None, output_len: int | None = None,
-        tokenizer: str | None = None, variants=None, repeats: int = 2, iters: int = 30, **_: object) -> Report:
+        tokenizer: str | None = None, variants=None, repeats: int = 2, iters: int = 30, frontends=None,
+        **_: object) -> Report:
     from engine import LLM
     import models
 
@@ -59,6 +73,7 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
     if output_len < 3:
         raise ValueError(f"host needs output_len >= 3 (steps where every request decodes), got {output_len}")
     chosen = parse_variants(variants, tokenizer)
+    fronts = parse_frontends(frontends, on_cuda)
     config = null_forward_config(load_config(model))
     vocab = config["vocab_size"]
     tok_dir = tokenizer_dir(tokenizer) if any(v.tokenizer for v in chosen) else None
@@ -68,7 +83,7 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
     report = Report("host", model, torch.cuda.get_device_name() if on_cuda else "cpu", COLUMNS)
     report.meta.update(null_model={k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
                        layer_types=config.get("layer_types"), batches=batches, prompt_len=prompt_len,
-                       output_len=output_len, repeats=repeats, variants=[v.name for v in chosen],
+                       output_len=output_len, repeats=repeats, variants=[v.name for v in chosen], frontends=fronts,
                        tokenizer=str(tok_dir) if tok_dir else None, stop=list(STOP_STRINGS), torch=torch.__version__)
     max_batch = max(batches)
     engine_options = dict(max_num_seqs=max_batch, max_model_len=prompt_len + output_len + BLOCK_SIZE,
@@ -76,23 +91,27 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
     if (sizes := decode_graph_sizes(max_batch, batches)) is not None:
         engine_options["decode_graph_sizes"] = sizes
     rows, replay, replay_note = {}, {}, None
-    for llm, group in engines(lambda t: LLM(net, tokenizer=t, **engine_options), chosen, tok):
-        for b in batches:
-            for v in group:
-                rows[b, v.name] = measure_generate(llm, v, b, prompt_len, output_len, repeats, vocab)
-        if replay_note is None:
-            replay, replay_note = _graph_replays(llm, batches, vocab, prompt_len + output_len // 2, iters)
-            if replay_note[0]:
-                report.notes.append(replay_note[0])
+    for front in fronts:
+        # the front end only matters with a tokenizer: the plain variant runs once, with the first
+        group_variants = [v for v in chosen if v.tokenizer or front == fronts[0]]
+        make = lambda t: LLM(net, tokenizer=t, frontend_process=front == "process", **engine_options)  # noqa: E731
+        for llm, group in engines(make, group_variants, tok):
+            for b in batches:
+                for v in group:
+                    rows[b, v.name, front] = measure_generate(llm, v, b, prompt_len, output_len, repeats, vocab)
+            if replay_note is None:
+                replay, replay_note = _graph_replays(llm, batches, vocab, prompt_len + output_len // 2, iters)
+                if replay_note[0]:
+                    report.notes.append(replay_note[0])
     del net
-    for b in batches:
-        for v in chosen:
-            r = rows[b, v.name]
-            ms = r["itl_ms"]
-            report.add(batch=b, **v.row(), ms_per_step=ms, us_per_request=None if ms is None else ms * 1e3 / b,
-                       steady_steps=round(r["steady_intervals"] / b),
-                       graph_replay_ms=replay.get(b), step_x_replay=ratio(ms, replay.get(b)),
-                       prompt_len=prompt_len, output_len=output_len)
+    for (b, name, front), r in sorted(rows.items(), key=lambda kv: (kv[0][0], [v.name for v in chosen].index(kv[0][1]))):
+        v = next(v for v in chosen if v.name == name)
+        ms = r["itl_ms"]
+        report.add(batch=b, **v.row(), frontend=front if v.tokenizer else "-", ms_per_step=ms,
+                   us_per_request=None if ms is None else ms * 1e3 / b,
+                   steady_steps=round(r["steady_intervals"] / b),
+                   graph_replay_ms=replay.get(b), step_x_replay=ratio(ms, replay.get(b)),
+                   prompt_len=prompt_len, output_len=output_len)
     report.notes.append(
         f"null forward: {model}'s config with hidden {config['hidden_size']}, {config['num_hidden_layers']} layer(s)"
         f"{' ' + str(config['layer_types']) if config.get('layer_types') else ''}, vocabulary {vocab}; ms_per_step = the median inter-token latency of the "
@@ -103,10 +122,12 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
     return report
 
 
-def host_ms(report: Report, batch: int, variant: str = "stop") -> float | None:
-    """The ms per step of one row (for summaries): variant plain / tokenizer / stop."""
+def host_ms(report: Report, batch: int, variant: str = "stop", frontend: str = "process") -> float | None:
+    """The ms per step of one row (for summaries): variant plain / tokenizer / stop; the front end's
+    row where the report has it, else its only one."""
     from bench.frontend import VARIANTS
     v = VARIANTS[variant]
-    return next((r["ms_per_step"] for r in report.rows if r["batch"] == batch and
-                 (r["tokenizer"], r["stop_strings"]) == tuple(v.row().values())), None)
+    rows = [r for r in report.rows if r["batch"] == batch and (r["tokenizer"], r["stop_strings"]) == tuple(v.row().values())]
+    return next((r["ms_per_step"] for r in rows if r.get("frontend") in (frontend, "-")),
+                rows[0]["ms_per_step"] if rows else None)
 
