@@ -185,3 +185,24 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def batch_of_prompts(prompts, params, sampling_params=None) -> tuple[list, list[SamplingParams]]:
+    """generate()'s arguments as two lists of equal length: one prompt (a string, a list of ids, a 1-D
+    tensor) or many (a [B, T] tensor too); one SamplingParams for all, or one each. `sampling_params`
+    is vLLM's name for `params`."""
+    if sampling_params is not None:
+        if params is not None:
+            raise InvalidRequestError("generate got both params and sampling_params (the same argument)")
+        params = sampling_params
+    if isinstance(prompts, torch.Tensor):  # [T] is one prompt, [B, T] a batch
+        prompts = [prompts] if prompts.dim() == 1 else list(prompts)
+    elif isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise InvalidRequestError(f"generate got {len(prompts)} prompts but {len(params)} SamplingParams")
+    return prompts, params

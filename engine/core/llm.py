@@ -32,11 +32,11 @@ from engine.core.step_loop import StepLoop
 from engine.core.text_process import start_front_end
 from engine.core.tokenizer_load import PendingTokenizer
 from engine.outputs import RequestOutput
-from engine.params import InvalidRequestError, SamplingParams, check_prompt
+from engine.params import InvalidRequestError, SamplingParams, batch_of_prompts, check_prompt
 from engine.request import FinishReason, Request
 from engine.spec.draft import build_draft_proposer
 from engine.spec.proposer import Proposer
-from engine.worker.startup import build_runtime
+from engine.worker.startup import build_runtime, check_built_model
 from engine.worker.timeline import StartupTimeline
 
 logger = logging.getLogger("engine")
@@ -105,7 +105,7 @@ class LLM:
         import models
 
         if not isinstance(model, str):
-            _check_built_model(next(model.parameters()), config)
+            check_built_model(next(model.parameters()), config)
             if config.quantization == "fp8":
                 # in place, before anything compiles or captures it (models.quantization)
                 logger.info("quantization=fp8: %d linear layers of the built model to FP8",
@@ -285,21 +285,7 @@ class LLM:
         """One output per prompt, in order. Every prompt is validated before any of them runs.
         `sampling_params=` is vLLM's name for `params`."""
         self._check_open()
-        if sampling_params is not None:
-            if params is not None:
-                raise InvalidRequestError("generate got both params and sampling_params (the same argument)")
-            params = sampling_params
-        if isinstance(prompts, torch.Tensor):  # [T] is one prompt, [B, T] a batch
-            prompts = [prompts] if prompts.dim() == 1 else list(prompts)
-        elif isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                          and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"generate got {len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts, params = batch_of_prompts(prompts, params, sampling_params)
         base = next(self._ids)
         requests = [self._validated(p, sp, f"{base}.{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         for request in requests:
@@ -438,16 +424,3 @@ class LLM:
         if self._final_stats is not None:
             return dict(self._final_stats)
         return collect_stats(self, gather_ranks=True)
-
-
-def _check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:
-    """A built model runs in its own dtype and on its own device: a config that asks for others
-    would give a KV cache and buffers the model cannot use."""
-    dtype = str(weight.dtype).removeprefix("torch.")
-    if config.dtype != dtype:
-        raise ConfigError(f"EngineConfig.dtype={config.dtype!r} but the built model's weights are {dtype}: "
-                          "leave dtype unset for a built model, or convert the model first")
-    asked = torch.device(config.device)
-    if asked.type != weight.device.type or asked.index not in (None, weight.device.index):
-        raise ConfigError(f"EngineConfig.device={config.device!r} but the built model's weights are on "
-                          f"{weight.device}: leave device unset for a built model, or move the model first")

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from custom_ops import RuntimeMode
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.kv.block_pool import BlockPool
 from engine.kv.grouped_pool import GroupedBlockPool, group_stats
 from engine.kv.kv_cache import CPU_KV_BYTES, KVCache
@@ -267,3 +267,15 @@ def _compile_sampling_kernels(runner: ModelRunner, sampler: Sampler, num_seqs: i
         logits = model.compute_logits(hidden[:rows])
         sampler.compile_kernels(logits, key_tiles(rows) if key_tiles is not None else None)
 
+
+def check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:
+    """A built model runs in its own dtype and on its own device: a config that asks for others
+    would give a KV cache and buffers the model cannot use."""
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if config.dtype != dtype:
+        raise ConfigError(f"EngineConfig.dtype={config.dtype!r} but the built model's weights are {dtype}: "
+                          "leave dtype unset for a built model, or convert the model first")
+    asked = torch.device(config.device)
+    if asked.type != weight.device.type or asked.index not in (None, weight.device.index):
+        raise ConfigError(f"EngineConfig.device={config.device!r} but the built model's weights are on "
+                          f"{weight.device}: leave device unset for a built model, or move the model first")
