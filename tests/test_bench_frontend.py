@@ -123,7 +123,29 @@ def test_host_suite_runs_a_null_forward_with_each_front_end_variant(tiny_tok_dir
     assert {(has_tok, stop) for has_tok, stop, _ in calls} == {(False, ()), (True, ()), (True, STOP_STRINGS)}
     assert all(any(texts) == has_tok for has_tok, _, texts in calls)  # text only where the engine detokenizes
     md = report.markdown()
-    assert "| batch | tokenizer | stop_strings | ms_per_step | us_per_request |" in md
+    assert "| batch | tokenizer | stop_strings | frontend | ms_per_step | us_per_request |" in md
+    assert [r["frontend"] for r in report.rows] == ["-", "inline", "inline"]  # the CPU's default front end
     assert any("null forward" in n for n in report.notes)
     paths = report.write(str(tmp_path))
     assert Report.load(paths[0]).rows == report.rows
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU run of the suite")
+def test_host_suite_rows_per_front_end(tiny_tok_dir, monkeypatch):
+    """--frontends process,inline: one engine per front end, each row named by the engine it ran on."""
+    import engine
+    from bench import host
+    fronts = []
+
+    class SpyLLM(engine.LLM):
+        def __init__(self, model, tokenizer=None, **fields):
+            super().__init__(model, tokenizer=tokenizer, **fields)
+            fronts.append(self.stats()["frontend_process"])
+    monkeypatch.setattr(engine, "LLM", SpyLLM)
+    report = host.run("tiny-llama", batches="2", prompt_len=6, output_len=4, tokenizer=str(tiny_tok_dir), repeats=1,
+                      variants="stop", frontends="process,inline")
+    assert fronts == [True, False]
+    assert [(r["stop_strings"], r["frontend"]) for r in report.rows] == [(2, "process"), (2, "inline")]
+    assert all(r["ms_per_step"] > 0 for r in report.rows)
+    with pytest.raises(ValueError, match="--frontends"):
+        host.parse_frontends("thread", on_cuda=False)
