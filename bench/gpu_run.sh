@@ -118,7 +118,7 @@ case "${1:-smoke}" in
     tokenizer_check
     suite 150 host --model gemma-3-1b --frontends process,inline
     suite 150 host --model llama-3.2-3b --frontends process,inline --variants stop
-    gpu_tests frontend 200 -o faulthandler_timeout=180 -m gpu tests/test_tokenizer_load.py tests/test_engine_gpu.py \
+    gpu_tests frontend 240 -o faulthandler_timeout=180 -m gpu tests/test_text_process.py tests/test_tokenizer_load.py tests/test_engine_gpu.py \
       tests/test_spec_decode_gpu.py
     ;;
   soak-start)

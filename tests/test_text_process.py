@@ -157,3 +157,32 @@ def test_the_choice_of_front_end(model_dir):
 def test_frontend_process_must_be_a_bool_or_none():
     with pytest.raises(ConfigError, match="frontend_process"):
         EngineConfig(frontend_process="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_engine_detokenizes_in_its_process_by_default_which_holds_no_gpu_memory(model_dir):
+    """On a GPU with async scheduling the process is the default; its outputs are the inline engine's
+    (stop strings found late included), and the process never creates a CUDA context."""
+    import subprocess
+    gpu = dict(device="cuda", dtype="float32", block_size=16, max_model_len=128, max_num_seqs=6, num_gpu_blocks=64,
+               show_progress=False)
+    prompts = CORPUS[:6]
+    base = [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, temperature=0.0 if i % 2 else 0.8) for i in range(6)]
+    results = {}
+    for front in (None, False):
+        with LLM(str(model_dir), frontend_process=front, **gpu) as llm:
+            if front is None:
+                assert isinstance(llm._front, TextProcess) and llm.stats()["frontend_process"] is True
+                child = llm._front._proc.pid
+            plain = llm.generate(prompts, base)
+            stops = _stops_from([o.text for o in plain])
+            params = [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, temperature=p.temperature, stop=s or None)
+                      for i, (p, s) in enumerate(zip(base, stops))]
+            results[front] = [(o.text, o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+            if front is None:
+                apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                      capture_output=True, text=True).stdout.split()
+                assert str(child) not in apps, "the front end's process created a CUDA context"
+    assert results[None] == results[False]
+    assert [r for _, _, r in results[None]].count("stop") >= 2
