@@ -116,9 +116,9 @@ case "${1:-smoke}" in
   frontend)  # issue 38: host time per step with the front end in its process vs inline (null forward,
     # batch 64), then the GPU tests that build engines with a tokenizer (the process is their default); ~6 min
     tokenizer_check
-    suite 120 host --model gemma-3-1b --frontends process,inline --variants plain,stop
-    suite 100 host --model llama-3.2-3b --frontends process,inline --variants stop
-    gpu_tests frontend 230 -o faulthandler_timeout=180 -m gpu tests/test_text_process.py tests/test_tokenizer_load.py tests/test_engine_gpu.py \
+    suite 110 host --model gemma-3-1b --frontends process,inline --variants plain,stop
+    suite 90 host --model llama-3.2-3b --frontends process,inline --variants stop
+    gpu_tests frontend 220 -o faulthandler_timeout=180 -m gpu tests/test_text_process.py tests/test_tokenizer_load.py tests/test_engine_gpu.py \
       tests/test_spec_decode_gpu.py
     ;;
   soak-start)
