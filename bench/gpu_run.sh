@@ -114,12 +114,13 @@ case "${1:-smoke}" in
     gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"
     ;;
   frontend)  # issue 38: host time per step with the front end in its process vs inline (null forward,
-    # batch 64), then the GPU tests that build engines with a tokenizer (the process is their default); ~6 min
+    # batch 64, tokenizer + stop strings), the GPU test of the process as a GPU engine's default, then
+    # speculative decoding's GPU tests; ~5.5 min
     tokenizer_check
-    suite 110 host --model gemma-3-1b --frontends process,inline --variants plain,stop
-    suite 90 host --model llama-3.2-3b --frontends process,inline --variants stop
-    gpu_tests frontend 220 -o faulthandler_timeout=180 -m gpu tests/test_text_process.py tests/test_tokenizer_load.py tests/test_engine_gpu.py \
-      tests/test_spec_decode_gpu.py
+    suite 100 host --model gemma-3-1b --frontends process,inline --variants stop
+    gpu_tests frontend 70 -o faulthandler_timeout=60 -m gpu tests/test_text_process.py tests/test_tokenizer_load.py
+    suite 80 host --model llama-3.2-3b --frontends process,inline --variants stop
+    gpu_tests spec 100 -o faulthandler_timeout=90 -m gpu tests/test_spec_decode_gpu.py
     ;;
   soak-start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
