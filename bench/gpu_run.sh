@@ -114,7 +114,7 @@ case "${1:-smoke}" in
     gpu_tests attention-rest 560 tests/test_triton_attention.py -k "not decode and not merge"
     ;;
   frontend)  # issue 38: host time per step with the front end in its process vs inline (null forward,
-    # batch 64, tokenizer + stop strings), the GPU test of the process as a GPU engine's default, then
+    # batch 64, tokenizer + stop strings), the GPU test of the process on a GPU engine, then
     # speculative decoding's GPU tests; ~5.5 min
     tokenizer_check
     suite 100 host --model gemma-3-1b --frontends process,inline --variants stop

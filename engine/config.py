@@ -94,9 +94,9 @@ class EngineConfig:
     seed: int = 0                          # for requests that give no seed of their own
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
     async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/core/step_loop.py at depth 1; False: depth 0)
-    # detokenization and stop strings in a process of their own (engine/core/text_process.py); None: on
-    # with a tokenizer where the host runs ahead of a GPU (CUDA and async_scheduling), else inline
-    frontend_process: bool | None = None
+    # detokenization and stop strings in a process of their own (engine/core/text_process.py), off the
+    # step thread; False: on it. Opt-in until its GPU measurement (bench/gpu_run.sh frontend) has run.
+    frontend_process: bool = False
     # what the decode graphs record when compiled, from the pieces' own trace: "piecewise" the split
     # pieces with the attention op called between them; "layered" one Inductor graph per decoder layer
     # with its attention op inside, identical layers compiled once (compile_backend/layered.py);
@@ -162,8 +162,7 @@ class EngineConfig:
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching,
                "a bool")
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
-        _check(self.frontend_process is None or isinstance(self.frontend_process, bool), "frontend_process",
-               self.frontend_process, "None (on for CUDA with async scheduling) or a bool")
+        _check(isinstance(self.frontend_process, bool), "frontend_process", self.frontend_process, "a bool")
         _check(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", self.hybrid_kv_cache, "a bool")
         _check(isinstance(self.decode_gemv, bool), "decode_gemv", self.decode_gemv, "a bool")
         _check(self.full_graph_compile is None or self.full_graph_compile in _FULL_GRAPH_COMPILES,

@@ -134,10 +134,10 @@ def test_close_ends_the_process(model_dir):
 
 
 def test_the_choice_of_front_end(model_dir):
-    with LLM(str(model_dir), **SMALL) as llm:  # auto: inline on the CPU (the host does not run ahead of a GPU)
+    with LLM(str(model_dir), **SMALL) as llm:  # the default: inline
         assert isinstance(llm._front, InlineText) and llm.stats()["frontend_process"] is False
         tokenizer = llm.tokenizer
-    assert isinstance(start_front_end(None, True, auto=True), InlineText)  # no tokenizer: no text to make
+    assert isinstance(start_front_end(None, True), InlineText)  # no tokenizer: no text to make
 
     class Cleaning:  # transformers post-processes decode(): the Rust batch would differ
         _tokenizer = tokenizer._tokenizer
@@ -150,29 +150,29 @@ def test_the_choice_of_front_end(model_dir):
             return tokenizer.decode(ids, **kwargs)
 
     assert not TextProcess.can_run(Cleaning())
-    assert isinstance(start_front_end(Cleaning(), True, auto=True), InlineText)
+    assert isinstance(start_front_end(Cleaning(), True), InlineText)
     assert TextProcess.can_run(tokenizer)
 
 
-def test_frontend_process_must_be_a_bool_or_none():
+def test_frontend_process_must_be_a_bool():
     with pytest.raises(ConfigError, match="frontend_process"):
         EngineConfig(frontend_process="yes")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_gpu_engine_detokenizes_in_its_process_by_default_which_holds_no_gpu_memory(model_dir):
-    """On a GPU with async scheduling the process is the default; its outputs are the inline engine's
-    (stop strings found late included), and the process never creates a CUDA context."""
+def test_a_gpu_engine_detokenizes_in_its_process_which_holds_no_gpu_memory(model_dir):
+    """On a GPU with async scheduling the process gives the inline engine's outputs (stop strings
+    found late included), and it never creates a CUDA context."""
     import subprocess
     gpu = dict(device="cuda", dtype="float32", block_size=16, max_model_len=128, max_num_seqs=6, num_gpu_blocks=64,
                show_progress=False)
     prompts = CORPUS[:6]
     base = [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, temperature=0.0 if i % 2 else 0.8) for i in range(6)]
     results = {}
-    for front in (None, False):
+    for front in (True, False):
         with LLM(str(model_dir), frontend_process=front, **gpu) as llm:
-            if front is None:
+            if front:
                 assert isinstance(llm._front, TextProcess) and llm.stats()["frontend_process"] is True
                 child = llm._front._proc.pid
             plain = llm.generate(prompts, base)
@@ -180,9 +180,9 @@ def test_a_gpu_engine_detokenizes_in_its_process_by_default_which_holds_no_gpu_m
             params = [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, temperature=p.temperature, stop=s or None)
                       for i, (p, s) in enumerate(zip(base, stops))]
             results[front] = [(o.text, o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
-            if front is None:
+            if front:
                 apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
                                       capture_output=True, text=True).stdout.split()
                 assert str(child) not in apps, "the front end's process created a CUDA context"
-    assert results[None] == results[False]
-    assert [r for _, _, r in results[None]].count("stop") >= 2
+    assert results[True] == results[False]
+    assert [r for _, _, r in results[True]].count("stop") >= 2

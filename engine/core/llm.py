@@ -170,10 +170,9 @@ class LLM:
         self._unreported: dict[str, Request] = {}  # streamed requests that got tokens inside generate()
         self._trackers: dict[str, OutputTracker] = {}  # text and output cursors, until the final output
         self._decode = BatchDecoder(tokenizer) if tokenizer is not None else None  # one batch a step
-        # detokenization and stop strings: in a process of their own where the host runs ahead of a
-        # GPU (engine/core/text_process.py), else on the step thread
-        self._front = start_front_end(tokenizer, self.config.frontend_process,
-                                      auto=self._loop.depth == 1 and self._loop.device.type == "cuda")
+        # detokenization and stop strings: in a process of their own (engine/core/text_process.py)
+        # where EngineConfig.frontend_process asks for it, else on the step thread
+        self._front = start_front_end(tokenizer, self.config.frontend_process)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_tokens_past_stop = 0  # sampled after a stop string's token (found late), never reported

@@ -191,11 +191,11 @@ class TextProcess:
         self._recv.close()
 
 
-def start_front_end(tokenizer: Any, want: bool | None, auto: bool) -> InlineText | TextProcess:
-    """The engine's front end: the process where `want` (EngineConfig.frontend_process) is True, or
-    None and `auto` (the host runs ahead of a GPU); inline without a tokenizer, or where the process
-    could not decode exactly as the tokenizer does (said once in the log)."""
-    if tokenizer is None or want is False or (want is None and not auto):
+def start_front_end(tokenizer: Any, want: bool) -> InlineText | TextProcess:
+    """The engine's front end: the process where `want` (EngineConfig.frontend_process); inline
+    otherwise, without a tokenizer, or where the process could not decode exactly as the tokenizer
+    does (said once in the log)."""
+    if tokenizer is None or not want:
         return InlineText()
     if not TextProcess.can_run(tokenizer):
         logger.info("the front end runs on the step thread: the tokenizer has no batched Rust decode equal to "
