@@ -205,11 +205,14 @@ class OutputTracker:
         (the caller then finishes the request with FinishReason.STOP)."""
         return bool(update_all([(self, request)]))
 
-    def take_new(self, request: Request) -> list[int]:
-        """The output tokens not yet handed to the text (only the tail: O(new tokens))."""
-        new = request.token_ids[request.num_prompt_tokens + self.num_sent:]
-        self.num_sent += len(new)
-        return new
+    def take_new(self, request: Request) -> tuple[list[int], int]:
+        """The output tokens not yet handed to the text (only the tail: O(new tokens)), and how many
+        output tokens the request has."""
+        ids = request.token_ids
+        num_out = len(ids) - len(request.prompt_token_ids)
+        new = ids[len(ids) - num_out + self.num_sent:]
+        self.num_sent = num_out
+        return new, num_out
 
     def apply(self, piece: str, done: bool, stopped_at: int | None) -> None:
         if piece:
@@ -269,12 +272,12 @@ def update_all(pairs: list[tuple[OutputTracker, Request]]) -> list[Request]:
     trackers of one engine share one BatchDecoder); the requests whose stop string matched."""
     live, updates = [], []
     for tracker, request in pairs:
-        new = tracker.take_new(request)
+        new, num_out = tracker.take_new(request)
         if tracker.text is None:  # no tokenizer: no text, and the tokens end where the request ends
             tracker.done = request.is_finished
         elif not tracker.done:
             live.append((tracker, request))
-            updates.append((tracker.text, new, request.num_tokens - request.num_prompt_tokens, end_code(request)))
+            updates.append((tracker.text, new, num_out, end_code(request)))
     matched = []
     if updates:
         for (tracker, request), (piece, stop) in zip(live, advance_all(updates)):

@@ -123,10 +123,7 @@ class TextProcess:
                 params = request.params
                 news.append((key, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], tuple(params.stop),
                              params.include_stop_str_in_output, params.min_tokens))
-            ids = request.token_ids
-            num_out = len(ids) - len(request.prompt_token_ids)
-            new = ids[len(ids) - num_out + tracker.num_sent:]
-            tracker.num_sent = num_out
+            new, num_out = tracker.take_new(request)
             updates.append((key, new, num_out, END_RUNNING if request.status is not FINISHED else end_code(request)))
         if updates:
             self._send.send((news, updates))
@@ -167,13 +164,10 @@ class TextProcess:
         live = self._live
         for key, piece, done, stopped_at in reply:
             tracker, request = live[key]
-            if piece:
-                tracker.pieces.append(piece)
-            if done:
-                tracker.done = True
+            tracker.apply(piece, done, stopped_at)
+            if done:  # (a stop string's match ends the text too)
                 del live[key]
                 if stopped_at is not None:
-                    tracker.stopped_at = stopped_at
                     matched.append(request)
 
     def close(self) -> None:
