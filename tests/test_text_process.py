@@ -186,3 +186,25 @@ def test_a_gpu_engine_detokenizes_in_its_process_which_holds_no_gpu_memory(model
                 assert str(child) not in apps, "the front end's process created a CUDA context"
     assert results[True] == results[False]
     assert [r for _, _, r in results[True]].count("stop") >= 2
+
+
+def test_speculation_and_prefix_hits_with_the_process_give_the_inline_outputs(model_dir):
+    """Where features meet: prompt-lookup speculation (verify steps add several tokens a step, so a
+    stop string can complete mid-chunk) and prefix-cache hits (the prompts share a prefix), greedy,
+    with stop strings taken from the plain run's text; the process's outputs equal the inline ones."""
+    shared = CORPUS[0] + " " + CORPUS[1]
+    prompts = [shared + " " + c for c in CORPUS[2:]] + [shared, shared + CORPUS[2][:8]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    config = dict(SMALL, max_model_len=192, enable_prefix_caching=True, speculative_config=spec)
+    plain = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0) for _ in prompts]
+    with LLM(str(model_dir), **config) as llm:
+        stops = _stops_from([o.text for o in llm.generate(prompts, plain)])
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0, stop=s or None) for s in stops]
+    results = {}
+    for front in (False, True):
+        with LLM(str(model_dir), frontend_process=front, **config) as llm:
+            results[front] = [(o.text, o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+            stats = llm.stats()
+            assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["spec_decode"]["proposed_tokens"] > 0
+    assert results[True] == results[False]
+    assert [r for _, _, r in results[True]].count("stop") >= 2
