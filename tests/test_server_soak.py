@@ -38,14 +38,17 @@ def test_the_soak_mix_draws_every_kind_of_request_in_its_shares():
     assert any("logprobs" in body and "messages" not in body for _, body, _ in valid)
 
 
-def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path):
+@pytest.mark.parametrize("front", ["", " --frontend-process"], ids=["inline", "frontend-process"])
+def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path, front):
+    """Also with the text in the front end's process: disconnects, n > 1, stop strings, overload and
+    the SIGTERM drain meet a front end whose stop matches arrive a step late."""
     model_dir = save_tiny_llama_with_tokenizer(tmp_path / "tiny")
     out = tmp_path / "soak.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     env.pop("INFER_GRAPHS_API_KEY", None)
     run = subprocess.run([sys.executable, "-m", "bench", "soak", "--model", str(model_dir),
-                          f"--server-args={SERVER_ARGS}", "--duration", "15", "--clients", "6", "--seed", "3",
+                          f"--server-args={SERVER_ARGS}{front}", "--duration", "15", "--clients", "6", "--seed", "3",
                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
