@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 1; each is one compile)")
     parser.add_argument("--requests", type=int, help="serving, prefix: number of requests")
     parser.add_argument("--rate", type=float, help="serving, prefix: arrival rate, requests/s")
-    parser.add_argument("--workloads", help="serving: comma-separated (default baseline,continuous_batching,"
+    parser.add_argument("--workloads", help="serving: comma-separated, batch_N too (N requests at once, each "
+                        "with an in-process row) (default baseline,continuous_batching,"
                                             "chunked_prefill,prefix_caching)")
     parser.add_argument("--configs", help="serving: comma-separated, of off, decode, prefill (default all three: "
                                           "graphs off, decode graphs, decode + prefill graphs)")

@@ -122,6 +122,10 @@ case "${1:-smoke}" in
     suite 80 host --model llama-3.2-3b --frontends process,inline --variants stop
     gpu_tests spec 100 -o faulthandler_timeout=90 -m gpu tests/test_spec_decode_gpu.py
     ;;
+  serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
+    tokenizer_check
+    suite 560 serving --model gemma-3-1b --configs prefill --workloads batch_1,batch_16,batch_64
+    ;;
   soak-start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || { echo "soak-start: carry .whl with the server's wheels (see the header)"; exit 1; }

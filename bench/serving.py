@@ -50,6 +50,10 @@ CONFIGS = {
 }
 CONFIG_ALIASES = {"off": "graphs off", "decode": "decode graphs", "prefill": "decode + prefill graphs"}
 WORKLOADS = ("baseline", "continuous_batching", "chunked_prefill", "prefix_caching")
+# On request only (--workloads batch_16,...): N requests sent at once, e2e's shape (512-token prompts,
+# 128 tokens out on CUDA), every one with the stop strings; each has an in-process row (LLM.generate
+# of the same requests, same options): issue 38's "through the server within 5% of in-process".
+BATCH_PREFIX = "batch_"
 BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every server, so the report's note states what ran
 COLUMNS = ["config", "workload", "sent", "completed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s"]
@@ -88,11 +92,26 @@ def make(workload: str, s: Sizes, vocab_size: int, warm_up: bool = False,
     a prefix cache warmed by the warm-up run holds what a long-running server would, not the measured
     run's own prompts."""
     specs, concurrency = _make(workload, s, vocab_size, warm_up)
-    return with_stops(specs, stop, STOP_SHARE, seed=len(specs)), concurrency
+    share = 1.0 if batch_size(workload) is not None else STOP_SHARE
+    return with_stops(specs, stop, share, seed=len(specs)), concurrency
+
+
+def batch_size(workload: str) -> int | None:
+    """N of a `batch_N` workload; None for the others."""
+    if not workload.startswith(BATCH_PREFIX):
+        return None
+    n = workload[len(BATCH_PREFIX):]
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"workload {workload!r}: {BATCH_PREFIX}N takes a batch size N >= 1")
+    return int(n)
 
 
 def _make(workload: str, s: Sizes, vocab_size: int, warm_up: bool) -> tuple[list[RequestSpec], int | None]:
     shift = 100 if warm_up else 0
+    if (n := batch_size(workload)) is not None:
+        prompt = 512 if s.prompt[1] >= 512 else s.prompt[1]
+        output = 128 if s.output[1] >= 128 else s.output[1]
+        return make_workload(n, float("inf"), (prompt, prompt), (output, output), vocab_size, seed=6 + n + shift), n
     if workload == "baseline":
         n = max(2, s.requests // 8)
         prompt = 512 if s.prompt[1] >= 512 else s.prompt[1]
@@ -233,6 +252,9 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
         load_tokenizer(tok_dir, vocab)  # checks it covers the vocabulary before any server starts
     stop = STOP_STRINGS if tok_dir is not None else ()
     chosen = [w.strip() for w in workloads.split(",")] if isinstance(workloads, str) else list(workloads or WORKLOADS)
+    batches = [n for w in chosen if (n := batch_size(w)) is not None]
+    if batches:  # every request of the largest batch runs at once
+        s.max_num_seqs = max(s.max_num_seqs, *batches)
     blocks = 1 + s.max_num_seqs * -(-s.max_model_len // BLOCK_SIZE)
     engine_flags = ["--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
                     "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", str(blocks), "--max-model-len",
@@ -271,10 +293,11 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
             finally:
                 if server is not None:
                     server.stop()
-        if not url and "baseline" in chosen:
-            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache],
-                                make("baseline", s, vocab, stop=stop)[0],
-                                make("baseline", s, vocab, warm_up=True, stop=stop)[0], tok_dir)
+        in_process = [w for w in chosen if w == "baseline" or batch_size(w) is not None] if not url else []
+        for workload in in_process:
+            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache], workload,
+                                make(workload, s, vocab, stop=stop)[0],
+                                make(workload, s, vocab, warm_up=True, stop=stop)[0], tok_dir)
     return report
 
 
@@ -311,11 +334,11 @@ def _measure(report: Report, config: str, workload: str, url: str, specs: list[R
         report.notes.append(f"{config} / {workload}: errors {errors}")
 
 
-def _measure_in_process(report: Report, config: str, model: str, flags: list[str], specs: list[RequestSpec],
-                        warm_up: list[RequestSpec], tok_dir: Path | None = None) -> None:
-    """The baseline through LLM.add_request / step in this process, the same engine options and
-    tokenizer: the reference the HTTP rows are compared with (what HTTP, JSON, SSE and the engine loop
-    thread add)."""
+def _measure_in_process(report: Report, config: str, model: str, flags: list[str], workload: str,
+                        specs: list[RequestSpec], warm_up: list[RequestSpec], tok_dir: Path | None = None) -> None:
+    """The workload in this process with the same engine options and tokenizer: the reference the
+    HTTP rows are compared with (what HTTP, JSON, SSE and the engine loop thread add). The baseline runs
+    through LLM.add_request / step one request at a time, a batch_N workload as one LLM.generate."""
     from bench.common import build_model, free_device_memory
     from engine import LLM, SamplingParams
     from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
@@ -328,16 +351,24 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
     fields.pop("tokenizer", None)  # the tokenizer object is passed itself
     llm = LLM(net, tokenizer=tok, **fields)
     try:
+        def params(spec):
+            return SamplingParams(max_tokens=spec.output_len, ignore_eos=True, stop=spec.stop)
+
         def one_at_a_time(specs):
             outs, start = [], time.perf_counter()
             for spec in specs:
-                rid = llm.add_request(list(spec.prompt_ids), SamplingParams(max_tokens=spec.output_len, ignore_eos=True,
-                                                                           stop=spec.stop))
+                rid = llm.add_request(list(spec.prompt_ids), params(spec))
                 while llm.has_unfinished_requests():
                     outs += [o for o in llm.step() if o.finished and o.request_id == rid]
             return outs, time.perf_counter() - start
-        one_at_a_time(warm_up)
-        outs, makespan = one_at_a_time(specs)
+
+        def all_at_once(specs):
+            start = time.perf_counter()
+            outs = llm.generate([list(spec.prompt_ids) for spec in specs], [params(spec) for spec in specs])
+            return outs, time.perf_counter() - start
+        run_all = one_at_a_time if workload == "baseline" else all_at_once
+        run_all(warm_up)
+        outs, makespan = run_all(specs)
     finally:
         llm.close()
         del llm, net
@@ -347,7 +378,7 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
     e2es = [o.ttft_s + sum(o.inter_token_latencies_s) for o in outs]
     itls = [x for o in outs for x in o.inter_token_latencies_s]
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-    report.add(config=f"{config} (in-process LLM)", workload="baseline", sent=len(specs), completed=len(outs),
+    report.add(config=f"{config} (in-process LLM)", workload=workload, sent=len(specs), completed=len(outs),
                output_tok_per_s=sum(len(o.token_ids) for o in outs) / makespan,
                ttft_p50_ms=ms(percentile(ttfts, 50)), ttft_p99_ms=ms(percentile(ttfts, 99)),
                itl_p50_ms=ms(percentile(itls, 50)), itl_p99_ms=ms(percentile(itls, 99)),
