@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
-from engine.core.text_process import InlineText, TextProcess, TextProcessError, start_front_end
+from engine.core.text_process import InlineText, TextProcess, TextProcessError, spawn_front_end, start_front_end
 from tests.tiny_tokenizer import CORPUS, save_tiny_llama_with_tokenizer
 
 SMALL = dict(device="cpu", block_size=4, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=48)
@@ -137,7 +137,10 @@ def test_the_choice_of_front_end(model_dir):
     with LLM(str(model_dir), **SMALL) as llm:  # the default: inline
         assert isinstance(llm._front, InlineText) and llm.stats()["frontend_process"] is False
         tokenizer = llm.tokenizer
-    assert isinstance(start_front_end(None, True), InlineText)  # no tokenizer: no text to make
+    assert isinstance(start_front_end(tokenizer, None), InlineText)  # not asked for
+    spawned = spawn_front_end(True)
+    assert isinstance(start_front_end(None, spawned), InlineText)  # no tokenizer: no text to make
+    assert spawned._proc.wait(timeout=60) == 0  # ... and the process it did not need has ended
 
     class Cleaning:  # transformers post-processes decode(): the Rust batch would differ
         _tokenizer = tokenizer._tokenizer
@@ -150,7 +153,9 @@ def test_the_choice_of_front_end(model_dir):
             return tokenizer.decode(ids, **kwargs)
 
     assert not TextProcess.can_run(Cleaning())
-    assert isinstance(start_front_end(Cleaning(), True), InlineText)
+    spawned = spawn_front_end(True)
+    assert isinstance(start_front_end(Cleaning(), spawned), InlineText)
+    assert spawned._proc.wait(timeout=60) == 0
     assert TextProcess.can_run(tokenizer)
 
 

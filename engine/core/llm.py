@@ -29,7 +29,7 @@ from engine.core.detokenizer import BatchDecoder, OutputTracker
 from engine.core.scheduler import Scheduler
 from engine.core.stats import collect_stats
 from engine.core.step_loop import StepLoop
-from engine.core.text_process import start_front_end
+from engine.core.text_process import spawn_front_end, start_front_end
 from engine.core.tokenizer_load import PendingTokenizer
 from engine.outputs import RequestOutput
 from engine.params import InvalidRequestError, SamplingParams, batch_of_prompts, check_prompt
@@ -91,11 +91,15 @@ class LLM:
         if config.tensor_parallel_size > 1:
             from engine.distributed.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
             self.tp, config = launch(config, model)
+        # the front end's process imports its modules while the engine starts (engine/core/text_process.py)
+        self._spawned_front = spawn_front_end(config.frontend_process)
         try:
             self._start(model, tokenizer, config, timeline, name)
         except BaseException:
             if self.tp is not None:
                 self.tp.close()  # the other ranks must not outlive a start-up that failed here
+            if self._spawned_front is not None:
+                self._spawned_front.close()
             raise
 
     def _start(self, model: str | torch.nn.Module, tokenizer: Any, config: EngineConfig,
@@ -172,7 +176,8 @@ class LLM:
         self._decode = BatchDecoder(tokenizer) if tokenizer is not None else None  # one batch a step
         # detokenization and stop strings: in a process of their own (engine/core/text_process.py)
         # where EngineConfig.frontend_process asks for it, else on the step thread
-        self._front = start_front_end(tokenizer, self.config.frontend_process)
+        self._front = start_front_end(tokenizer, self._spawned_front)
+        self._spawned_front = None
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_tokens_past_stop = 0  # sampled after a stop string's token (found late), never reported

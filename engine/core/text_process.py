@@ -27,10 +27,12 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -74,8 +76,9 @@ class TextProcess:
 
     process = True
 
-    def __init__(self, tokenizer: Any) -> None:
-        backend = tokenizer._tokenizer  # the fast tokenizer's Rust object (checked by `can_run`)
+    def __init__(self) -> None:
+        """Start the process (it imports the engine's modules meanwhile: ~2 s); `attach` gives it the
+        tokenizer. The engine starts it first thing, so both overlap its own start-up."""
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,12 +92,21 @@ class TextProcess:
             os.close(from_child_w)
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(from_child_r, writable=False)
-        self._send.send_bytes(backend.to_str().encode())
+        self._tokenizer_file: str | None = None
         self._live: dict[int, tuple[OutputTracker, Request]] = {}
         self._next_key = 0
         self._unanswered = 0
         self.records = 0
         self.flush_waits = 0
+
+    def attach(self, tokenizer: Any) -> None:
+        """Hand the process the tokenizer: its Rust backend's JSON, through a file (33 MB for Gemma's: a
+        pipe would block this thread until the process, still importing, read it all). The process
+        removes the file once read; `close` does if it never was."""
+        fd, self._tokenizer_file = tempfile.mkstemp(prefix="infer-graphs-tokenizer-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(tokenizer._tokenizer.to_str())
+        self._send.send(self._tokenizer_file)
 
     @staticmethod
     def can_run(tokenizer: Any) -> bool:
@@ -183,20 +195,34 @@ class TextProcess:
                 self._proc.wait()
         self._send.close()
         self._recv.close()
+        if self._tokenizer_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tokenizer_file)
 
 
-def start_front_end(tokenizer: Any, want: bool) -> InlineText | TextProcess:
-    """The engine's front end: the process where `want` (EngineConfig.frontend_process); inline
-    otherwise, without a tokenizer, or where the process could not decode exactly as the tokenizer
-    does (said once in the log)."""
-    if tokenizer is None or not want:
-        return InlineText()
-    if not TextProcess.can_run(tokenizer):
-        logger.info("the front end runs on the step thread: the tokenizer has no batched Rust decode equal to "
-                    "its decode()")
-        return InlineText()
+def spawn_front_end(want: bool) -> TextProcess | None:
+    """The process, started before the engine's start-up where EngineConfig.frontend_process asks for
+    it; None where it is not asked for or could not start (said in the log: the text is the same inline)."""
+    if not want:
+        return None
     try:
-        return TextProcess(tokenizer)
-    except OSError as exc:  # no process to be had (a sandbox, a limit): the text is the same inline
+        return TextProcess()
+    except OSError as exc:  # no process to be had (a sandbox, a limit)
         logger.warning("the front end runs on the step thread: its process did not start (%s)", exc)
+        return None
+
+
+def start_front_end(tokenizer: Any, spawned: TextProcess | None) -> InlineText | TextProcess:
+    """The engine's front end once its tokenizer is known: the spawned process, given the tokenizer;
+    inline without a process, without a tokenizer, or where the process could not decode exactly as
+    the tokenizer does (said once in the log; the process is ended)."""
+    if spawned is None:
         return InlineText()
+    if tokenizer is None or not TextProcess.can_run(tokenizer):
+        if tokenizer is not None:
+            logger.info("the front end runs on the step thread: the tokenizer has no batched Rust decode equal "
+                        "to its decode()")
+        spawned.close()
+        return InlineText()
+    spawned.attach(tokenizer)
+    return spawned

@@ -4,6 +4,7 @@ closes its end. Its own module so that the engine, which imports text_process, n
 (runpy would run a second copy of an imported module)."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -25,7 +26,12 @@ class _RustDecoder:
 
 def serve(recv: Connection, send: Connection) -> None:
     import tokenizers
-    decode = _RustDecoder(tokenizers.Tokenizer.from_str(recv.recv_bytes().decode()))
+    path = recv.recv()  # the engine's tokenizer, as a file of its own (TextProcess.attach)
+    if path is None:  # the engine ended (or chose inline) before it had one
+        return
+    backend = tokenizers.Tokenizer.from_file(path)
+    os.unlink(path)
+    decode = _RustDecoder(backend)
     states: dict[int, TextState] = {}
     while (record := recv.recv()) is not None:
         news, updates = record
