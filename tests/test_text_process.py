@@ -213,3 +213,21 @@ def test_speculation_and_prefix_hits_with_the_process_give_the_inline_outputs(mo
             assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["spec_decode"]["proposed_tokens"] > 0
     assert results[True] == results[False]
     assert [r for _, _, r in results[True]].count("stop") >= 2
+
+
+def test_a_process_that_hangs_is_an_error_not_a_hang(model_dir, monkeypatch):
+    import os
+    import signal
+
+    from engine.core import text_process
+    llm = LLM(str(model_dir), frontend_process=True, **SMALL)
+    proc = llm._front._proc
+    assert llm.generate(CORPUS[0], SamplingParams(max_tokens=2, ignore_eos=True))[0].finished  # it answers...
+    monkeypatch.setattr(text_process, "REPLY_TIMEOUT_S", 2.0)
+    os.kill(proc.pid, signal.SIGSTOP)  # ... then stops answering
+    try:
+        with pytest.raises(TextProcessError, match="did not answer in 2 s"):
+            llm.generate(CORPUS[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        llm.close()

@@ -44,7 +44,9 @@ FINISHED = RequestStatus.FINISHED
 
 logger = logging.getLogger("engine")
 
-START_TIMEOUT_S = 120.0  # the process imports the engine's modules and parses the tokenizer
+# The longest wait for a reply before the process counts as hung: its first covers its imports and
+# the tokenizer's parse (a few seconds), every later one a step's decode (a millisecond or so).
+REPLY_TIMEOUT_S = 120.0
 
 
 class TextProcessError(RuntimeError):
@@ -156,6 +158,9 @@ class TextProcess:
         if self._unanswered:
             self.flush_waits += 1
         while self._unanswered:
+            if not self._recv.poll(REPLY_TIMEOUT_S):  # (a process that died is an EOF here, at once)
+                raise TextProcessError(f"the front end's process did not answer in {REPLY_TIMEOUT_S:.0f} s "
+                                       f"({self._unanswered} record(s) unanswered)")
             try:
                 reply = self._recv.recv()
             except EOFError:
