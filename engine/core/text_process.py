@@ -8,7 +8,8 @@ A process has its own interpreter, as vLLM's detokenizing API process and SGLang
 process do. The step thread's share is one record a step out and one reply in.
 
 Protocol, over two pipes (multiprocessing.connection framing, pickled tuples):
-- start: the tokenizer's JSON (the fast tokenizer's own serialization: the same Rust tokenizer).
+- start: the path of a file holding the tokenizer's JSON (the fast tokenizer's own serialization: the
+  same Rust tokenizer; TextProcess.attach).
 - per step, one record `(news, updates)`: `news` = (key, prompt context ids, stop strings,
   include_stop, min_tokens) for requests seen the first time, `updates` = (key, new token ids, output
   tokens so far, end code) for each request that got tokens (or ended) in the step.
@@ -36,11 +37,8 @@ import tempfile
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.core.detokenizer import (
-    END_RUNNING, PROMPT_CONTEXT_TOKENS, BatchDecoder, OutputTracker, end_code, update_all)
-from engine.request import Request, RequestStatus
-
-FINISHED = RequestStatus.FINISHED
+from engine.core.detokenizer import PROMPT_CONTEXT_TOKENS, BatchDecoder, OutputTracker, end_code, update_all
+from engine.request import Request
 
 logger = logging.getLogger("engine")
 
@@ -138,7 +136,7 @@ class TextProcess:
                 news.append((key, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], tuple(params.stop),
                              params.include_stop_str_in_output, params.min_tokens))
             new, num_out = tracker.take_new(request)
-            updates.append((key, new, num_out, END_RUNNING if request.status is not FINISHED else end_code(request)))
+            updates.append((key, new, num_out, end_code(request)))
         if updates:
             self._send.send((news, updates))
             self._unanswered += 1
@@ -149,7 +147,7 @@ class TextProcess:
         """Apply the replies already here, without waiting."""
         matched: list[Request] = []
         while self._unanswered and self._recv.poll():
-            self._apply(self._recv.recv(), matched)
+            self._apply(self._receive(), matched)
         return matched
 
     def flush(self) -> list[Request]:
@@ -161,13 +159,15 @@ class TextProcess:
             if not self._recv.poll(REPLY_TIMEOUT_S):  # (a process that died is an EOF here, at once)
                 raise TextProcessError(f"the front end's process did not answer in {REPLY_TIMEOUT_S:.0f} s "
                                        f"({self._unanswered} record(s) unanswered)")
-            try:
-                reply = self._recv.recv()
-            except EOFError:
-                raise TextProcessError(f"the front end's process exited (status {self._proc.poll()}) with "
-                                       f"{self._unanswered} record(s) unanswered") from None
-            self._apply(reply, matched)
+            self._apply(self._receive(), matched)
         return matched
+
+    def _receive(self) -> Any:
+        try:
+            return self._recv.recv()
+        except EOFError:
+            raise TextProcessError(f"the front end's process exited (status {self._proc.poll()}) with "
+                                   f"{self._unanswered} record(s) unanswered") from None
 
     def poll_failure(self) -> None:
         code = self._proc.poll()

@@ -4,24 +4,14 @@ closes its end. Its own module so that the engine, which imports text_process, n
 (runpy would run a second copy of an imported module)."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
 
 from engine.core.detokenizer import TextState, advance_all
-
-
-class _RustDecoder:
-    """`decode(sequences)` in the process: the Rust tokenizer's batched decode, as BatchDecoder's."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-
-    def __call__(self, sequences: list[list[int]]) -> list[str]:
-        return self.backend.decode_batch(sequences, skip_special_tokens=True)
 
 
 def serve(recv: Connection, send: Connection) -> None:
@@ -31,7 +21,7 @@ def serve(recv: Connection, send: Connection) -> None:
         return
     backend = tokenizers.Tokenizer.from_file(path)
     os.unlink(path)
-    decode = _RustDecoder(backend)
+    decode = functools.partial(backend.decode_batch, skip_special_tokens=True)  # BatchDecoder's fast path
     states: dict[int, TextState] = {}
     while (record := recv.recv()) is not None:
         news, updates = record
