@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.core.llm import QueueFullError
 from engine.entrypoints.server.choices import Choices
@@ -56,6 +57,10 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+# nginx's code for a request whose client closed the connection first: no one reads it, the access log does
+CLIENT_CLOSED_REQUEST = 499
 
 
 def _format_all(formatters: list[LogprobsFormatter], outs: list[Any]) -> list[dict[str, Any]]:
@@ -148,7 +153,11 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
         if engine.queue_full():
             return _queue_full(f"the server is overloaded: {engine.max_waiting} requests are waiting "
                                f"(--max-waiting-requests); retry after {RETRY_AFTER_S} s")
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # gone before its body arrived (a client's timeout under load): nothing started
+            metrics.left_early()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         try:
             req = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
         except ValidationError as exc:

@@ -115,6 +115,8 @@ class ServerMetrics:
         self.rejections = Counter(f"{PREFIX}_requests_rejected", "requests refused with 503, by reason "
                                   "(queue_full: max_waiting_requests; shutting_down: a drain)", ["reason"],
                                   registry=self.registry)
+        self.left = Counter(f"{PREFIX}_requests_left_before_body", "clients that closed the connection before "
+                            "their request's body arrived (nothing was started for them)", registry=self.registry)
         for reason in ("queue_full", "shutting_down"):  # exported at 0 before the first one
             self.rejections.labels(reason)
 
@@ -132,6 +134,9 @@ class ServerMetrics:
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def left_early(self) -> None:
+        self.left.inc()
 
     def finished(self, reason: str, num_prompt_tokens: int, e2e_s: float) -> None:
         self.requests.labels(reason).inc()
