@@ -32,10 +32,13 @@ from bench.workload import percentile
 
 REQUEST_TIMEOUT_S = 120.0      # a response or stream silent this long is a failure
 HEALTH_PERIOD_S = 0.1
+WARMUP_MIX_S = 30.0           # the whole mix runs this long (at most duration / 20) before memory's baseline
+MEMORY_PERIOD_S = 30.0
 IDLE_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 1800.0       # a GPU server compiles and captures before it is ready
 MAX_REQUESTS_PER_CLIENT = 100_000
 OVERLOAD_FACTOR = 3.0
+TTFT_GROWTH_LIMIT = 1.25
 DISCONNECT_SHARE, INVALID_SHARE = 0.20, 0.05
 STOP_STRINGS = ("\n", ".", " the", "e ", "ing")
 WORDS = "the of and to in is was for on that with as by at from his her an are were which this be or".split()
@@ -226,10 +229,12 @@ async def open_loop(client: Any, t: Target, rng: random.Random, rate: float, dur
     return not_sent
 
 
-async def _finish(tasks: list[asyncio.Task], outcomes: list[Outcome]) -> None:
-    """Wait for every task (bounded); one still running then is a hung request: failed."""
+async def _finish(tasks: list[asyncio.Task], outcomes: list[Outcome], until_s: float | None = None) -> None:
+    """Wait for every task, until `until_s` (perf_counter; closed loops run to their phase's end) plus
+    a request's timeout; one still running then is a hung request: failed."""
     if tasks:
-        await asyncio.wait(tasks, timeout=REQUEST_TIMEOUT_S + 10)
+        start = max(time.perf_counter(), until_s or 0.0)
+        await asyncio.wait(tasks, timeout=start - time.perf_counter() + REQUEST_TIMEOUT_S + 10)
     for task in tasks:
         if task.done() and not task.cancelled():
             if task.result() is not None:  # a closed-loop client returns None, its requests' outcomes went before
@@ -239,17 +244,53 @@ async def _finish(tasks: list[asyncio.Task], outcomes: list[Outcome]) -> None:
             outcomes.append(Outcome(error="the request did not finish"))
 
 
-async def ping_health(client: Any, url: str, phase: list[str], samples: dict[str, list], stop: asyncio.Event) -> None:
-    for _ in range(int(1e7)):
-        if stop.is_set():
-            return
-        start = time.perf_counter()
-        try:
-            ok = (await client.get(f"{url}/health", timeout=5.0)).status_code == 200
-        except Exception:
-            ok = False
-        samples[phase[0]].append((time.perf_counter() - start, ok))
-        await asyncio.sleep(HEALTH_PERIOD_S)
+def health_probe(url: str, out_path: str, period_s: str) -> None:
+    """The /health poller, run in a process of its own (HealthProbe): a poller on the load's event loop
+    times that loop's lag as well as the server's (the first H100 soak read 323 ms p99 that way).
+    A new connection each time, as an orchestrator's probe makes; one line per probe:
+    `wall-clock start, seconds, 1 if 200`."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    with open(out_path, "a", buffering=1) as out:
+        for _ in range(int(1e7)):  # ended by HealthProbe.stop (SIGTERM)
+            start, begun = time.time(), time.perf_counter()
+            try:
+                conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5.0)
+                conn.request("GET", "/health")
+                ok = conn.getresponse().status == 200
+                conn.close()
+            except Exception:
+                ok = False
+            seconds = time.perf_counter() - begun
+            out.write(f"{start:.6f} {seconds:.6f} {int(ok)}\n")
+            time.sleep(max(0.0, float(period_s) - seconds))
+
+
+class HealthProbe:
+    """`health_probe` in a child process; `samples(start, end)` the probes begun in that wall-clock span."""
+
+    def __init__(self, url: str) -> None:
+        self.path = tempfile.mkstemp(prefix="bench-soak-health-", suffix=".txt")[1]
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from bench.soak import health_probe; "
+                                      "health_probe(*sys.argv[1:])", url, self.path, str(HEALTH_PERIOD_S)],
+                                     env=env, cwd=root, stdin=subprocess.DEVNULL)
+        self._rows: list[tuple[float, float, bool]] | None = None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(30)
+        with open(self.path) as f:
+            rows = [line.split() for line in f]
+        os.unlink(self.path)
+        self._rows = [(float(t), float(s), ok == "1") for t, s, ok in (r for r in rows if len(r) == 3)]
+
+    def samples(self, start: float, end: float) -> list[tuple[float, bool]]:
+        return [(s, ok) for t, s, ok in self._rows or () if start <= t < end]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -280,7 +321,8 @@ async def discover(client: Any, url: str) -> Target:
     return Target(url, name, length, text, chat)
 
 
-def summarize(outcomes: list[Outcome], health: list[tuple[float, bool]], seconds: float) -> dict[str, Any]:
+def summarize(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
+    """A phase's outcomes (its /health samples are added once the probe has stopped: _health)."""
     kinds = Counter(o.kind for o in outcomes)
     ttfts = [o.ttft_s for o in outcomes if o.kind == "completed" and o.ttft_s is not None]
     itls = [x for o in outcomes if o.kind == "completed" for x in o.itls_s]
@@ -291,8 +333,6 @@ def summarize(outcomes: list[Outcome], health: list[tuple[float, bool]], seconds
             "completed_per_s": round(kinds["completed"] / seconds, 3) if seconds else None,
             "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
             "itl_p50_ms": ms(percentile(itls, 50)), "itl_p99_ms": ms(percentile(itls, 99)),
-            "health_p99_ms": ms(percentile([s for s, _ in health], 99)),
-            "health_not_200": sum(not ok for _, ok in health),
             "errors": sorted({o.error for o in outcomes if o.kind == "failed" and o.error})[:5]}
 
 
@@ -302,46 +342,86 @@ async def soak(url: str, duration_s: float, clients: int, seed: int, api_key: st
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client, \
-            httpx.AsyncClient(timeout=timeout) as health_client:  # its own connection: never queued behind load
-        t = await discover(client, url)
-        rng, phase = random.Random(seed), ["warmup"]
-        health: dict[str, list] = {"warmup": [], "steady": [], "overload": [], "idle": []}
-        stop = asyncio.Event()
-        pinger = asyncio.create_task(ping_health(health_client, url, phase, health, stop))
-        phases: dict[str, Any] = {}
-        start, warm = time.perf_counter(), []
-        await _finish([asyncio.create_task(send(client, t, random.Random(rng.random()), plain=True))
-                       for _ in range(clients)], warm)
-        phases["warmup"] = summarize(warm, health["warmup"], time.perf_counter() - start)
-        warm_metrics = await read_metrics(client, url)
+    probe = HealthProbe(url)
+    marks: dict[str, float] = {}  # phase -> wall-clock start, for the probe's samples
+    try:
+        async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+            t = await discover(client, url)
+            rng, phases = random.Random(seed), {}
+            marks["warmup"], start, warm = time.time(), time.perf_counter(), []
+            # every code path of the mix runs once before the baseline of memory is read: first the
+            # plain requests, then the whole mix (streams, n > 1, chat, logprobs, bad bodies, disconnects)
+            await _finish([asyncio.create_task(send(client, t, random.Random(rng.random()), plain=True))
+                           for _ in range(clients)], warm)
+            end = time.perf_counter() + min(WARMUP_MIX_S, duration_s / 20)
+            await _finish([asyncio.create_task(closed_loop(client, t, random.Random(rng.random()), end, warm))
+                           for _ in range(clients)], warm, end)
+            phases["warmup"] = summarize(warm, time.perf_counter() - start)
+            warm_metrics = await read_metrics(client, url)
+            memory = [_memory_row(0.0, warm_metrics)]
+            sampler = asyncio.create_task(_sample_memory(client, url, memory))
 
-        phase[0], steady, start = "steady", [], time.perf_counter()
-        end = start + duration_s * 2 / 3
-        await _finish([asyncio.create_task(closed_loop(client, t, random.Random(rng.random()), end, steady))
-                       for _ in range(clients)], steady)
-        phases["steady"] = summarize(steady, health["steady"], time.perf_counter() - start)
-        served = (phases["steady"]["completed"] + phases["steady"]["aborted_by_client"]) / phases["steady"]["seconds"]
+            marks["steady"], steady, start = time.time(), [], time.perf_counter()
+            end = start + duration_s * 2 / 3
+            await _finish([asyncio.create_task(closed_loop(client, t, random.Random(rng.random()), end, steady))
+                           for _ in range(clients)], steady, end)
+            phases["steady"] = summarize(steady, time.perf_counter() - start)
+            served = (phases["steady"]["completed"] + phases["steady"]["aborted_by_client"]) / phases["steady"]["seconds"]
 
-        phase[0], overload, start = "overload", [], time.perf_counter()
-        rate = max(1.0, OVERLOAD_FACTOR * served)
-        not_sent = await open_loop(client, t, rng, rate, duration_s / 3, max(64, 8 * clients), overload)
-        phases["overload"] = summarize(overload, health["overload"], time.perf_counter() - start)
-        phases["overload"].update(rate_per_s=round(rate, 3), not_sent_at_client_cap=not_sent,
-                                  ttft_p99_ms_by_half=_ttft_p99_by_half(overload))
+            marks["overload"], overload, start = time.time(), [], time.perf_counter()
+            rate = max(1.0, OVERLOAD_FACTOR * served)
+            not_sent = await open_loop(client, t, rng, rate, duration_s / 3, max(64, 8 * clients), overload)
+            phases["overload"] = summarize(overload, time.perf_counter() - start)
+            phases["overload"].update(rate_per_s=round(rate, 3), not_sent_at_client_cap=not_sent,
+                                      ttft_p99_ms_by_half=_ttft_p99_by_half(overload))
 
-        phase[0], start = "idle", time.perf_counter()
-        for _ in range(int(IDLE_TIMEOUT_S / 0.5) + 1):
-            end_metrics = await read_metrics(client, url)
-            if all(end_metrics.get(PRA + k, 0) == 0 for k in ("requests_running", "requests_waiting",
-                                                                "requests_admitting", "kv_blocks_used")):
-                break
-            await asyncio.sleep(0.5)
-        idle_s = time.perf_counter() - start
-        stop.set()
-        await pinger
+            marks["idle"], start = time.time(), time.perf_counter()
+            for _ in range(int(IDLE_TIMEOUT_S / 0.5) + 1):
+                end_metrics = await read_metrics(client, url)
+                if all(end_metrics.get(PRA + k, 0) == 0 for k in ("requests_running", "requests_waiting",
+                                                                    "requests_admitting", "kv_blocks_used")):
+                    break
+                await asyncio.sleep(0.5)
+            idle_s = time.perf_counter() - start
+            marks["end"] = time.time()
+            sampler.cancel()
+            memory.append(_memory_row(time.time() - marks["steady"], end_metrics))
+    finally:
+        probe.stop()
+    names = list(marks)
+    for name, next_name in zip(names, names[1:]):
+        health = probe.samples(marks[name], marks[next_name])
+        if name == "idle":
+            idle_health = _health(health)["health_p99_ms"]
+        else:
+            phases[name].update(_health(health))
     return {"target": vars(t), "phases": phases, "end": _end_state(warm_metrics, end_metrics, idle_s),
-            "health_p99_ms_idle": summarize([], health["idle"], 1.0)["health_p99_ms"]}
+            "health_p99_ms_idle": idle_health, "memory_mib": memory}
+
+
+def _health(samples: list[tuple[float, bool]]) -> dict[str, Any]:
+    p99 = percentile([s for s, _ in samples], 99)
+    return {"health_p99_ms": None if p99 is None else round(p99 * 1e3, 3), "health_probes": len(samples),
+            "health_not_200": sum(not ok for _, ok in samples)}
+
+
+def _memory_row(seconds: float, metrics: dict[str, float]) -> list[float]:
+    """[seconds since steady began, RSS MiB, CUDA allocated MiB, CUDA reserved MiB] (None: not exported)."""
+    mib = lambda name: None if name not in metrics else round(metrics[name] / 2**20, 1)  # noqa: E731
+    return [round(seconds, 1), mib("process_resident_memory_bytes"), mib(PRA + "cuda_memory_allocated_bytes"),
+            mib(PRA + "cuda_memory_reserved_bytes")]
+
+
+async def _sample_memory(client: Any, url: str, rows: list[list[float]]) -> None:
+    """The server's memory every MEMORY_PERIOD_S until cancelled: a leak grows steadily, a warm-up
+    effect once (the goal compares the end with after warm-up; this says which it was)."""
+    start = time.time()
+    for _ in range(100_000):
+        await asyncio.sleep(MEMORY_PERIOD_S)
+        try:
+            rows.append(_memory_row(time.time() - start, await read_metrics(client, url)))
+        except Exception:  # a scrape lost under overload is a gap in the series, not a failure
+            continue
 
 
 def _ttft_p99_by_half(outcomes: list[Outcome]) -> list[float | None]:
@@ -387,6 +467,20 @@ def problems(result: dict[str, Any]) -> list[str]:
         found.append(f"the server did not stop cleanly on SIGTERM: exit status {server['exit_status']}, "
                      f"'server stopped' logged: {server['stopped_line']}")
     return found
+
+
+def goals(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 43's goals for a run on a GPU (a short CPU run is judged by `problems` only): each with
+    its figure. TTFT p99 in overload is bounded by the queue when its second half is no more than
+    TTFT_GROWTH_LIMIT x its first (a queue without a bound grows with time)."""
+    phases, end = result["phases"], result["end"]
+    health = max((p["health_p99_ms"] for p in phases.values() if p.get("health_p99_ms") is not None), default=None)
+    first, second = phases["overload"]["ttft_p99_ms_by_half"]
+    growth = lambda k: (end[k] or {}).get("within_2pct")  # noqa: E731
+    found = {"no_problems": not problems(result), "health_p99_under_100ms": health is not None and health < 100,
+             "rss_within_2pct": growth("rss_bytes"), "cuda_allocated_within_2pct": growth("cuda_allocated_bytes"),
+             "overload_ttft_p99_bounded": None if not (first and second) else second <= TTFT_GROWTH_LIMIT * first}
+    return {**found, "health_p99_ms_max": health, "met": all(v is not False for v in found.values())}
 
 
 class ServerProcess:
@@ -450,12 +544,13 @@ def main(args: Any) -> int:
         result["server"] = stopped
     result["problems"] = problems(result)
     result["ok"] = not result["problems"]
+    result["goals"] = goals(result)
     out = args.out
     if not out.endswith(".json"):
         out = os.path.join(out, "soak.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({"phases": result["phases"], "end": result["end"], "problems": result["problems"]}, indent=1))
+    print(json.dumps({k: result[k] for k in ("phases", "end", "memory_mib", "problems", "goals")}, indent=1))
     print("wrote", out, file=sys.stderr)
     return 0 if result["ok"] else 1

@@ -95,8 +95,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True     # share the KV blocks of common prompt prefixes (README: why on)
     async_scheduling: bool = True          # host schedules step N+1 while step N runs (engine/core/step_loop.py at depth 1; False: depth 0)
     # detokenization and stop strings in a process of their own (engine/core/text_process.py), off the
-    # step thread; False: on it. Opt-in until its GPU measurement (bench/gpu_run.sh frontend) has run.
-    frontend_process: bool = False
+    # step thread; False: on it. None: on with CUDA (the step thread's time at batch 64 fell 29% for
+    # gemma-3-1b, 4% for llama-3.2-3b, H100: docs/performance.md), inline on the CPU device, whose
+    # model uses every core.
+    frontend_process: bool | None = None
     # what the decode graphs record when compiled, from the pieces' own trace: "piecewise" the split
     # pieces with the attention op called between them; "layered" one Inductor graph per decoder layer
     # with its attention op inside, identical layers compiled once (compile_backend/layered.py);
@@ -162,7 +164,8 @@ class EngineConfig:
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching,
                "a bool")
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
-        _check(isinstance(self.frontend_process, bool), "frontend_process", self.frontend_process, "a bool")
+        _check(self.frontend_process is None or isinstance(self.frontend_process, bool), "frontend_process",
+               self.frontend_process, "a bool or None")
         _check(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", self.hybrid_kv_cache, "a bool")
         _check(isinstance(self.decode_gemv, bool), "decode_gemv", self.decode_gemv, "a bool")
         _check(self.full_graph_compile is None or self.full_graph_compile in _FULL_GRAPH_COMPILES,
@@ -247,11 +250,17 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.device={device!r} but CUDA is not available; use device='cpu'")
         return device, self.dtype or ("bfloat16" if on_cuda else "float32")
 
+    def wants_frontend_process(self) -> bool:
+        """frontend_process, resolved for the device (the engine starts the process before resolve)."""
+        if self.frontend_process is not None:
+            return self.frontend_process
+        return torch.device(self.device_and_dtype()[0]).type == "cuda"
+
     def resolve(self, model_max_len: int | None = None) -> EngineConfig:
         """A copy with every automatic value made concrete for the device (and the model's length limit)."""
         device, dtype = self.device_and_dtype()
         on_cuda = torch.device(device).type == "cuda"
-        changes: dict[str, Any] = {"device": device, "dtype": dtype}
+        changes: dict[str, Any] = {"device": device, "dtype": dtype, "frontend_process": self.wants_frontend_process()}
         changes["compile"] = on_cuda if self.compile is None else self.compile
         mode = self.cudagraph_mode
         if mode is not None:

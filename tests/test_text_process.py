@@ -159,9 +159,23 @@ def test_the_choice_of_front_end(model_dir):
     assert TextProcess.can_run(tokenizer)
 
 
-def test_frontend_process_must_be_a_bool():
+def test_frontend_process_must_be_a_bool_and_defaults_to_on_with_cuda_only():
     with pytest.raises(ConfigError, match="frontend_process"):
         EngineConfig(frontend_process="yes")
+    assert EngineConfig(device="cpu").resolve().frontend_process is False
+    assert EngineConfig(device="cpu", frontend_process=True).resolve().frontend_process is True
+    if torch.cuda.is_available():
+        assert EngineConfig(device="cuda").resolve().frontend_process is True
+        assert EngineConfig(device="cuda", frontend_process=False).resolve().frontend_process is False
+
+
+def test_the_command_line_turns_the_process_on_and_off():
+    from engine.entrypoints.cli import build_parser
+    fields = lambda argv: {k: v for k, v in vars(build_parser().parse_args(argv)).items()  # noqa: E731
+                           if k == "frontend_process"}
+    assert fields(["generate", "--prompt", "x"]) == {}  # unset: EngineConfig's default (None)
+    assert fields(["generate", "--prompt", "x", "--frontend-process"]) == {"frontend_process": True}
+    assert fields(["serve", "--no-frontend-process"]) == {"frontend_process": False}
 
 
 @pytest.mark.gpu

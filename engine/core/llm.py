@@ -92,7 +92,7 @@ class LLM:
             from engine.distributed.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
             self.tp, config = launch(config, model)
         # the front end's process imports its modules while the engine starts (engine/core/text_process.py)
-        self._spawned_front = spawn_front_end(config.frontend_process)
+        self._spawned_front = spawn_front_end(config.wants_frontend_process())
         try:
             self._start(model, tokenizer, config, timeline, name)
         except BaseException:

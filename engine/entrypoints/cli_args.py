@@ -77,7 +77,9 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--no-async-scheduling": _set("async_scheduling", False, "synchronous step loop: the host reads each "
                                   "step's tokens before scheduling the next (debugging)"),
     "--frontend-process": _set("frontend_process", True, "detokenization and stop strings in a process of their "
-                               "own, off the step thread (default: on it)"),
+                               "own, off the step thread (the default on CUDA)"),
+    "--no-frontend-process": _set("frontend_process", False, "detokenization and stop strings on the step "
+                                  "thread (the default on the CPU)"),
     "--tensor-parallel-size": ("tensor_parallel_size", dict(
         type=int, help="ranks (GPUs) to split the model over; spawned, or torchrun's processes")),
     "--disable-custom-all-reduce": _set("disable_custom_all_reduce", True, "every tensor-parallel all-reduce on "

@@ -20,6 +20,8 @@ from engine.config import ConfigError
 
 logger = logging.getLogger("engine.server")
 
+KEEP_ALIVE_S = 30  # an idle connection's life (uvicorn's timeout_keep_alive; its default is 5)
+
 
 def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
     """`python -m engine serve`: build the engine from the command line, then serve it."""
@@ -58,7 +60,11 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
                     chat_template=chat_template)
     # no lifespan: the app has no start-up or shutdown hooks, and a forced exit (which skips the
     # lifespan's shutdown) would leave its task to be cancelled with a traceback
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off")
+    # keep-alive outlasts the clients' own (httpx and the openai client: 5 s, aiohttp: 15 s), so the
+    # client closes an idle connection first: at uvicorn's 5 s both could, and a request sent on a
+    # connection the server just closed is lost (a ReadError in the first H100 soak)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off",
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = DrainingServer(config, engine, app, shutdown_timeout_s)
     stats = llm.stats()  # before the loop starts: from then on only its thread calls the engine
     status = 0
