@@ -37,6 +37,11 @@ MEMORY_KEYS = ("activation_peak_bytes", "decode_graph_reserve_bytes", "free_byte
                "decode_graph_bytes")
 
 
+# set to a directory, `python -m bench capture` profiles each start-up (cold, warm) with cProfile there
+PROFILE_ENV = "BENCH_CAPTURE_PROFILE"
+PROFILE_CHILD_ENV = "BENCH_CAPTURE_PROFILE_TO"  # the child's own path prefix (set by _child)
+
+
 def _require_cuda() -> None:
     # Without CUDA nothing is captured: every capture time and graph size would be a 0 never measured.
     if not torch.cuda.is_available():
@@ -131,8 +136,13 @@ def bytecode_env(env: dict, cache_dir: str) -> tuple[dict, bool, str]:
 
 
 def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str | None = None,
-           env: dict | None = None) -> dict:
+           env: dict | None = None, profile_to: str | None = None) -> dict:
+    """One start-up in a fresh process; `profile_to`: a path prefix for its cProfile (.prof, and .txt,
+    the top functions by cumulative time)."""
     env = dict(os.environ if env is None else env)
+    env.pop(PROFILE_CHILD_ENV, None)
+    if profile_to:
+        env[PROFILE_CHILD_ENV] = profile_to
     env["INFER_GRAPHS_CACHE"] = os.path.join(cache_dir, "root")  # the graph store and argmax choices too
     env.pop("INFER_GRAPHS_CACHE_DIR", None)
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
@@ -158,8 +168,12 @@ def run(model: str, timeout_s: float = 400, full_graph_compile: str | None = Non
         if prime:
             subprocess.run([sys.executable, "-c", _PRIMING_IMPORTS], env=env, timeout=timeout_s, check=True,
                            capture_output=True)
-        runs["cold"] = _child(model, cache_dir, timeout_s, full_graph_compile, env)
-        runs["warm"] = _child(model, cache_dir, timeout_s, full_graph_compile, env)
+        profile = os.environ.get(PROFILE_ENV)  # a directory: each start-up's profile goes there
+        if profile:
+            os.makedirs(profile, exist_ok=True)
+        for cache in ("cold", "warm"):
+            runs[cache] = _child(model, cache_dir, timeout_s, full_graph_compile, env,
+                                 profile and os.path.join(profile, f"startup-{cache}"))
     report = build_report(model, runs)
     report.notes.append(bytecode_note)
     return report
@@ -243,7 +257,26 @@ def plot_capture(report: Report):
     return fig
 
 
+def _profiled(fn, prefix: str):
+    """fn() under cProfile: the raw profile at prefix.prof, the top functions by cumulative time at
+    prefix.txt (what a warm start spends its "compile cache" phase on, issue 42)."""
+    import cProfile
+    import io
+    import pstats
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(fn)
+    finally:
+        profile.dump_stats(prefix + ".prof")
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(80)
+        with open(prefix + ".txt", "w") as f:
+            f.write(text.getvalue())
+
+
 if __name__ == "__main__":
-    data = measure(sys.argv[1], full_graph_compile=sys.argv[3] if len(sys.argv) > 3 else None)
+    run_child = lambda: measure(sys.argv[1], full_graph_compile=sys.argv[3] if len(sys.argv) > 3 else None)  # noqa: E731
+    prefix = os.environ.get(PROFILE_CHILD_ENV)
+    data = _profiled(run_child, prefix) if prefix else run_child()
     with open(sys.argv[2], "w") as f:
         json.dump(data, f, default=str)  # a timeline value JSON has no type for is kept as its text

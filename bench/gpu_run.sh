@@ -2,6 +2,7 @@
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
 #   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|serving-tokenizer|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend  -> GPU test logs in $OUT (each plan fits one 10-minute call)
+#   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish  -> issue 43's
 #     10-minute soak, longer than one call: the first starts `bench soak` in a session of its own (setsid
 #     outlives the call) and watches it; the second waits for it and brings back soak.json and the logs.
@@ -121,6 +122,10 @@ case "${1:-smoke}" in
     gpu_tests frontend 70 -o faulthandler_timeout=60 -m gpu tests/test_text_process.py tests/test_tokenizer_load.py
     suite 80 host --model llama-3.2-3b --frontends process,inline --variants stop
     gpu_tests spec 100 -o faulthandler_timeout=90 -m gpu tests/test_spec_decode_gpu.py
+    ;;
+  warm-profile)  # issue 42: llama-3.2-3b's cold and warm start-up in fresh processes, each under cProfile
+    # ($OUT/prof/startup-{cold,warm}.txt: top functions by cumulative time); ~2.5 min
+    BENCH_CAPTURE_PROFILE=$OUT/prof suite 300 capture --model llama-3.2-3b
     ;;
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
     tokenizer_check

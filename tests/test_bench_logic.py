@@ -557,3 +557,11 @@ def test_cached_bytecode_is_found_where_python_would_load_it(tmp_path):
     assert not has_cached_bytecode(str(source))
     py_compile.compile(str(source))  # where the running interpreter puts it (beside it, or under its prefix)
     assert has_cached_bytecode(str(source))
+
+
+def test_capture_profiles_a_start_up_and_keeps_its_result(tmp_path):
+    from bench.capture import _profiled
+    prefix = str(tmp_path / "startup-warm")
+    assert _profiled(lambda: sorted(range(5, 0, -1)), prefix) == [1, 2, 3, 4, 5]
+    assert (tmp_path / "startup-warm.prof").stat().st_size > 0
+    assert "cumulative" in (tmp_path / "startup-warm.txt").read_text()
