@@ -2,6 +2,7 @@
 request's own lists through cursors (TextHistory)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -70,3 +71,13 @@ class RequestOutput:
         """Seconds between consecutive generated tokens."""
         times = self.history.token_times[:self.history.num_output_tokens] if self.history else []
         return [b - a for a, b in zip(times, times[1:])]
+
+
+def merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the deltas joined, the rest the later's. What a
+    consumer that fell behind reads instead of both (the server under load: one chunk, not two)."""
+    logprobs = None if earlier.new_logprobs is None and later.new_logprobs is None else [
+        *(earlier.new_logprobs or ()), *(later.new_logprobs or ())]
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               new_text=earlier.new_text + later.new_text, new_logprobs=logprobs,
+                               ttft_s=earlier.ttft_s if earlier.ttft_s is not None else later.ttft_s)

@@ -14,6 +14,11 @@ so the others prefill only what follows the last full block and share the rest. 
 all n would prefill the whole prompt in one step, none of its blocks computed yet to share. (Without
 a prefix cache the wait only costs choices 1..n-1 a step of latency; one path serves both.)
 
+A choice's outputs that wait on the queue together are read as one (engine.outputs.merged): when the
+event loop falls behind the engine (the server under load), a stream sends one chunk for the steps it
+missed instead of one per step, so the loop's work follows how often it runs, not the token rate
+(vLLM's output collector does the same). A consumer that keeps up still reads one output per step.
+
 All or nothing: the error that refuses choice 0 refuses the call (an InvalidRequestError is the same
 400 as with n=1; the choices differ only in their seeds, which the protocol checked); any error after
 that (the client gone, the server shutting down, a failed step) ends the call, and `abort` aborts
@@ -23,11 +28,12 @@ every choice submitted, so every choice's blocks go back. A choice never submitt
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 from typing import Any
 
 from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, merged
 from engine.params import SamplingParams
 
 
@@ -43,6 +49,7 @@ class Choices:
         self.num_unfinished = n
         self.finished = [False] * n
         self.closed = False
+        self._ready: collections.deque = collections.deque()  # (index, item) taken off the queue, in order
         self._submit(0)
 
     def _submit(self, index: int) -> None:
@@ -66,11 +73,16 @@ class Choices:
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
         while self.num_unfinished:
-            index, item = await self.queue.get()
+            if not self._ready:
+                self._ready.append(await self.queue.get())
+                while not self.queue.empty():  # whatever else is here already: merged below
+                    self._ready.append(self.queue.get_nowait())
+            index, item = self._ready.popleft()
             if isinstance(item, Exception):
                 raise item
             if item is ACCEPTED:  # choices 1..n-1 (choice 0's was read by `accepted`)
                 continue
+            item = self._merge_waiting(index, item)
             if self.num_submitted < self.n and not self.closed:  # choice 0's first token: its prompt is cached
                 for i in range(1, self.n):
                     self._submit(i)
@@ -79,6 +91,23 @@ class Choices:
                 self.num_unfinished -= 1
             return index, item
         raise StopAsyncIteration
+
+    def _merge_waiting(self, index: int, item: RequestOutput) -> RequestOutput:
+        """`item` with the outputs of its choice that wait behind it merged in, up to its last one or the
+        first error of any choice (which must still be raised after what came before it)."""
+        rest = collections.deque()
+        while self._ready and not item.finished:
+            other_index, other = self._ready.popleft()
+            if isinstance(other, Exception):
+                rest.append((other_index, other))
+                break
+            if other_index == index and isinstance(other, RequestOutput):
+                item = merged(item, other)
+            else:
+                rest.append((other_index, other))
+        rest.extend(self._ready)
+        self._ready = rest
+        return item
 
     def abort(self) -> None:
         """Abort every choice submitted and submit no more (idempotent; a finished choice is left alone)."""
