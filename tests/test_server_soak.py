@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import Target, make_request
+from bench.soak_requests import Target, make_request
 from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
