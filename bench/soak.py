@@ -31,6 +31,7 @@ from bench.soak_requests import REQUEST_TIMEOUT_S, Outcome, Target, send
 from bench.workload import percentile
 
 HEALTH_PERIOD_S = 0.1
+FINISH_SLACK_S = 10.0          # past a request's own timeout, before a task still running counts as hung
 WARMUP_MIX_S = 30.0           # the whole mix runs this long (at most duration / 20) before memory's baseline
 MEMORY_PERIOD_S = 30.0
 IDLE_TIMEOUT_S = 60.0
@@ -78,7 +79,7 @@ async def _finish(tasks: list[asyncio.Task], outcomes: list[Outcome], until_s: f
     a request's timeout; one still running then is a hung request: failed."""
     if tasks:
         start = max(time.perf_counter(), until_s or 0.0)
-        await asyncio.wait(tasks, timeout=start - time.perf_counter() + REQUEST_TIMEOUT_S + 10)
+        await asyncio.wait(tasks, timeout=start - time.perf_counter() + REQUEST_TIMEOUT_S + FINISH_SLACK_S)
     for task in tasks:
         if task.done() and not task.cancelled():
             if task.result() is not None:  # a closed-loop client returns None, its requests' outcomes went before

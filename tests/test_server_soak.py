@@ -4,11 +4,13 @@ and exits 0 on its SIGTERM. Bounded: 15 s of traffic, a few seconds of start-up 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -57,6 +59,8 @@ def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path
     assert result["target"]["chat"] and result["target"]["text"]  # the mix ran its chat and stop-string parts
     for phase in (steady, overload):
         assert phase["failed"] == 0 and phase["health_not_200"] == 0 and phase["sent"] > 0
+        # the probe process polled every 100 ms of the phase (a dead probe would report nothing wrong)
+        assert phase["health_probes"] >= phase["seconds"] * 3 and phase["health_p99_ms"] is not None
     assert steady["completed"] > 0 and steady["aborted_by_client"] > 0 and steady["ttft_p99_ms"] is not None
     assert overload["rejected_503"] > 0  # 3x the sustained rate meets --max-waiting-requests
     assert len(overload["ttft_p99_ms_by_half"]) == 2
@@ -65,3 +69,41 @@ def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path
     assert end["rss_bytes"]["after_warmup"] > 0 and end["prefix_cache"]["query_tokens"] > 0
     assert end["server_rejected_503"] >= overload["rejected_503"]
     assert result["server"]["exit_status"] == 0 and result["server"]["stopped_line"]
+    goals = result["goals"]
+    assert goals["no_problems"] and goals["health_p99_ms_max"] is not None
+    assert goals["rss_within_2pct"] is not None and goals["cuda_allocated_within_2pct"] is None  # no CUDA here
+    assert [row[0] for row in result["memory_mib"]][0] == 0.0 and len(result["memory_mib"]) >= 2
+
+
+def test_a_closed_loop_is_waited_for_until_its_phase_ends_and_a_hung_one_fails(monkeypatch):
+    """The first H100 soak waited for its closed loops a request's timeout from the phase's start,
+    and counted every client of a 400 s phase as a failure at 130 s."""
+    from bench import soak
+    monkeypatch.setattr(soak, "REQUEST_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(soak, "FINISH_SLACK_S", 0.05)
+
+    async def run(until_from_now, hang_s):
+        outcomes = []
+        tasks = [asyncio.create_task(asyncio.sleep(0.4)), asyncio.create_task(asyncio.sleep(hang_s))]
+        until = None if until_from_now is None else time.perf_counter() + until_from_now
+        await soak._finish(tasks, outcomes, until)
+        return [o.error for o in outcomes]
+    assert asyncio.run(run(0.5, 0.45)) == []  # both end within their phase: nothing failed
+    assert asyncio.run(run(None, 0.45)) == ["the request did not finish"] * 2  # cut 0.1 s after the start
+    assert asyncio.run(run(0.5, 30)) == ["the request did not finish"]  # hung past phase + timeout
+
+
+def test_goals_name_each_target_with_its_figure():
+    from bench.soak import goals
+    phase = {"failed": 0, "health_not_200": 0, "health_p99_ms": 12.0}
+    result = {"phases": {"steady": dict(phase), "overload": {**phase, "ttft_p99_ms_by_half": [100.0, 110.0]}},
+              "end": {"kv_blocks_used": 0, "requests_running": 0, "requests_waiting": 0,
+                      "rss_bytes": {"within_2pct": True}, "cuda_allocated_bytes": {"within_2pct": True}}}
+    assert goals(result)["met"] and goals(result)["health_p99_ms_max"] == 12.0
+    result["phases"]["overload"]["health_p99_ms"] = 323.5
+    assert goals(result)["health_p99_under_100ms"] is False and not goals(result)["met"]
+    result["phases"]["overload"].update(health_p99_ms=50.0, ttft_p99_ms_by_half=[100.0, 130.0])
+    assert goals(result)["overload_ttft_p99_bounded"] is False and not goals(result)["met"]
+    result["phases"]["overload"]["ttft_p99_ms_by_half"] = [100.0, 120.0]
+    result["end"]["rss_bytes"]["within_2pct"] = False
+    assert goals(result)["rss_within_2pct"] is False and not goals(result)["met"]
