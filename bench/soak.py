@@ -40,6 +40,7 @@ MAX_REQUESTS_PER_CLIENT = 100_000
 OVERLOAD_FACTOR = 3.0
 TTFT_GROWTH_LIMIT = 1.25
 PRA = "infer_graphs_"
+LOOP_LAG = PRA + "event_loop_lag_seconds"  # the server's own: how late its event loop ran a 0.1 s tick
 
 
 async def closed_loop(client: Any, t: Target, rng: random.Random, end_s: float, outcomes: list[Outcome]) -> None:
@@ -211,6 +212,8 @@ async def soak(url: str, duration_s: float, clients: int, seed: int, api_key: st
             await _finish([asyncio.create_task(closed_loop(client, t, random.Random(rng.random()), end, steady))
                            for _ in range(clients)], steady, end)
             phases["steady"] = summarize(steady, time.perf_counter() - start)
+            steady_metrics = await read_metrics(client, url)
+            phases["steady"]["server_loop_lag_p99_ms"] = _histogram_p99_ms(warm_metrics, steady_metrics, LOOP_LAG)
             served = (phases["steady"]["completed"] + phases["steady"]["aborted_by_client"]) / phases["steady"]["seconds"]
 
             marks["overload"], overload, start = time.time(), [], time.perf_counter()
@@ -219,6 +222,8 @@ async def soak(url: str, duration_s: float, clients: int, seed: int, api_key: st
             phases["overload"] = summarize(overload, time.perf_counter() - start)
             phases["overload"].update(rate_per_s=round(rate, 3), not_sent_at_client_cap=not_sent,
                                       ttft_p99_ms_by_half=_ttft_p99_by_half(overload))
+            phases["overload"]["server_loop_lag_p99_ms"] = _histogram_p99_ms(
+                steady_metrics, await read_metrics(client, url), LOOP_LAG)
 
             marks["idle"], start = time.time(), time.perf_counter()
             for _ in range(int(IDLE_TIMEOUT_S / 0.5) + 1):
@@ -248,6 +253,21 @@ def _health(samples: list[tuple[float, bool]]) -> dict[str, Any]:
     p99 = percentile([s for s, _ in samples], 99)
     return {"health_p99_ms": None if p99 is None else round(p99 * 1e3, 3), "health_probes": len(samples),
             "health_not_200": sum(not ok for _, ok in samples)}
+
+
+def _histogram_p99_ms(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    """The p99 of what a server histogram observed between two scrapes, as the upper bound of its
+    bucket (None: the server does not export it, or observed nothing)."""
+    bounds = sorted((float(key.split("le=")[1].rstrip("}")), key) for key in after
+                    if key.startswith(name + "_bucket{"))
+    if not bounds:
+        return None
+    counts = [(le, after[key] - before.get(key, 0.0)) for le, key in bounds]
+    total = counts[-1][1]
+    if total <= 0:
+        return None
+    le = next(le for le, count in counts if count >= 0.99 * total)
+    return None if le == float("inf") else round(le * 1e3, 3)
 
 
 def _memory_row(seconds: float, metrics: dict[str, float]) -> list[float]:

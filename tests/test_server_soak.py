@@ -61,6 +61,7 @@ def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path
         assert phase["failed"] == 0 and phase["health_not_200"] == 0 and phase["sent"] > 0
         # the probe process polled every 100 ms of the phase (a dead probe would report nothing wrong)
         assert phase["health_probes"] >= phase["seconds"] * 3 and phase["health_p99_ms"] is not None
+        assert phase["server_loop_lag_p99_ms"] is not None  # the server's own event-loop lag histogram
     assert steady["completed"] > 0 and steady["aborted_by_client"] > 0 and steady["ttft_p99_ms"] is not None
     assert overload["rejected_503"] > 0  # 3x the sustained rate meets --max-waiting-requests
     assert len(overload["ttft_p99_ms_by_half"]) == 2
@@ -107,3 +108,15 @@ def test_goals_name_each_target_with_its_figure():
     result["phases"]["overload"]["ttft_p99_ms_by_half"] = [100.0, 120.0]
     result["end"]["rss_bytes"]["within_2pct"] = False
     assert goals(result)["rss_within_2pct"] is False and not goals(result)["met"]
+
+
+def test_a_histograms_p99_between_two_scrapes_is_its_bucket_bound():
+    from bench.soak import _histogram_p99_ms
+    name = "infer_graphs_event_loop_lag_seconds"
+    scrape = lambda counts: {f"{name}_bucket{{le={le}}}": c for le, c in counts}  # noqa: E731
+    before = scrape([("0.005", 10), ("0.1", 10), ("+Inf", 10)])
+    after = scrape([("0.005", 10 + 98), ("0.1", 10 + 100), ("+Inf", 10 + 100)])
+    assert _histogram_p99_ms(before, after, name) == 100.0  # 98 of 100 new ones were under 5 ms: p99 in (5, 100]
+    after[f"{name}_bucket{{le=0.005}}"] = 10 + 99
+    assert _histogram_p99_ms(before, after, name) == 5.0
+    assert _histogram_p99_ms(before, before, name) is None and _histogram_p99_ms({}, {}, name) is None

@@ -86,6 +86,7 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
     max_model_len = llm.config.max_model_len
     metrics = ServerMetrics(llm.config.device, engine.max_waiting)
     app = FastAPI(title="infer_graphs", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics  # the server's tick observes the event loop's lag into it (shutdown.py)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -106,6 +106,9 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "arrival -> finished",
                              buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.loop_lag = Histogram(f"{PREFIX}_event_loop_lag_seconds", "how late the event loop ran its 0.1 s tick: "
+                                  "what every request and /health waits behind", buckets=_LATENCY_BUCKETS_S,
+                                  registry=self.registry)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of accepted requests",
                                      registry=self.registry)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated",

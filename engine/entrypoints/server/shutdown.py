@@ -43,6 +43,7 @@ logger = logging.getLogger("engine.server")
 ABORT_GRACE_S = 5.0
 FORCED_GRACE_S = 1.0  # the same after a second signal, which asked for an exit now
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+TICK_S = 0.1  # uvicorn.Server.main_loop's sleep between two on_tick calls
 
 
 class DrainingServer(uvicorn.Server):
@@ -58,6 +59,8 @@ class DrainingServer(uvicorn.Server):
         self._drain_start: float | None = None
         self._forced_at = 0.0
         self._aborted_at: float | None = None
+        self._metrics = getattr(getattr(guard.app, "state", None), "metrics", None)
+        self._last_tick: float | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -86,6 +89,9 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         await super().on_tick(counter)
         now, in_flight = time.monotonic(), self.guard.in_flight
+        if self._last_tick is not None and self._metrics is not None:  # uvicorn ticks every TICK_S
+            self._metrics.loop_lag.observe(max(0.0, now - self._last_tick - TICK_S))
+        self._last_tick = now
         if not self.failed and self.engine.failure is not None:
             self.failed, self._failed_at = True, now
             logger.error("stopping: the engine cannot serve any more: %s", self.engine.failure.splitlines()[0])
