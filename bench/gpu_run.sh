@@ -6,8 +6,12 @@
 #   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish  -> issue 43's
 #     10-minute soak, longer than one call: the first starts `bench soak` in a session of its own (setsid
 #     outlives the call) and watches it; the second waits for it and brings back soak.json and the logs.
-#     Carry .whl (fastapi, starlette, pydantic, pydantic_core, annotated-types, typing-inspection,
-#     uvicorn: not in the image) and bench/.tokenizer.
+#     Carry .whl and bench/.tokenizer: .whl holds the wheels the image lacks, at the versions of the
+#     CPU venv (`.venv/bin/pip list`): fastapi, starlette, pydantic, pydantic_core, annotated-types,
+#     typing-inspection, uvicorn, opentelemetry-api and annotated-doc (fastapi 0.165 imports them),
+#     anyio, click, h11, idna, sniffio, typing_extensions, httpx, httpcore, certifi, prometheus_client
+#     (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl ...`).
+#     SOAK_S (default 600) shortens it for a diagnostic run.
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
