@@ -1,1 +1,13 @@
 """Benchmarks: measured medians next to their physical floor and next to the peers, same process."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def repo_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH: a child process (a server, a probe)
+    imports this tree's packages, installed or not."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
 import signal
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from bench import repo_env
 from bench.frontend import STOP_STRINGS, load_tokenizer, tokenizer_dir
 from bench.measure import Report
 from bench.workload import RequestSpec, make_workload, percentile, with_stops
@@ -214,11 +214,9 @@ class ServerProcess:
 
     def __init__(self, model: str, flags: list[str]) -> None:
         self.log = Path(tempfile.mkstemp(prefix="bench-serving-", suffix=".log")[1])
-        root = Path(__file__).resolve().parents[1]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "bench.serving", "--serve", "--model", model,
-                                          "--port", "0", *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                          "--port", "0", *flags], stdout=log, stderr=subprocess.STDOUT, env=repo_env())
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not (match := re.search(r"ready: .* at (http://[\d.]+:\d+)/v1", self.log.read_text())):
             if self.proc.poll() is not None or time.monotonic() > deadline:

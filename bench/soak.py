@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench import REPO_ROOT, repo_env
 from bench.soak_requests import REQUEST_TIMEOUT_S, Outcome, Target, send
 from bench.workload import percentile
 
@@ -79,8 +80,8 @@ async def _finish(tasks: list[asyncio.Task], outcomes: list[Outcome], until_s: f
     """Wait for every task, until `until_s` (perf_counter; closed loops run to their phase's end) plus
     a request's timeout; one still running then is a hung request: failed."""
     if tasks:
-        start = max(time.perf_counter(), until_s or 0.0)
-        await asyncio.wait(tasks, timeout=start - time.perf_counter() + REQUEST_TIMEOUT_S + FINISH_SLACK_S)
+        phase_left = max(0.0, (until_s or 0.0) - time.perf_counter())
+        await asyncio.wait(tasks, timeout=phase_left + REQUEST_TIMEOUT_S + FINISH_SLACK_S)
     for task in tasks:
         if task.done() and not task.cancelled():
             if task.result() is not None:  # a closed-loop client returns None, its requests' outcomes went before
@@ -119,11 +120,9 @@ class HealthProbe:
 
     def __init__(self, url: str) -> None:
         self.path = tempfile.mkstemp(prefix="bench-soak-health-", suffix=".txt")[1]
-        root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from bench.soak import health_probe; "
                                       "health_probe(*sys.argv[1:])", url, self.path, str(HEALTH_PERIOD_S)],
-                                     env=env, cwd=root, stdin=subprocess.DEVNULL)
+                                     env=repo_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
         self._rows: list[tuple[float, float, bool]] | None = None
 
     def stop(self) -> None:
@@ -359,11 +358,9 @@ class ServerProcess:
             from bench.frontend import tokenizer_dir
             path = tokenizer_dir(tokenizer)
             cmd = ["-m", "bench.serving", "--serve", "--model", model, *(["--tokenizer", str(path)] if path else [])]
-        root = Path(__file__).resolve().parents[1]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, *cmd, "--port", "0", *flags], stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, cwd=root)
+                                         stderr=subprocess.STDOUT, env=repo_env(), cwd=REPO_ROOT)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not (match := re.search(r"ready: serving .* at (http://[\d.]+:\d+)/v1", self.log.read_text())):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -54,14 +54,15 @@ def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path
                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["ok"] and result["problems"] == []
+    assert result["ok"] and result["problems"] == [], result["problems"]
     steady, overload = result["phases"]["steady"], result["phases"]["overload"]
     assert result["target"]["chat"] and result["target"]["text"]  # the mix ran its chat and stop-string parts
     for phase in (steady, overload):
-        assert phase["failed"] == 0 and phase["health_not_200"] == 0 and phase["sent"] > 0
-        # the probe process polled every 100 ms of the phase (a dead probe would report nothing wrong)
-        assert phase["health_probes"] >= phase["seconds"] * 3 and phase["health_p99_ms"] is not None
-        assert phase["server_loop_lag_p99_ms"] is not None  # the server's own event-loop lag histogram
+        assert phase["failed"] == 0 and phase["health_not_200"] == 0 and phase["sent"] > 0, phase
+        # the probe process polled throughout the phase (every 100 ms; at least once a second even on a
+        # loaded 2-core box): a dead probe would report nothing wrong
+        assert phase["health_probes"] >= phase["seconds"] and phase["health_p99_ms"] is not None, phase
+        assert phase["server_loop_lag_p99_ms"] is not None, phase  # the server's own event-loop lag histogram
     assert steady["completed"] > 0 and steady["aborted_by_client"] > 0 and steady["ttft_p99_ms"] is not None
     assert overload["rejected_503"] > 0  # 3x the sustained rate meets --max-waiting-requests
     assert len(overload["ttft_p99_ms_by_half"]) == 2
