@@ -31,6 +31,7 @@ import time
 import torch
 
 from bench.measure import Report
+from bench.profiling import cprofiled
 
 COLUMNS = ["cache", "kind", "size", "capture_s", "graph_mib"]
 MEMORY_KEYS = ("activation_peak_bytes", "decode_graph_reserve_bytes", "free_bytes_before_pool", "kv_pool_bytes",
@@ -257,26 +258,10 @@ def plot_capture(report: Report):
     return fig
 
 
-def _profiled(fn, prefix: str):
-    """fn() under cProfile: the raw profile at prefix.prof, the top functions by cumulative time at
-    prefix.txt (what a warm start spends its "compile cache" phase on, issue 42)."""
-    import cProfile
-    import io
-    import pstats
-    profile = cProfile.Profile()
-    try:
-        return profile.runcall(fn)
-    finally:
-        profile.dump_stats(prefix + ".prof")
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(80)
-        with open(prefix + ".txt", "w") as f:
-            f.write(text.getvalue())
-
 
 if __name__ == "__main__":
     run_child = lambda: measure(sys.argv[1], full_graph_compile=sys.argv[3] if len(sys.argv) > 3 else None)  # noqa: E731
     prefix = os.environ.get(PROFILE_CHILD_ENV)
-    data = _profiled(run_child, prefix) if prefix else run_child()
+    data = cprofiled(run_child, prefix, sort="cumulative") if prefix else run_child()
     with open(sys.argv[2], "w") as f:
         json.dump(data, f, default=str)  # a timeline value JSON has no type for is kept as its text

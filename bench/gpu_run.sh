@@ -3,6 +3,7 @@
 #   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|serving-tokenizer|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
+#   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
 #   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish  -> issue 43's
 #     10-minute soak, longer than one call: the first starts `bench soak` in a session of its own (setsid
 #     outlives the call) and watches it; the second waits for it and brings back soak.json and the logs.
@@ -130,6 +131,12 @@ case "${1:-smoke}" in
   warm-profile)  # issue 42: llama-3.2-3b's cold and warm start-up in fresh processes, each under cProfile
     # ($OUT/prof/startup-{cold,warm}.txt: top functions by cumulative time); ~2.5 min
     BENCH_CAPTURE_PROFILE=$OUT/prof suite 300 capture --model llama-3.2-3b
+    ;;
+  host-profile)  # issue 38: the host step at batch 64 (null forward, tokenizer + 2 stop strings, the front end's
+    # process) and one more generate under cProfile ($OUT/prof/host-*.txt: the step thread's functions by own time); ~2 min
+    tokenizer_check
+    BENCH_HOST_PROFILE=$OUT/prof suite 100 host --model gemma-3-1b --frontends process --variants stop
+    BENCH_HOST_PROFILE=$OUT/prof suite 80 host --model llama-3.2-3b --frontends process --variants stop
     ;;
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
     tokenizer_check

@@ -9,24 +9,32 @@ decode is then the host's time per step: scheduling, input staging, launch, samp
 post-step update and the front end (detokenization and stop strings with the `tokenizer` / `stop`
 variants, bench.frontend). Per row: the batch, the variant, ms per step and microseconds per request.
 
+BENCH_HOST_PROFILE=DIR: after the measured calls, one more `generate` of each front end's last
+variant at the largest batch runs under cProfile (DIR/host-<model>-<frontend>-<variant>.txt, by own time and
+by cumulative time): which functions the step thread's microseconds per request are in.
+
 Defaults: batch 64, 512-token prompts, 128 tokens out on CUDA (the e2e suite's shape, so the block
 tables are as long); batch 4, 16 / 8 tokens on the CPU, where the rows only show that the suite runs
 (the CPU has no graphs: its "null" forward is eager and not negligible).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from bench.common import device_and_dtype, parse_ints
 from bench.configs import load_config
 from bench.e2e import _graph_replays, decode_graph_sizes, frontend_note, measure_generate
-from bench.frontend import STOP_STRINGS, engines, load_tokenizer, parse_variants, tokenizer_dir
+from bench.frontend import STOP_STRINGS, engines, load_tokenizer, parse_variants, sampling_params, tokenizer_dir
 from bench.measure import Report, ratio
 from bench.paged import BLOCK_SIZE
+from bench.profiling import cprofiled
 
 CUDA_SHAPE = {"batches": (64,), "prompt_len": 512, "output_len": 128}
 CPU_SHAPE = {"batches": (4,), "prompt_len": 16, "output_len": 8}
 NULL_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+PROFILE_ENV = "BENCH_HOST_PROFILE"  # a directory: a cProfile of one more generate per front end goes there
 COLUMNS = ["batch", "tokenizer", "stop_strings", "frontend", "ms_per_step", "us_per_request", "steady_steps", "graph_replay_ms",
            "step_x_replay", "prompt_len", "output_len"]
 
@@ -99,6 +107,12 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
             for b in batches:
                 for v in group:
                     rows[b, v.name, front] = measure_generate(llm, v, b, prompt_len, output_len, repeats, vocab)
+            if (profile_dir := os.environ.get(PROFILE_ENV)) and group:
+                os.makedirs(profile_dir, exist_ok=True)
+                prompts = torch.randint(0, vocab, (max_batch, prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
+                params = sampling_params(group[-1], output_len)
+                cprofiled(lambda: llm.generate(prompts, params), os.path.join(profile_dir, f"host-{model}-{front}-{group[-1].name}"),
+                          sort=("tottime", "cumulative"), top=60)
             if replay_note is None:
                 replay, replay_note = _graph_replays(llm, batches, vocab, prompt_len + output_len // 2, iters)
                 if replay_note[0]:

@@ -142,3 +142,22 @@ def short_kernel_name(name: str, width: int = 48) -> str:
     if base.startswith("void "):
         base = base[5:]
     return base if len(base) <= width else base[:width - 3] + "..."
+
+
+def cprofiled(fn, prefix: str, sort: str | tuple[str, ...] = ("cumulative",), top: int = 80):
+    """fn() under cProfile: the raw profile at prefix.prof, and at prefix.txt the top functions for each
+    order in `sort` ("cumulative": where a start-up's phases go; "tottime": which functions a step
+    loop's own time is in)."""
+    import cProfile
+    import io
+    import pstats
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(fn)
+    finally:
+        profile.dump_stats(prefix + ".prof")
+        text = io.StringIO()
+        for order in ((sort,) if isinstance(sort, str) else sort):
+            pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
+        with open(prefix + ".txt", "w") as f:
+            f.write(text.getvalue())

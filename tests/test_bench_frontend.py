@@ -108,7 +108,12 @@ def _spy_llm(monkeypatch):
 def test_host_suite_runs_a_null_forward_with_each_front_end_variant(tiny_tok_dir, tmp_path, monkeypatch):
     from bench import host
     seen = _spy_llm(monkeypatch)
+    monkeypatch.setenv(host.PROFILE_ENV, str(tmp_path / "prof"))
     report = host.run("tiny-llama", batches="3", prompt_len=6, output_len=4, tokenizer=str(tiny_tok_dir), repeats=1)
+    # BENCH_HOST_PROFILE: one profiled generate per engine, its last variant, the step loop's functions in it
+    profiles = sorted(p.name for p in (tmp_path / "prof").glob("*.txt"))
+    assert profiles == ["host-tiny-llama-inline-plain.txt", "host-tiny-llama-inline-stop.txt"]
+    assert "step_loop.py" in (tmp_path / "prof" / profiles[1]).read_text()
     rows = [(r["batch"], r["tokenizer"], r["stop_strings"]) for r in report.rows]
     assert rows == [(3, "off", 0), (3, "on", 0), (3, "on", 2)]
     for r in report.rows:
@@ -120,6 +125,7 @@ def test_host_suite_runs_a_null_forward_with_each_front_end_variant(tiny_tok_dir
     assert engines[0] is None and engines[1] is not None and len(engines) == 2
     calls = [(tok is not None, stop, texts) for kind, tok, *rest in seen if kind == "generate"
              for stop, texts in [rest]]
+    assert len(calls) == 3 * 2 + 2  # a warm-up and a measured call per variant, a profiled one per engine
     assert {(has_tok, stop) for has_tok, stop, _ in calls} == {(False, ()), (True, ()), (True, STOP_STRINGS)}
     assert all(any(texts) == has_tok for has_tok, _, texts in calls)  # text only where the engine detokenizes
     md = report.markdown()

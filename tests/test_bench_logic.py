@@ -559,9 +559,10 @@ def test_cached_bytecode_is_found_where_python_would_load_it(tmp_path):
     assert has_cached_bytecode(str(source))
 
 
-def test_capture_profiles_a_start_up_and_keeps_its_result(tmp_path):
-    from bench.capture import _profiled
+def test_a_profiled_call_keeps_its_result_and_writes_each_order(tmp_path):
+    from bench.profiling import cprofiled
     prefix = str(tmp_path / "startup-warm")
-    assert _profiled(lambda: sorted(range(5, 0, -1)), prefix) == [1, 2, 3, 4, 5]
+    assert cprofiled(lambda: sorted(range(5, 0, -1)), prefix, sort=("cumulative", "tottime")) == [1, 2, 3, 4, 5]
     assert (tmp_path / "startup-warm.prof").stat().st_size > 0
-    assert "cumulative" in (tmp_path / "startup-warm.txt").read_text()
+    text = (tmp_path / "startup-warm.txt").read_text()
+    assert "Ordered by: cumulative time" in text and "Ordered by: internal time" in text
