@@ -132,11 +132,11 @@ case "${1:-smoke}" in
     # ($OUT/prof/startup-{cold,warm}.txt: top functions by cumulative time); ~2.5 min
     BENCH_CAPTURE_PROFILE=$OUT/prof suite 300 capture --model llama-3.2-3b
     ;;
-  host-profile)  # issue 38: the host step at batch 64 (null forward, tokenizer + 2 stop strings, the front end's
-    # process) and one more generate under cProfile ($OUT/prof/host-*.txt: the step thread's functions by own time); ~2 min
+  host-profile)  # issue 38: the host step at batch 64 (null forward; plain, and tokenizer + 2 stop strings in the front end's
+    # process) and one more generate of each under cProfile ($OUT/prof/host-*.txt: the step thread's functions by own time); ~3.5 min
     tokenizer_check
-    BENCH_HOST_PROFILE=$OUT/prof suite 100 host --model gemma-3-1b --frontends process --variants stop
-    BENCH_HOST_PROFILE=$OUT/prof suite 80 host --model llama-3.2-3b --frontends process --variants stop
+    BENCH_HOST_PROFILE=$OUT/prof suite 140 host --model gemma-3-1b --frontends process --variants plain,stop
+    BENCH_HOST_PROFILE=$OUT/prof suite 120 host --model llama-3.2-3b --frontends process --variants plain,stop
     ;;
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
     tokenizer_check
