@@ -228,6 +228,47 @@ def test_random_add_step_finish_abort_preempt_keep_every_block_in_exactly_one_st
     assert runner.buffers.tables.rows_moved > 0
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "full+sliding"])
+def test_a_decode_step_stages_what_the_general_path_stages(grouped):
+    """ModelRunner._decode_lists (the host's fast path for steps of 1-token chunks) against
+    _chunk_lists on the same steps: tokens in flight (the overlapped loop's), 1-token prefill chunks
+    that sample nothing, finished and preempted requests, and a sliding-window group beside the full one."""
+    from engine.kv.grouped_pool import GroupedBlockPool
+    from engine.kv.sliding_pool import SlidingBlockPool
+    rng = random.Random(1)
+    block_size, max_seqs = 4, 6
+    full = BlockPool(40, block_size, debug_checks=True)
+    pool = GroupedBlockPool(full, [SlidingBlockPool(40, block_size, 8)]) if grouped else full
+    scheduler = Scheduler(pool, max_seqs, max_seqs, 60, enable_prefix_caching=True)  # 1-token prefill chunks too
+    runner = _runner(max_seqs, block_size, 60)
+    if grouped:
+        runner.group_layers = [("sliding.0",)]
+        runner.buffers.set_num_groups(2)
+    in_flight: list[Request] = []
+    decode_steps = inflight_rows = quiet_rows = 0
+    for op_index in range(300):
+        op = rng.choice(["add", "add", "step", "step", "step", "finish"])
+        if op == "add" and len(scheduler.running) + len(scheduler.waiting) < 9:
+            scheduler.add(_request(f"r{op_index}", [rng.randrange(3, 60) for _ in range(rng.randint(1, 12))],
+                                   max_tokens=rng.randint(1, 12)))
+        elif op == "finish" and scheduler.running:
+            scheduler.finish(rng.choice(scheduler.running), FinishReason.STOP)
+        else:
+            out = scheduler.schedule()
+            if out.is_uniform_decode:
+                decode_steps += 1
+                inflight_rows += sum(c.start >= c.request.num_tokens for c in out.chunks)
+                quiet_rows += sum(not c.samples for c in out.chunks)
+                assert runner._decode_lists(out, pool) == runner._chunk_lists(out, pool, False)
+            if not out.is_empty:
+                runner._prepare(out, pool, out.num_tokens, False)
+            scheduler.advance(out)
+            for request in in_flight:  # the previous step's tokens are read one step late
+                scheduler.resolve_token(request, rng.randrange(3, 60), 0.0)
+            in_flight = [c.request for c in out.chunks if c.samples]
+    assert decode_steps > 20 and inflight_rows > 20 and quiet_rows > 0, (decode_steps, inflight_rows, quiet_rows)
+
+
 @pytest.mark.parametrize("context", [32, 2048])
 def test_block_table_rows_copy_only_new_entries_whatever_the_context(context):
     """The host work of a decode step's block tables is the same at 32 and 2,048 tokens of context."""

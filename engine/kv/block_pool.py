@@ -76,6 +76,11 @@ class BlockPool:
         """The request's block table per KV group (one group here; engine.kv.groups has more)."""
         return [self._owned.get(request_id, [])]
 
+    def tables_by_group(self, request_ids: list[str]) -> list[list[list[int]]]:
+        """Per KV group (one here), the block table of each of request_ids."""
+        owned = self._owned
+        return [[owned.get(r, []) for r in request_ids]]
+
     def release_before(self, request_id: str, next_position: int) -> int:
         """Every layer sees every earlier position: nothing falls out of a window (engine.kv.groups)."""
         return 0

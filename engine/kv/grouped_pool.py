@@ -55,6 +55,10 @@ class GroupedBlockPool:
     def tables(self, request_id: str) -> list[list[int]]:
         return [self.full.block_table(request_id)] + [s.table(request_id) for s in self.sliding]
 
+    def tables_by_group(self, request_ids: list[str]) -> list[list[list[int]]]:
+        """Per KV group, the block table of each of request_ids (a decode step's tables, group by group)."""
+        return [self.full.tables_by_group(request_ids)[0]] + [[s.table(r) for r in request_ids] for s in self.sliding]
+
     def enable_prefix_caching(self) -> None:
         self.full.enable_prefix_caching()
         for pool in self.sliding:

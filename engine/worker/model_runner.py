@@ -79,7 +79,7 @@ class ModelRunner:
         dispatch = self.dispatcher.dispatch(batch)
         full, uniform = dispatch.mode is RuntimeMode.FULL, dispatch.descriptor.uniform_decode
         meta, num_sampling = self._prepare(out, pool, dispatch.descriptor.num_tokens, full and uniform, step_indices,
-                                           device_ids, mixed=full and not uniform)
+                                           device_ids, mixed=full and not uniform, uniform_decode=decode)
         # a verify step under a decode graph runs every token as a sequence row of its own (_prepare)
         num_rows = batch.num_tokens if full and uniform else len(out.chunks)
         if self.on_staged is not None:  # after the upload resolved device_ids: the other ranks get real ids
@@ -138,10 +138,68 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput, pool: BlockPool, num_padded: int,
                  full: bool, step_indices: list[int] = (),
-                 device_ids: DeviceIds | None = None, mixed: bool = False) -> tuple[AttentionMetadata | None, int]:
+                 device_ids: DeviceIds | None = None, mixed: bool = False,
+                 uniform_decode: bool | None = None) -> tuple[AttentionMetadata | None, int]:
         """Load the step into the static buffers; (its metadata, or None under FULL, where the graph
         reads the buffer slices it was captured with; the number of sampling chunks). `full`: the
-        layout of a decode graph, `mixed`: that of a mixed graph (engine.worker.mixed_graphs)."""
+        layout of a decode graph, `mixed`: that of a mixed graph (engine.worker.mixed_graphs).
+        `uniform_decode`: out.is_uniform_decode, where the caller knows it."""
+        if uniform_decode is None:
+            uniform_decode = out.is_uniform_decode
+        if uniform_decode:
+            lists = self._decode_lists(out, pool)
+        else:
+            lists = self._chunk_lists(out, pool, full)
+        ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices, group_slots, group_tables = lists
+        num_extra = len(self.group_layers)
+        num_tokens, num_seqs = len(ids), len(query_start_loc) - 1
+        pad = num_padded - num_tokens
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.scratch_slot] * pad
+        for g in range(num_extra):
+            group_slots[g] += [self.scratch_slot] * pad
+            if full:
+                group_tables[g] += [[]] * pad
+        if full:
+            # Padding rows are one-token sequences on the scratch block, so the captured kernels see
+            # well-formed sequences and every write they make lands in scratch.
+            query_start_loc += range(num_tokens + 1, num_padded + 1)
+            seq_lens += [1] * pad
+            tables += [[]] * pad
+        if mixed:
+            self._pad_mixed(query_start_loc, seq_lens, tables, group_tables)
+        self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices,
+                          group_slots, group_tables, step_indices, device_ids)
+        if full or mixed:
+            return None, len(logits_indices)
+        max_query_len = 1 if uniform_decode else max(c.num_tokens for c in out.chunks)
+        meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max_query_len, max(seq_lens), uniform_decode)
+        return meta, len(logits_indices)
+
+    def _decode_lists(self, out: SchedulerOutput, pool: BlockPool) -> tuple:
+        """_chunk_lists for a step whose every chunk is one decode token (the host's step at batch 64):
+        one comprehension per list instead of a Python step per chunk and list. A token still in
+        flight stages 0 (`device_ids` fills it)."""
+        block_size = self.block_size
+        chunks = out.chunks
+        n = len(chunks)
+        positions = [c.start for c in chunks]
+        ids = [known[p] if p < len(known) else 0
+               for known, p in zip([c.request.token_ids for c in chunks], positions)]
+        blocks = [p // block_size for p in positions]
+        offsets = [p % block_size for p in positions]
+        tables, *group_tables = pool.tables_by_group([c.request.request_id for c in chunks])
+        slots = [t[b] * block_size + o for t, b, o in zip(tables, blocks, offsets)]
+        group_slots = [[t[b] * block_size + o for t, b, o in zip(group, blocks, offsets)] for group in group_tables]
+        seq_lens = [p + 1 for p in positions]
+        # a 1-token chunk short of its request's end (the last of a chunked prefill) samples nothing
+        samples = [i for i, c in enumerate(chunks) if c.samples]
+        return (ids, positions, slots, list(range(n + 1)), seq_lens, tables, samples, group_slots, group_tables)
+
+    def _chunk_lists(self, out: SchedulerOutput, pool: BlockPool, full: bool) -> tuple:
+        """The host lists of a step's rows (ids, positions, slots, query_start_loc, seq_lens, tables,
+        logits_indices, and per extra KV group its slots and tables), before padding."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -204,30 +262,7 @@ class ModelRunner:
             tables.append(table)
             if chunk.samples:  # the last row; a verify chunk's every row
                 logits_indices.extend(range(query_start_loc[-1] - 1 - len(chunk.proposals), query_start_loc[-1]))
-        num_tokens, num_seqs = len(ids), len(query_start_loc) - 1
-        pad = num_padded - num_tokens
-        ids += [0] * pad
-        positions += [0] * pad
-        slots += [self.scratch_slot] * pad
-        for g in range(num_extra):
-            group_slots[g] += [self.scratch_slot] * pad
-            if full:
-                group_tables[g] += [[]] * pad
-        if full:
-            # Padding rows are one-token sequences on the scratch block, so the captured kernels see
-            # well-formed sequences and every write they make lands in scratch.
-            query_start_loc += range(num_tokens + 1, num_padded + 1)
-            seq_lens += [1] * pad
-            tables += [[]] * pad
-        if mixed:
-            self._pad_mixed(query_start_loc, seq_lens, tables, group_tables)
-        self.buffers.load(ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices,
-                          group_slots, group_tables, step_indices, device_ids)
-        if full or mixed:
-            return None, len(logits_indices)
-        meta = self.buffers.metadata(num_padded, num_seqs, num_tokens, max(c.num_tokens for c in out.chunks),
-                                     max(seq_lens), out.is_uniform_decode)
-        return meta, len(logits_indices)
+        return ids, positions, slots, query_start_loc, seq_lens, tables, logits_indices, group_slots, group_tables
 
     def _pad_mixed(self, query_start_loc: list[int], seq_lens: list[int], tables: list[list[int]],
                    group_tables: list[list[list[int]]]) -> None:
