@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.request import Request
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen (nothing changes a chunk once made): a frozen one costs 4x to make, 64 a step
 class ScheduledChunk:
     request: Request
     start: int        # position of the chunk's first token (= tokens already cached)

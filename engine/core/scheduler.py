@@ -78,13 +78,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.num_schedules += 1
         speculating: list[tuple[int, int]] = []  # (chunk index, proposal room) of decode chunks that may propose
+        running, pool = self.running, self.pool
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
-            if self._reserve(request, num_new, out):
-                chunk = ScheduledChunk.next_for(request, num_new)
-                budget -= chunk.num_tokens
+        while i < len(running) and budget > 0:  # (a decode step's loop: 64 times a step at batch 64)
+            request = running[i]
+            start = request.num_computed_tokens
+            planned = len(request.token_ids) + request.num_inflight_tokens  # num_planned_tokens
+            num_new = min(planned - start, budget)
+            # pool.holds first: a decode step's every request but one in 16 needs no new block
+            if pool.holds(request.request_id, start + num_new, start) or self._reserve(request, num_new, out):
+                chunk = ScheduledChunk(request, start, num_new, start + num_new == planned)  # next_for, inline
+                budget -= num_new
                 if self.proposer is not None and num_new == 1 and chunk.samples:
                     room = self._proposal_room(request, budget)
                     if room > 0:  # the room is held out of the budget until the proposals are known

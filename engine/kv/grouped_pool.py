@@ -138,8 +138,12 @@ class GroupedBlockPool:
 
     def holds(self, request_id: str, num_tokens: int, next_position: int) -> bool:
         """BlockPool.holds for every group."""
-        return (self.full.holds(request_id, num_tokens, next_position)
-                and all(pool.holds(request_id, num_tokens, next_position) for pool in self.sliding))
+        if not self.full.holds(request_id, num_tokens, next_position):
+            return False
+        for pool in self.sliding:  # (a loop, not all() over a generator: once per running request a step)
+            if not pool.holds(request_id, num_tokens, next_position):
+                return False
+        return True
 
     def free(self, request_id: str) -> int:
         for pool in self.sliding:

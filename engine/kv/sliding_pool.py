@@ -118,7 +118,8 @@ class SlidingBlockPool:
         table = self._tables.get(request_id)
         if table is None or len(table) * self.block_size < num_tokens:
             return False
-        return min(self.first_visible_block(next_position), len(table)) <= self._released[request_id]
+        first_visible = max(0, next_position - self.window + 1) // self.block_size  # first_visible_block, inline
+        return min(first_visible, len(table)) <= self._released[request_id]
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Enough blocks for num_tokens tokens; False (and no change) if too few are available."""
