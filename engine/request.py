@@ -55,6 +55,9 @@ class Request:
     # appear in the prompt, on the device; updated by every step that samples for the request.
     output_counts: torch.Tensor | None = field(default=None, repr=False)
     prompt_mask: torch.Tensor | None = field(default=None, repr=False)
+    # The token count (prompt + output) at which it ends by length: max_tokens or max_model_len,
+    # whichever comes first; set by the scheduler that admits it (Scheduler.add).
+    length_limit: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

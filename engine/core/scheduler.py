@@ -62,6 +62,9 @@ class Scheduler:
         self.num_schedules = 0    # schedule() calls: the clock of the proposer's back-off
 
     def add(self, request: Request) -> None:
+        max_tokens = request.params.max_tokens
+        request.length_limit = (self.max_model_len if max_tokens is None
+                                else min(self.max_model_len, request.num_prompt_tokens + max_tokens))
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -201,8 +204,8 @@ class Scheduler:
             if not chunk.samples:
                 continue  # a partial prefill chunk emits no token
             request.num_inflight_tokens += 1
-            if self._at_length(request, request.num_planned_tokens) and request in self.running:
-                self.running.remove(request)
+            if len(request.token_ids) + request.num_inflight_tokens >= request.length_limit and request in self.running:
+                self.running.remove(request)  # (its planned tokens reach its length: _at_length, inline)
 
     def resolve_token(self, request: Request, token: int, now: float) -> FinishReason | None:
         """The oldest in-flight token of `request` is read: append it, and finish the request if it
@@ -269,9 +272,7 @@ class Scheduler:
 
     def _at_length(self, request: Request, num_tokens: int) -> bool:
         """Whether a request of num_tokens tokens has reached max_tokens (None: no bound) or max_model_len."""
-        max_tokens = request.params.max_tokens
-        return num_tokens >= self.max_model_len or (
-            max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens)
+        return num_tokens >= request.length_limit
 
     def stop_string_matched(self, request: Request) -> None:
         """The request's text reached one of its stop strings (engine.core.detokenizer): it ends with
