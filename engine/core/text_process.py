@@ -37,10 +37,11 @@ import tempfile
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.core.detokenizer import PROMPT_CONTEXT_TOKENS, BatchDecoder, OutputTracker, end_code, update_all
-from engine.request import Request
+from engine.core.detokenizer import END_RUNNING, PROMPT_CONTEXT_TOKENS, BatchDecoder, OutputTracker, end_code, update_all
+from engine.request import Request, RequestStatus
 
 logger = logging.getLogger("engine")
+_FINISHED = RequestStatus.FINISHED
 
 # The longest wait for a reply before the process counts as hung: its first covers its imports and
 # the tokenizer's parse (a few seconds), every later one a step's decode (a millisecond or so).
@@ -124,7 +125,7 @@ class TextProcess:
         """Send one record of these requests' new tokens; [] (matches come back through poll / flush)."""
         self.poll_failure()
         news, updates = [], []
-        for tracker, request in pairs:  # ~1 us a request: this loop is the step thread's whole share
+        for tracker, request in pairs:  # ~0.3 us a request: this loop is the step thread's whole share
             if tracker.done:
                 continue
             key = tracker.key
@@ -135,8 +136,12 @@ class TextProcess:
                 params = request.params
                 news.append((key, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], tuple(params.stop),
                              params.include_stop_str_in_output, params.min_tokens))
-            new, num_out = tracker.take_new(request)
-            updates.append((key, new, num_out, end_code(request)))
+            # tracker.take_new and end_code, inline (64 times a step at batch 64)
+            ids, num_prompt = request.token_ids, len(request.prompt_token_ids)
+            num_out = len(ids) - num_prompt
+            new = ids[num_prompt + tracker.num_sent:]
+            tracker.num_sent = num_out
+            updates.append((key, new, num_out, END_RUNNING if request.status is not _FINISHED else end_code(request)))
         if updates:
             self._send.send((news, updates))
             self._unanswered += 1
