@@ -203,9 +203,13 @@ class StepLoop:
         if previous is not None:
             self.num_overlapped_steps += 1
             resolved = self._resolve(previous)
+        block_size = self.scheduler.pool.block_size
         for chunk in out.chunks:  # every token below num_computed_tokens is known now
-            # (a verify chunk's computed count holds its proposals until it is read: published then)
-            if not chunk.request.is_finished and not chunk.proposals:
+            # (a verify chunk's computed count holds its proposals until it is read: published then);
+            # publish_filled's own test first: a decode chunk fills a block once in block_size steps
+            request = chunk.request
+            if (request.num_computed_tokens // block_size > chunk.start // block_size
+                    and not request.is_finished and not chunk.proposals):
                 self.scheduler.publish_filled(chunk)
         if self.depth == 0:
             return True, resolved + self._resolve(launched)
