@@ -241,24 +241,25 @@ class StepLoop:
         gather_slots: list[int] = []
         row = 0
         verify = False
+        slot_of = self.slots.slot
         for chunk in out.chunks:  # rows in the order ModelRunner flattens the chunks
             request = chunk.request
             verify = verify or bool(chunk.proposals)
-            known = request.num_tokens
+            known = len(request.token_ids)  # num_tokens (this loop runs 64 times a step at batch 64)
             # its input reaches a token still in flight (a verify chunk's proposals are the host's own)
             if chunk.start + chunk.num_tokens - len(chunk.proposals) > known:
-                newest = request.num_planned_tokens - 1
+                newest = known + request.num_inflight_tokens - 1  # num_planned_tokens - 1
                 if chunk.start + chunk.num_tokens - 1 != newest or known != newest:
                     raise RuntimeError(f"request {request.request_id!r}: chunk [{chunk.start}, "
                                        f"{chunk.start + chunk.num_tokens}) needs tokens from {known} on, but only "
                                        f"the newest in-flight token ({newest}) is on the device")
                 gather_rows.append(row + newest - chunk.start)
-                gather_slots.append(self.slots.slot(request))
+                gather_slots.append(slot_of(request))
             row += chunk.num_tokens
         sampling = [c.request for c in out.chunks if c.samples]
         if verify:
             return self._launch_verify(out, sampling, DeviceIds(self.slots.tokens, gather_rows, gather_slots))
-        sample_slots = [self.slots.slot(r) for r in sampling]
+        sample_slots = [slot_of(r) for r in sampling]
         slot_tokens = self.slots.tokens  # after any growth above
         # The input ids of the gathered rows are written with the step's upload (on CUDA one kernel that
         # also copies the staged values: each kernel between two replays costs the step ~3-4 us), and
