@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
+#   bash bench/gpu_run.sh host-check  -> the engine's GPU parity tests, host-profile and warm-profile (profiles in $OUT/prof.tgz)
 #   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish  -> issue 43's
 #     10-minute soak, longer than one call: the first starts `bench soak` in a session of its own (setsid
 #     outlives the call) and watches it; the second waits for it and brings back soak.json and the logs.
@@ -137,6 +138,16 @@ case "${1:-smoke}" in
     tokenizer_check
     BENCH_HOST_PROFILE=$OUT/prof suite 140 host --model gemma-3-1b --frontends process --variants plain,stop
     BENCH_HOST_PROFILE=$OUT/prof suite 120 host --model llama-3.2-3b --frontends process --variants plain,stop
+    ;;
+  host-check)  # after a change to the host loop: the engine's GPU parity tests (greedy identical with graphs off,
+    # decode graphs, prefill graphs, FULL mixed; the gemma window against transformers), then host-profile and
+    # warm-profile, their profiles in one file ($OUT/prof.tgz: a call brings back 8 files at most); ~8 min
+    tokenizer_check
+    gpu_tests engine 150 -m gpu tests/test_engine_gpu.py -k "identical or full_mixed or window"
+    BENCH_HOST_PROFILE=$OUT/prof suite 130 host --model gemma-3-1b --frontends process --variants plain,stop
+    BENCH_HOST_PROFILE=$OUT/prof suite 110 host --model llama-3.2-3b --frontends process --variants plain,stop
+    BENCH_CAPTURE_PROFILE=$OUT/prof suite 180 capture --model llama-3.2-3b
+    rm -f "$OUT"/prof/*.prof; tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
     ;;
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
     tokenizer_check
