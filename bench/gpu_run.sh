@@ -142,12 +142,16 @@ case "${1:-smoke}" in
   host-check)  # after a change to the host loop: the engine's GPU parity tests (greedy identical with graphs off,
     # decode graphs, prefill graphs, FULL mixed; the gemma window against transformers), then host-profile and
     # warm-profile, their profiles in one file ($OUT/prof.tgz: a call brings back 8 files at most); ~8 min
+    # PARTS (default "tests host capture") picks what a short budget allows
     tokenizer_check
-    gpu_tests engine 150 -m gpu tests/test_engine_gpu.py -k "identical or full_mixed or window"
-    BENCH_HOST_PROFILE=$OUT/prof suite 130 host --model gemma-3-1b --frontends process --variants plain,stop
-    BENCH_HOST_PROFILE=$OUT/prof suite 110 host --model llama-3.2-3b --frontends process --variants plain,stop
-    BENCH_CAPTURE_PROFILE=$OUT/prof suite 180 capture --model llama-3.2-3b
-    rm -f "$OUT"/prof/*.prof; tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
+    parts=" ${PARTS:-tests host capture} "
+    [[ $parts == *" tests "* ]] && gpu_tests engine 150 -m gpu tests/test_engine_gpu.py -k "identical or full_mixed or window"
+    if [[ $parts == *" host "* ]]; then
+      BENCH_HOST_PROFILE=$OUT/prof suite 130 host --model gemma-3-1b --frontends process --variants plain,stop
+      BENCH_HOST_PROFILE=$OUT/prof suite 110 host --model llama-3.2-3b --frontends process --variants plain,stop
+    fi
+    [[ $parts == *" capture "* ]] && BENCH_CAPTURE_PROFILE=$OUT/prof suite 180 capture --model llama-3.2-3b
+    rm -f "$OUT"/prof/*.prof; [ -d "$OUT/prof" ] && tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
     ;;
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
     tokenizer_check
