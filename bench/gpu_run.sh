@@ -142,14 +142,15 @@ case "${1:-smoke}" in
   host-check)  # after a change to the host loop: the engine's GPU parity tests (greedy identical with graphs off,
     # decode graphs, prefill graphs, FULL mixed; the gemma window against transformers), then host-profile and
     # warm-profile, their profiles in one file ($OUT/prof.tgz: a call brings back 8 files at most); ~8 min
-    # PARTS (default "tests host capture") picks what a short budget allows
+    # PARTS (default "tests host capture"; "host-gemma": gemma's stop row alone) and TESTS_K pick what a short budget allows
     tokenizer_check
     parts=" ${PARTS:-tests host capture} "
-    [[ $parts == *" tests "* ]] && gpu_tests engine 150 -m gpu tests/test_engine_gpu.py -k "identical or full_mixed or window"
+    [[ $parts == *" tests "* ]] && gpu_tests engine 150 -m gpu tests/test_engine_gpu.py -k "${TESTS_K:-identical or full_mixed or window}"
     if [[ $parts == *" host "* ]]; then
       BENCH_HOST_PROFILE=$OUT/prof suite 130 host --model gemma-3-1b --frontends process --variants plain,stop
       BENCH_HOST_PROFILE=$OUT/prof suite 110 host --model llama-3.2-3b --frontends process --variants plain,stop
     fi
+    [[ $parts == *" host-gemma "* ]] && BENCH_HOST_PROFILE=$OUT/prof suite 130 host --model gemma-3-1b --frontends process --variants stop
     [[ $parts == *" capture "* ]] && BENCH_CAPTURE_PROFILE=$OUT/prof suite 180 capture --model llama-3.2-3b
     rm -f "$OUT"/prof/*.prof; [ -d "$OUT/prof" ] && tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
     ;;
