@@ -211,11 +211,14 @@ class Scheduler:
         """The oldest in-flight token of `request` is read: append it, and finish the request if it
         ends it (returns why). A request finished meanwhile (abort, stop string, or an earlier token
         of its own) drops the token: nothing is appended, and None is returned."""
-        if request.is_finished:
+        if request.status is RequestStatus.FINISHED:
             return None
         request.num_inflight_tokens -= 1
-        request.token_ids.append(token)
+        ids = request.token_ids
+        ids.append(token)
         request.token_times.append(now)
+        if len(ids) < request.length_limit and token not in self.eos_token_ids and not request.params.stop_token_ids:
+            return None  # most tokens end nothing: _finish_reason's three tests at once (64 times a step)
         reason = self._finish_reason(request, token)
         if reason is not None:
             self.finish(request, reason)

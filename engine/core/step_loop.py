@@ -326,15 +326,16 @@ class StepLoop:
                                                         step.sampling))
         now = time.perf_counter()
         resolved = []
+        resolve, release = self.scheduler.resolve_token, self.slots.release  # (bound once: 64 calls a step)
         for row, (request, token) in enumerate(zip(step.sampling, tokens)):
             if request.is_finished:  # finished a step earlier (or aborted): sampled past its end
                 self.num_discarded_tokens += 1
-                self.slots.release(request)
+                release(request)
                 continue
-            if row in logprobs:
+            if logprobs and row in logprobs:
                 request.logprobs.append(logprobs[row])
-            if self.scheduler.resolve_token(request, token, now) is not None:
-                self.slots.release(request)  # a step still in flight may write it once more (TokenSlots.release)
+            if resolve(request, token, now) is not None:
+                release(request)  # a step still in flight may write it once more (TokenSlots.release)
             resolved.append(request)
         self.num_tokens_read += len(resolved)
         return resolved
