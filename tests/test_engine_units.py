@@ -12,7 +12,7 @@ from custom_ops import SCRATCH_BLOCK, RuntimeMode
 from engine.config import ConfigError, EngineConfig, default_decode_graph_sizes
 from engine.core.scheduler import Scheduler
 from engine.kv.block_pool import BlockPool
-from engine.params import InvalidRequestError, SamplingParams
+from engine.params import InvalidRequestError, SamplingParams, check_prompt
 from engine.request import FinishReason, Request
 from engine.sample.sampler import Sampler
 from engine.worker.dispatch import BatchDescriptor, Dispatcher
@@ -396,6 +396,28 @@ def test_sampling_params_take_vllm_spellings_of_off_and_none():
     assert dataclasses.replace(listed, max_tokens=3).stop_token_ids == (3, 4)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         dataclasses.replace(listed, max_tokens=0)  # replace() re-validates
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([1, True, 3], "must be ints"),                 # a bool is not a token id
+    ([1, 2.0, 3], "must be ints"),
+    ([1, "2"], "must be ints"),
+    ([5, 99, 100, -1, 7, 250, 101, 300], r"\[100, -1, 250, 101, 300\] are outside the vocabulary \[0, 100\)"),
+    (list(range(1, 90)), "89 tokens, longer than max_model_len \\(64\\)"),
+])
+def test_check_prompt_names_the_request_and_what_is_wrong(prompt, message):
+    with pytest.raises(InvalidRequestError, match=rf"request 'r7': .*{message}"):
+        check_prompt("r7", prompt, vocab_size=100, max_model_len=64)
+
+
+def test_check_prompt_returns_a_fresh_list_of_plain_ints():
+    class Id(int):
+        pass
+
+    caller = [3, 0, 99]
+    for prompt in (caller, tuple(caller), torch.tensor(caller), [Id(3), 0, Id(99)]):
+        ids = check_prompt("r", prompt, vocab_size=100, max_model_len=64)
+        assert ids == caller and ids is not caller and all(type(t) is int for t in ids)
 
 
 def _sampling_request(rid: str, **params) -> Request:
