@@ -223,31 +223,34 @@ class OutputTracker:
 
     def output(self, request: Request) -> RequestOutput:
         """The request's state now; the delta fields hold what is new since its previous output."""
-        if request.is_finished and not self.done and (self.text is not None or self.key is None):
+        # (one per request and step on LLM.step()'s path: the request's fields are read once each)
+        finished = request.is_finished
+        if finished and not self.done and (self.text is not None or self.key is None):
             self.update(request)  # aborted, or finished between updates (a remote text is flushed by LLM)
-        num_tokens = request.num_tokens - request.num_prompt_tokens
-        finished, reason = request.is_finished, request.finish_reason
+        ids, prompt = request.token_ids, request.prompt_token_ids
+        num_prompt = len(prompt)
+        num_tokens = len(ids) - num_prompt
+        reason = request.finish_reason
         if self.stopped_at is not None:
             num_tokens, finished, reason = min(num_tokens, self.stopped_at), True, FinishReason.STOP
-        start = request.num_prompt_tokens + self.num_reported_tokens
-        new_text = "".join(self.pieces[self.num_reported_pieces:])
+        reported, pieces = self.num_reported_tokens, self.pieces
+        num_pieces = len(pieces)
         times = request.token_times
         logprobs = request.logprobs if request.params.logprobs is not None else None
         out = RequestOutput(
             request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            new_token_ids=request.token_ids[start:request.num_prompt_tokens + num_tokens],
-            new_text=new_text,
+            prompt_token_ids=prompt,
+            new_token_ids=ids[num_prompt + reported:num_prompt + num_tokens],
+            new_text="".join(pieces[self.num_reported_pieces:]),
             finished=finished,
             finish_reason=reason.value if reason else None,
             ttft_s=times[0] - request.arrival_time if times else None,
             num_preemptions=request.num_preemptions,
-            history=TextHistory(request.token_ids, request.num_prompt_tokens, num_tokens, self.pieces,
-                                len(self.pieces), times, logprobs),
-            new_logprobs=None if logprobs is None else logprobs[self.num_reported_tokens:num_tokens],
+            history=TextHistory(ids, num_prompt, num_tokens, pieces, num_pieces, times, logprobs),
+            new_logprobs=None if logprobs is None else logprobs[reported:num_tokens],
         )
         self.num_reported_tokens = num_tokens
-        self.num_reported_pieces = len(self.pieces)
+        self.num_reported_pieces = num_pieces
         return out
 
 
