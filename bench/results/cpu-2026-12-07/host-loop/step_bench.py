@@ -1,5 +1,7 @@
 """LLM.step() (the server's path: an output per request per step) on the CPU with the forward stubbed:
-median us per step over 5 runs of 150 decode steps at batch 64."""
+median us per step over 5 runs of 150 decode steps at batch 64 (after one warm-up run).
+
+    python step_bench.py plain|process [REPO]   (process: the Gemma tokenizer, 2 stop strings, the front end's process)"""
 import sys, time, statistics, torch
 sys.path.insert(0, sys.argv[2] if len(sys.argv) > 2 else "/work/main")
 torch.set_num_threads(1)
