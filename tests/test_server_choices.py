@@ -18,7 +18,7 @@ class FakeEngine:
         self.submitted: list[str] = []
         self.aborted: list[str] = []
 
-    def submit(self, prompt, params, request_id, into, index=0) -> None:
+    def submit(self, prompt, params, request_id, into, index=0, every_step=True) -> None:
         self.submitted.append(request_id)
 
     def abort(self, request_id: str) -> None:

@@ -23,7 +23,7 @@ from engine.core.llm import QueueFullError
 from engine.entrypoints.cli import main as cli_main
 from engine.entrypoints.server import load_chat_template
 from engine.entrypoints.server.app import build_app
-from engine.entrypoints.server.engine_loop import EngineLoop
+from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop
 from bench.soak import parse_metrics
 from tests.test_server import MESSAGES, NAME, _flags, _metrics, start_server, stop_server
 from tests.tiny_tokenizer import save_tiny_llama_with_tokenizer
@@ -183,6 +183,41 @@ def _serve_in_thread(llm: LLM) -> Iterator[str]:
         engine.stop()
         pool.shutdown(wait=False, cancel_futures=True)
         sock.close()
+
+
+def test_a_whole_response_wakes_the_event_loop_for_its_first_token_and_its_end_only(model_dir):
+    # A streamed request gets an output per step; a response sent whole only its first output with a
+    # token (TTFT, choices 1..n-1 go out) and its final one, which holds everything the steps between said.
+    llm = LLM(str(model_dir), device="cpu", max_model_len=64, max_num_seqs=2, block_size=4, num_gpu_blocks=64)
+    engine = EngineLoop(llm)
+    engine.start()
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+
+    async def read(every_step: bool) -> list:
+        queue: asyncio.Queue = asyncio.Queue()
+        engine.submit([1, 5, 9], params, f"r-{every_step}", queue, every_step=every_step)
+        items = []
+        while not items or items[-1] is ACCEPTED or not items[-1].finished:
+            _, item = await asyncio.wait_for(queue.get(), 30)
+            assert not isinstance(item, Exception), item
+            items.append(item)
+        return items
+
+    async def both() -> list:
+        return await asyncio.gather(read(True), read(False))
+
+    try:
+        every, whole = asyncio.run(both())
+    finally:
+        engine.stop()
+        llm.close()
+    assert every[0] is ACCEPTED and whole[0] is ACCEPTED
+    assert [len(o.new_token_ids) for o in every[1:]] == [1] * 6
+    assert len(whole) == 3 and not whole[1].finished and whole[1].token_ids == every[1].token_ids
+    final, reference = whole[2], every[-1]
+    assert final.finished and (final.token_ids, final.text, final.finish_reason) == \
+        (reference.token_ids, reference.text, reference.finish_reason)
+    assert final.inter_token_latencies_s and len(final.inter_token_latencies_s) == 5
 
 
 def test_health_and_metrics_answer_within_100_ms_while_a_step_is_in_progress(model_dir):

@@ -185,7 +185,7 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
             params = req.sampling_params()  # SamplingParams validate when made
         except InvalidRequestError as exc:
             return _refused(exc, req)
-        choices = Choices(engine, prompt, params, request_id, req.n)
+        choices = Choices(engine, prompt, params, request_id, req.n, every_step=bool(req.stream))
         watcher = asyncio.create_task(_abort_on_disconnect(request, choices))
         try:
             await choices.accepted()
@@ -201,8 +201,9 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
                                      media_type="text/event-stream")
         try:
             finals: list[Any] = [None] * req.n
+            counted = [0] * req.n  # tokens metrics has seen, per choice
             async for index, out in choices:
-                metrics.observe(out, first=index == 0 and finals[0] is None)
+                counted[index] = metrics.observe(out, counted[index], ttft=index == 0)
                 finals[index] = out
             _finished(finals)
             logprobs = [None] * req.n if formatters is None else await loop.run_in_executor(
@@ -221,7 +222,7 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
             # per choice: chunks sent (a choice's first chunk carries the chat role), tokens, final output
             num_chunks, num_tokens, finals = [0] * choices.n, [0] * choices.n, [None] * choices.n
             async for index, out in choices:
-                metrics.observe(out, first=index == 0 and num_tokens[0] == 0)
+                metrics.observe(out, num_tokens[index], ttft=index == 0)
                 num_tokens[index] += len(out.new_token_ids)
                 # a token whose text is held back (half a character, a possible stop string) still
                 # sends its id and logprobs when the client asked for them

@@ -41,8 +41,12 @@ class Choices:
     """Async-iterate for (choice index, RequestOutput) until every choice has finished; an error of any
     choice is raised from the iteration."""
 
-    def __init__(self, engine: EngineLoop, prompt: Any, params: SamplingParams, request_id: str, n: int) -> None:
+    def __init__(self, engine: EngineLoop, prompt: Any, params: SamplingParams, request_id: str, n: int,
+                 every_step: bool = True) -> None:
+        """`every_step` False: the caller reads only each choice's first output with a token and its
+        final one (a response sent whole; EngineLoop.submit)."""
         self.engine, self.prompt, self.params, self.n = engine, prompt, params, n
+        self.every_step = every_step
         self.request_ids = [f"{request_id}-{i}" for i in range(n)]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.num_submitted = 0
@@ -56,7 +60,7 @@ class Choices:
         params = self.params
         if params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + index)
-        self.engine.submit(self.prompt, params, self.request_ids[index], self.queue, index)
+        self.engine.submit(self.prompt, params, self.request_ids[index], self.queue, index, self.every_step)
         self.num_submitted += 1
 
     async def accepted(self) -> None:

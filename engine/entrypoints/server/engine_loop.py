@@ -66,11 +66,15 @@ class Stream:
     (engine.entrypoints.server.choices)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, into: asyncio.Queue,
-                 index: int = 0) -> None:
+                 index: int = 0, every_step: bool = True) -> None:
         self.request_id = request_id
         self.loop = loop
         self.queue = into
         self.index = index
+        # False (a response sent whole): only its first output with a token and its final one are
+        # delivered; the final one's cumulative fields hold what the steps between said
+        self.every_step = every_step
+        self.sent_first = False  # engine thread only
 
     def put(self, item: Any) -> None:
         """Event loop thread only."""
@@ -127,10 +131,11 @@ class EngineLoop:
         return self.num_waiting + self.num_admitting >= self.max_waiting
 
     def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: asyncio.Queue,
-               index: int = 0) -> Stream:
+               index: int = 0, every_step: bool = True) -> Stream:
         """Queue a request; its items go on `into` as (index, item). Choice 0 of an API request is
-        bounded by max_waiting_requests; choices 1..n-1 belong to a request already let in."""
-        stream = Stream(request_id, asyncio.get_running_loop(), into, index)
+        bounded by max_waiting_requests; choices 1..n-1 belong to a request already let in.
+        `every_step` False: a consumer that reads only the first and the final output (Stream)."""
+        stream = Stream(request_id, asyncio.get_running_loop(), into, index, every_step)
         if self._stopped or not self.is_alive():
             stream.put(EngineUnavailable("the server is shutting down" if self._stopped
                                          else "the engine loop is not running"))
@@ -227,9 +232,16 @@ class EngineLoop:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted by its client: nobody listens
                 continue
-            batch.append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
+            elif not stream.every_step:
+                # a whole response: the event loop wakes for its first token (choices 1..n-1 go out
+                # then, TTFT is counted) and its end, not once per step (it shares the GIL with this
+                # thread: at batch 64 every step's 64 outputs cost the loop more than the step itself)
+                if stream.sent_first or not out.new_token_ids:
+                    continue
+                stream.sent_first = True
+            batch.append((stream, out))
         self._publish()
         self._deliver(batch)
 

@@ -123,17 +123,22 @@ class ServerMetrics:
         for reason in ("queue_full", "shutting_down"):  # exported at 0 before the first one
             self.rejections.labels(reason)
 
-    def observe(self, out: Any, first: bool) -> None:
-        """Count one RequestOutput a handler received (`first`: no token of this request seen before)."""
-        new = len(out.new_token_ids)
-        self.generation_tokens.inc(new)
+    def observe(self, out: Any, num_seen: int, ttft: bool = True) -> int:
+        """Count the tokens a RequestOutput adds to the `num_seen` of its request counted before (a
+        whole response's handler sees only the first output and the final one); the count now.
+        `ttft`: its first token counts toward TTFT (choice 0 of an API request)."""
         h = out.history
-        if first and new and out.ttft_s is not None:
+        total = num_seen + len(out.new_token_ids) if h is None else h.num_output_tokens
+        if total <= num_seen:
+            return num_seen
+        self.generation_tokens.inc(total - num_seen)
+        if ttft and num_seen == 0 and out.ttft_s is not None:
             self.ttft.observe(out.ttft_s)
         if h is not None:
-            times, n = h.token_times, h.num_output_tokens
-            for i in range(max(1, n - new), n):
+            times = h.token_times
+            for i in range(max(1, num_seen), total):
                 self.itl.observe(times[i] - times[i - 1])
+        return total
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
