@@ -222,8 +222,7 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
             # per choice: chunks sent (a choice's first chunk carries the chat role), tokens, final output
             num_chunks, num_tokens, finals = [0] * choices.n, [0] * choices.n, [None] * choices.n
             async for index, out in choices:
-                metrics.observe(out, num_tokens[index], ttft=index == 0)
-                num_tokens[index] += len(out.new_token_ids)
+                num_tokens[index] = metrics.observe(out, num_tokens[index], ttft=index == 0)
                 # a token whose text is held back (half a character, a possible stop string) still
                 # sends its id and logprobs when the client asked for them
                 if out.new_text or out.finished or not num_chunks[index] or (out.new_token_ids and (
