@@ -12,6 +12,7 @@
 #     CPU venv (`.venv/bin/pip list`): fastapi, starlette, pydantic, pydantic_core, annotated-types,
 #     typing-inspection, uvicorn, opentelemetry-api and annotated-doc (fastapi 0.165 imports them),
 #     anyio, click, h11, idna, sniffio, typing_extensions, httpx, httpcore, certifi, prometheus_client
+#     and uvloop, httptools (uvicorn picks them up when present, as the serve extra installs them)
 #     (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl ...`).
 #     SOAK_S (default 600) shortens it for a diagnostic run.
 # Each suite runs under its own `timeout`, so one that hangs or overruns loses only its own rows.
