@@ -5,7 +5,8 @@
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
 #   bash bench/gpu_run.sh host-check  -> the engine's GPU parity tests, host-profile and warm-profile (profiles in $OUT/prof.tgz)
-#   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish  -> issue 43's
+#   bash bench/gpu_run.sh soak-start, then at once (the machine stays warm 30 s) soak-finish (THEN="host tests": then
+#     host-check's parts with the call's time left)  -> issue 43's
 #     10-minute soak, longer than one call: the first starts `bench soak` in a session of its own (setsid
 #     outlives the call) and watches it; the second waits for it and brings back soak.json and the logs.
 #     Carry .whl and bench/.tokenizer: .whl holds the wheels the image lacks, at the versions of the
@@ -182,6 +183,13 @@ case "${1:-smoke}" in
     server_log=$(ls -t /tmp/bench-soak-*.log 2>/dev/null | head -1)
     [ -n "$server_log" ] && tail -c 2000000 "$server_log" > "$OUT/server-log.txt"
     tail -60 /tmp/soak/log.txt
+    # THEN (host-check's PARTS, e.g. "host tests"): on the same warm machine once the soak is over, if at
+    # least THEN_MIN_S (default 280) of the call's 600 s remain: one machine start instead of two
+    left=$(( 590 - ($(date +%s) - start) ))
+    if [ -n "${THEN:-}" ] && ! pgrep -f "bench soak" > /dev/null && [ "$left" -ge "${THEN_MIN_S:-280}" ]; then
+      echo "=== soak over; host-check PARTS=\"$THEN\" with ${left}s left" | tee -a "$LOG"
+      PARTS="$THEN" timeout "$left" bash "$0" host-check
+    fi
     exit 0
     ;;
   rest)
