@@ -132,8 +132,9 @@ _capability_of: dict[int, tuple[int, int]] = {}
 
 
 def tables_for(capability: tuple[int, int]) -> TunedTables:
-    """The tables for GPUs of `capability`; empty (cuBLAS everywhere) where none were measured, said
-    once per capability in the log."""
+    """The tables for GPUs of `capability`; empty (cuBLAS everywhere) where none were measured. Which
+    it is goes to the log once per capability (a warning when untuned), so a run on a GPU other than
+    the one measured says whose tiles it runs."""
     tables = _by_capability.get(capability)
     if tables is None:
         tables = TABLES.get(capability, _UNTUNED)
@@ -141,6 +142,10 @@ def tables_for(capability: tuple[int, int]) -> TunedTables:
             logger.warning("decode matmuls: no GEMV / skinny-GEMM tuning for compute capability %d.%d (tuned: "
                            "%s): every matmul runs on cuBLAS", *capability,
                            ", ".join(f"{major}.{minor}" for major, minor in TABLES))
+        else:
+            logger.info("decode matmuls: the GEMV / skinny-GEMM tuning of compute capability %d.%d (%d GEMV and %d "
+                        "skinny shapes, measured on %s)", *capability, len(tables.gemv), len(tables.skinny),
+                        tables.source.split(":")[0])
         _by_capability[capability] = tables
     return tables
 

@@ -71,6 +71,22 @@ def test_a_gpu_without_tuning_for_its_compute_capability_runs_cublas_and_says_so
     assert gemv_table.tables_for(SM90).gemv is GEMV_CONFIGS and "H100" in gemv_table.tables_for(SM90).source
 
 
+def test_a_gpu_with_tuning_says_once_whose_tables_it_runs(monkeypatch, caplog):
+    """An H200 (compute capability 9.0, like the H100 the tiles were timed on) logs which tables it uses."""
+    import logging
+
+    from custom_ops import gemv_table
+    monkeypatch.setattr(gemv_table, "_by_capability", {})
+    with caplog.at_level(logging.INFO, logger="custom_ops"):
+        for _ in range(3):
+            for n, k in MEASURED_SHAPES:
+                gemv_config(1, n, k, torch.bfloat16, "cuda", capability=SM90)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("decode matmuls: the GEMV / skinny-GEMM tuning of compute capability 9.0 (")
+    assert f"{len(GEMV_CONFIGS)} GEMV" in messages[0] and "measured on H100 80GB HBM3" in messages[0]
+
+
 def test_the_tables_are_those_of_the_device_a_tensor_is_on(monkeypatch):
     """table_config asks for the weight's device's capability; the lookup is cached per device."""
     from custom_ops import gemv_table
