@@ -98,17 +98,44 @@ def test_a_missing_hub_model_is_refused_before_loading(no_model_load, capsys, tm
                           f"cache {tmp_path}")
 
 
-def test_a_prompt_longer_than_max_model_len_names_both_flags(tmp_path, capsys):
-    """Seen only once the tokenizer has counted the prompt's tokens; still in the flags' words."""
-    vocab = save_tiny_tokenizer(tmp_path)
+def _tiny_model_dir(path: Path, max_position_embeddings: int = 64) -> Path:
+    vocab = save_tiny_tokenizer(path)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(tmp_path)
-    argv = ["generate", "--model", str(tmp_path), "--prompt", "The capital of France is Paris. " * 8,
-            "--max-model-len", "16", "--block-size", "4", "--no-compile", "--device", "cpu"]
+        num_key_value_heads=2, max_position_embeddings=max_position_embeddings)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("limit_flags,limit", [(["--max-model-len", "16"], 16), ([], 64)])
+def test_a_prompt_longer_than_the_context_is_refused_before_the_model_loads(no_model_load, tmp_path, capsys,
+                                                                           limit_flags, limit):
+    """Counted by the tokenizer alone; the context is --max-model-len, else the model's own limit."""
+    model = _tiny_model_dir(tmp_path)
+    argv = ["generate", "--model", str(model), "--prompt", "hi", "--prompt", "The capital of France is Paris. " * 12,
+            *limit_flags, "--block-size", "4", "--no-compile", "--device", "cpu"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: --prompt has ") and err.endswith("tokens, longer than --max-model-len (16)"), err
+    assert err.startswith("error: --prompt has ") and err.endswith(f"tokens, longer than --max-model-len ({limit})"), err
+
+
+def test_a_prompt_near_the_context_is_counted_once_and_the_engine_gets_the_tokenizer(tmp_path, monkeypatch, capsys):
+    """A prompt whose bytes could exceed the context is counted early; if it fits, the engine is given
+    the tokenizer that counted it instead of loading its own."""
+    import models
+    model = _tiny_model_dir(tmp_path)
+    loads = []
+    real_load = models.load_tokenizer
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    given = []
+    monkeypatch.setattr(engine, "LLM", lambda model, tokenizer=None, **fields: given.append(tokenizer) or 1 / 0)
+    prompt = "Paris " * 10  # 60 bytes: within 8 of the 64-token context, ~11 tokens
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["generate", "--model", str(model), "--prompt", prompt, "--device", "cpu", "--no-compile"])
+    assert len(loads) == 1 and given[0] is not None and len(given[0](prompt)["input_ids"]) <= 64
+    given.clear()
+    with pytest.raises(ZeroDivisionError):  # a short prompt: nothing loads before the engine
+        cli.main(["generate", "--model", str(model), "--prompt", "hi", "--device", "cpu", "--no-compile"])
+    assert len(loads) == 1 and given == [None]
 
 
 def test_engine_errors_are_put_in_the_flags_words():

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 from engine.entrypoints.cli_args import ENGINE_OPTIONS, OneLineErrorParser, add_engine_args, engine_config_fields
 
@@ -108,11 +109,45 @@ def _check_before_loading(args) -> None:
         if args.command == "serve" and args.served_model_name is None:
             args.served_model_name = args.model  # clients send the id, not the snapshot directory
         args.model = models.resolve_model_path(args.model, args.revision)
+    args.tokenizer_object = None
     if args.command == "generate":
         if not all(args.prompt):
             raise InvalidRequestError("--prompt is empty", param="prompt")
         args.params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                      top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+        _refuse_too_long_prompts(args, fields)
+
+
+# A token covers at least one UTF-8 byte of its text; the tokenizer adds a few of its own (BOS, a
+# SentencePiece word-start): a prompt of fewer bytes than the context minus this cannot be too long.
+ADDED_TOKENS_BOUND = 8
+
+
+def _refuse_too_long_prompts(args, fields: dict) -> None:
+    """A prompt longer than the context is refused before the weights load. Only a prompt that could be
+    that long (by its bytes) costs loading the tokenizer here, and the engine is then given it; a .gguf
+    file (converted by the engine) is left to the engine's own check."""
+    import models
+    from engine import InvalidRequestError
+    from models.config import ModelConfig
+
+    model_dir = Path(args.model)
+    if args.model == models.paths.DEFAULT_MODEL:  # converted on its first use: the engine's next step anyway
+        model_dir = Path(models.resolve_model_path(args.model))
+    if not (model_dir / "config.json").is_file():
+        return
+    limit = fields.get("max_model_len")
+    if limit is None:  # as EngineConfig.resolve sets it
+        limit = min(ModelConfig.from_hf(models.loader.read_config(model_dir)).max_position_embeddings, 4096)
+    if all(len(p.encode()) + ADDED_TOKENS_BOUND <= limit for p in args.prompt):
+        return
+    tokenizer = models.load_tokenizer(fields.get("tokenizer") or args.model)
+    for prompt in args.prompt:
+        num_tokens = len(tokenizer(prompt)["input_ids"])  # as LLM.encode counts it
+        if num_tokens > limit:
+            raise InvalidRequestError(f"prompt has {num_tokens} tokens, longer than max_model_len ({limit})",
+                                      param="prompt")
+    args.tokenizer_object = tokenizer  # loaded once: the engine takes it
 
 
 def _in_flags(message: str) -> str:
@@ -130,7 +165,10 @@ def _generate(args) -> int:
     from engine import LLM
 
     start = time.perf_counter()
-    llm = LLM(args.model, **engine_config_fields(args))
+    fields = engine_config_fields(args)
+    if args.tokenizer_object is not None:
+        fields.pop("tokenizer", None)
+    llm = LLM(args.model, tokenizer=args.tokenizer_object, **fields)
     print(f"engine ready in {time.perf_counter() - start:.1f} s on {llm.config.device} ({llm.config.dtype})",
           file=sys.stderr)
     start = time.perf_counter()
