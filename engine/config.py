@@ -77,6 +77,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024     # per-step token budget shared by decodes and prefill chunks
     block_size: int = 16                   # tokens per KV cache block
     kv_memory_fraction: float = 0.9        # of the GPU memory left after weights, warm-up peak and graphs
+    # vLLM's spelling: the share of the GPU's total memory this engine may hold in all (weights,
+    # warm-up peak, graphs and the KV pool); when set, it sizes the KV pool instead of kv_memory_fraction
+    gpu_memory_utilization: float | None = None
     num_gpu_blocks: int | None = None      # explicit KV pool size in blocks (incl. the scratch block)
     # KV pool per layer kind (engine.kv.groups): sliding-window layers give back blocks out of their
     # window; False: one pool, every layer keeps every block (num_gpu_blocks counts blocks of every layer)
@@ -158,6 +161,10 @@ class EngineConfig:
             _check_int("num_gpu_blocks", self.num_gpu_blocks, 2, "an int >= 2 (block 0 is the scratch block)")
         _check(isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1,
                "kv_memory_fraction", self.kv_memory_fraction, "a number in (0, 1]")
+        _check(self.gpu_memory_utilization is None or (isinstance(self.gpu_memory_utilization, (int, float))
+                                                       and not isinstance(self.gpu_memory_utilization, bool)
+                                                       and 0 < self.gpu_memory_utilization <= 1),
+               "gpu_memory_utilization", self.gpu_memory_utilization, "None or a number in (0, 1]")
         _check(self.piece_compiler in _PIECE_COMPILERS, "piece_compiler", self.piece_compiler,
                f"one of {', '.join(_PIECE_COMPILERS)}")
         _check_int("seed", self.seed, 0)

@@ -23,6 +23,16 @@ class TextHistory(NamedTuple):
     token_logprobs: list[TokenLogprobs] | None = None  # Request.logprobs when the request asked for them
 
 
+class CompletionOutput(NamedTuple):
+    """vLLM's per-completion view of a RequestOutput (`out.outputs[0].text`), for code written
+    against vLLM; finish_reason in vLLM's words: EOS and stop strings / ids are "stop"."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
 @dataclass(eq=False)
 class RequestOutput:
     """One request's state after a step.
@@ -66,6 +76,12 @@ class RequestOutput:
         stop / EOS token are left out unless SamplingParams.include_stop_str_in_output."""
         h = self.history
         return self.new_text if h is None else "".join(h.text_pieces[:h.num_text_pieces])
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: one completion per request here (SamplingParams.n is 1)."""
+        reason = "stop" if self.finish_reason == "eos" else self.finish_reason
+        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, reason)]
 
     @functools.cached_property
     def inter_token_latencies_s(self) -> list[float]:

@@ -69,6 +69,9 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before
     # everything else (penalties, temperature, filters); a dict {token id: bias} is taken too
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's completions per prompt: 1 here (one request, one completion); the server's `n` fans a
+    # request out into n of them
+    n: int = 1
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -133,6 +136,9 @@ class SamplingParams:
             raise bad("min_p", "a number in [0, 1] (0 = off)")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an int >= 0")
+        if not _is_int(self.n) or self.n != 1:
+            raise bad("n", "1: LLM.generate gives one completion per prompt; for n samples pass the prompt n "
+                           "times (with seeds seed + i to make them differ reproducibly), as the server's n does")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
 

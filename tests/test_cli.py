@@ -33,6 +33,7 @@ def no_model_load(monkeypatch):
     (["--prompt", ""], "error: --prompt is empty"),
     (["--max-num-seqs", "0"], "error: --max-num-seqs 0 is invalid: expected an int >= 1"),
     (["--kv-memory-fraction", "2"], "error: --kv-memory-fraction 2.0 is invalid"),
+    (["--gpu-memory-utilization", "1.5"], "error: --gpu-memory-utilization 1.5 is invalid"),
     (["--quantization", "int4"], "error: --quantization 'int4' is invalid: expected None or one of fp8"),
 ])
 def test_a_mistake_is_refused_before_the_model_loads_naming_the_flag(no_model_load, capsys, flags, message):

@@ -324,7 +324,8 @@ def test_dispatch_without_graphs_runs_everything_unpadded():
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 1.5), ("dtype", "float64"),
     ("device", "tpu"), ("kv_memory_fraction", 1.5), ("num_gpu_blocks", 1), ("piece_compiler", "tvm"),
     ("decode_graph_sizes", (0, 4)), ("decode_graph_sizes", (64,)), ("prefill_graph_sizes", (4096,)),
-    ("disable_custom_all_reduce", "yes"),
+    ("disable_custom_all_reduce", "yes"), ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.2),
+    ("gpu_memory_utilization", True),
 ])
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"EngineConfig.{field}"):
@@ -386,6 +387,36 @@ def test_sampling_params_max_tokens_none_means_no_bound_of_its_own_as_vllm():
         SamplingParams(max_tokens=None, min_tokens=-1)
     with pytest.raises(InvalidRequestError, match=r"max_tokens=0 is invalid: expected an int >= 1, or None"):
         SamplingParams(max_tokens=0)
+
+
+def test_gpu_memory_utilization_bounds_everything_the_engine_holds_as_vllm():
+    """The KV pool's share under vLLM's gpu_memory_utilization: total x share, less what is in use
+    (weights, graphs) and what the warm-up peak and later captures reserve; never more than is free."""
+    from engine.worker.graphs_and_pool import kv_pool_spare_bytes
+    gib = 2**30
+    # 80 GiB GPU, 8 GiB in use (weights), 2 GiB reserved: 0.5 -> 40 - 8 - 2 = 30 GiB
+    assert kv_pool_spare_bytes(72 * gib, 80 * gib, 2 * gib, 0.5) == 30 * gib
+    # another process holds 30 GiB too: free 42 GiB; 0.9 -> 72 - 38 - 2 = 32 GiB (not the 40 left free)
+    assert kv_pool_spare_bytes(42 * gib, 80 * gib, 2 * gib, 0.9) == 32 * gib
+    assert kv_pool_spare_bytes(72 * gib, 80 * gib, 2 * gib, None) == 70 * gib  # kv_memory_fraction's base
+    assert kv_pool_spare_bytes(72 * gib, 80 * gib, 2 * gib, 0.1) < 0  # weights alone exceed the share
+    assert EngineConfig(gpu_memory_utilization=0.85).gpu_memory_utilization == 0.85
+
+
+def test_sampling_params_n_is_one_and_more_is_refused_saying_what_to_do():
+    assert SamplingParams(n=1).n == 1
+    with pytest.raises(InvalidRequestError, match=r"SamplingParams.n=4 is invalid: expected 1: LLM.generate "
+                                                  r"gives one completion per prompt; for n samples pass"):
+        SamplingParams(n=4)
+
+
+def test_request_output_has_vllms_outputs_view():
+    from engine.outputs import RequestOutput
+    out = RequestOutput("r", [1, 2], [5, 6], "hi there", True, "eos", 0.01)
+    [completion] = out.outputs
+    assert (completion.index, completion.text, completion.token_ids, completion.logprobs) == (0, "hi there", [5, 6], None)
+    assert completion.finish_reason == "stop"  # vLLM calls an EOS "stop"
+    assert RequestOutput("r", [1], [5], "x", True, "length", 0.01).outputs[0].finish_reason == "length"
 
 
 def test_sampling_params_take_vllm_spellings_of_off_and_none():

@@ -49,6 +49,9 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--block-size": ("block_size", dict(type=int, help="tokens per KV cache block")),
     "--num-gpu-blocks": ("num_gpu_blocks", dict(type=int)),
     "--kv-memory-fraction": ("kv_memory_fraction", dict(type=float)),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", dict(
+        type=float, help="vLLM's: the share of the GPU's memory this engine holds in all (weights, graphs, "
+                         "KV pool); sizes the KV pool instead of --kv-memory-fraction")),
     "--no-hybrid-kv-cache": _set("hybrid_kv_cache", False, "one KV pool where every layer keeps every block "
                                  "(default: a pool per layer kind, sliding-window blocks freed out of the window)"),
     "--no-cuda-graphs": _set("cuda_graphs", False, "no full-decode graphs"),

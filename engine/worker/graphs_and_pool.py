@@ -55,16 +55,19 @@ def capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimelin
             memory["mixed_graph_reserve_bytes"] = measure_graphs(MixedGraphs, runner, mixed_sizes)
     with timeline.phase("kv pool"):
         torch.cuda.empty_cache()  # cached-but-free warm-up blocks count as free (near-free after the measure)
-        free_bytes = torch.cuda.mem_get_info(device)[0]
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         memory["free_bytes_before_pool"] = free_bytes
-        spare = (free_bytes - memory["activation_peak_bytes"] - memory["decode_graph_reserve_bytes"]
-                 - memory["mixed_graph_reserve_bytes"] - memory["verify_graph_reserve_bytes"])
+        reserved = (memory["activation_peak_bytes"] + memory["decode_graph_reserve_bytes"]
+                    + memory["mixed_graph_reserve_bytes"] + memory["verify_graph_reserve_bytes"])
+        spare = kv_pool_spare_bytes(free_bytes, total_bytes, reserved, config.gpu_memory_utilization)
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
             if num_blocks * kv_cache.bytes_per_block > spare:
                 raise ConfigError(
                     f"EngineConfig.num_gpu_blocks={num_blocks} needs {num_blocks * kv_cache.bytes_per_block / 2**30:.2f} "
                     f"GiB but only {max(spare, 0) / 2**30:.2f} GiB is left after weights, warm-up peak and graphs")
+        elif config.gpu_memory_utilization is not None:
+            num_blocks = kv_cache.blocks_for_memory(max(spare, 0))
         else:
             num_blocks = kv_cache.blocks_for_memory(spare * config.kv_memory_fraction)
         if min_over_ranks is not None:
@@ -148,12 +151,26 @@ def allocate_pool(rt: Runtime, num_blocks: int, config: EngineConfig, spare_byte
             raise ConfigError(str(exc)) from None
 
 
+def kv_pool_spare_bytes(free_bytes: int, total_bytes: int, reserved_bytes: int,
+                        gpu_memory_utilization: float | None) -> int:
+    """What the KV pool may take: the free memory less what the warm-up peak and the graphs still to be
+    captured need (`reserved_bytes`); with gpu_memory_utilization (vLLM's meaning), also no more than
+    that share of the GPU's total less what is in use already (this engine's weights and graphs, and
+    anything else on the GPU, as vLLM counts it)."""
+    spare = free_bytes - reserved_bytes
+    if gpu_memory_utilization is not None:
+        in_use = total_bytes - free_bytes
+        spare = min(spare, int(total_bytes * gpu_memory_utilization) - in_use - reserved_bytes)
+    return spare
+
+
 def check_blocks(num_blocks: int, min_blocks: int, config: EngineConfig) -> None:
     if num_blocks < min_blocks:
         raise ConfigError(
             f"the KV pool has {num_blocks} blocks but max_model_len={config.max_model_len} needs at least "
             f"{min_blocks} (one full-length request plus the scratch block): raise EngineConfig.num_gpu_blocks "
-            "/ kv_memory_fraction, or lower max_model_len")
+            f"/ {'gpu_memory_utilization' if config.gpu_memory_utilization is not None else 'kv_memory_fraction'}"
+            ", or lower max_model_len")
 
 
 def capture_piecewise(runner: ModelRunner, backend: InferGraphsBackend, config: EngineConfig) -> float:

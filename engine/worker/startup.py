@@ -12,7 +12,8 @@ On CUDA:
    (attention runs between pieces), so they are captured now and their memory is simply resident;
 4. a throwaway capture of the largest decode graph (and, under cudagraph_mode FULL, of the largest
    mixed-step graph) measures the memory those graphs will need;
-5. the KV pool takes kv_memory_fraction of what is left (or num_gpu_blocks, checked to fit);
+5. the KV pool takes kv_memory_fraction of what is left (or, with gpu_memory_utilization, what that share of
+   the GPU leaves; or num_gpu_blocks, checked to fit);
 6. the decode graphs (and mixed-step graphs) are captured against the final pool, largest first, into
    the engine's pool: they record the KV caches' addresses.
 On CPU: compile (optional), a pool of num_gpu_blocks (or kv_cache.CPU_KV_BYTES worth), no graphs.
