@@ -139,6 +139,17 @@ def test_a_prompt_near_the_context_is_counted_once_and_the_engine_gets_the_token
     assert len(loads) == 1 and given == [None]
 
 
+def test_generate_on_the_cpu_prints_its_text_and_no_graph_counters(tmp_path, capsys):
+    """The CPU has no graphs: the report ends at the tokens/s line (a GPU run adds its graphs' line)."""
+    model = _tiny_model_dir(tmp_path)
+    argv = ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "3", "--ignore-eos",
+            "--block-size", "4", "--no-compile", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("hi") and "[3 tokens, finish: length" in out[1]
+    assert out[-1].endswith("tokens/s") and not any(line.startswith("graphs:") for line in out), out
+
+
 def test_engine_errors_are_put_in_the_flags_words():
     assert cli._in_flags("request '0.1': SamplingParams.top_k=-2 is invalid: expected an int") == \
         "--top-k -2 is invalid: expected an int"

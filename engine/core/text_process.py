@@ -3,7 +3,7 @@
 Inline, a step's text costs the step thread ~0.5 ms at batch 64 (one batched Rust decode plus the
 per-request windows and stop-string scans in Python). A thread of its own does not help: its Python
 holds the GIL when the step thread wakes from its wait for the device, and the next launch waits
-behind it (measured and rejected: bench/results/h100-2026-11-28/engine-core/h200-thread-vs-inline/).
+behind it (bench/results/h100-2026-11-28/engine-core/h200-thread-vs-inline/ measures both).
 A process has its own interpreter, as vLLM's detokenizing API process and SGLang's detokenizer
 process do. The step thread's share is one record a step out and one reply in.
 
