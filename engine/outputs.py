@@ -2,7 +2,6 @@
 request's own lists through cursors (TextHistory)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -95,6 +94,10 @@ def merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     consumer that fell behind reads instead of both (the server under load: one chunk, not two)."""
     logprobs = None if earlier.new_logprobs is None and later.new_logprobs is None else [
         *(earlier.new_logprobs or ()), *(later.new_logprobs or ())]
-    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-                               new_text=earlier.new_text + later.new_text, new_logprobs=logprobs,
-                               ttft_s=earlier.ttft_s if earlier.ttft_s is not None else later.ttft_s)
+    # the constructor, not dataclasses.replace (3x its cost, on the event loop once per merged output)
+    return RequestOutput(request_id=later.request_id, prompt_token_ids=later.prompt_token_ids,
+                         new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                         new_text=earlier.new_text + later.new_text, finished=later.finished,
+                         finish_reason=later.finish_reason,
+                         ttft_s=earlier.ttft_s if earlier.ttft_s is not None else later.ttft_s,
+                         num_preemptions=later.num_preemptions, history=later.history, new_logprobs=logprobs)

@@ -3,6 +3,7 @@ joined exactly, in order, with errors still raised where they stood."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -37,6 +38,12 @@ def test_merged_joins_the_deltas_and_keeps_the_first_ttft_and_the_last_state():
     assert [lp.token_id for lp in m.new_logprobs] == [5, 6, 7]
     assert merged(out([1], "x"), out([2], "y")).new_logprobs is None
     assert a.new_token_ids == [5, 6] and b.new_token_ids == [7]  # the inputs are left alone
+    # every other field is the later output's, whatever it holds
+    later = dataclasses.replace(b, request_id="r9", prompt_token_ids=[3], num_preemptions=2, history=object())
+    m = merged(a, later)
+    for f in dataclasses.fields(RequestOutput):
+        if f.name not in ("new_token_ids", "new_text", "new_logprobs", "ttft_s"):
+            assert getattr(m, f.name) is getattr(later, f.name), f.name
 
 
 def _read_all(put, n=1):

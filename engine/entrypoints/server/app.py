@@ -55,8 +55,12 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     return JSONResponse(error_body(message, param, code, type), status_code=status, headers=headers)
 
 
+# one encoder: json.dumps with these options builds a new one per call, once per streamed chunk
+_SSE_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {_SSE_JSON.encode(obj)}\n\n"
 
 
 # nginx's code for a request whose client closed the connection first: no one reads it, the access log does

@@ -12,11 +12,12 @@ value after warm-up.
 """
 from __future__ import annotations
 
-from typing import Any
+import bisect
+from typing import Any, Iterable
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "infer_graphs"
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
@@ -94,6 +95,33 @@ class _EngineStats:
                         torch.cuda.memory_reserved(self.device))
 
 
+class TokenHistogram:
+    """A histogram observed once per generated token, by the event loop thread only: a bucket index by
+    bisect and a list increment, without prometheus_client's Histogram and its per-bucket lock
+    (~3 us a value, 14 us of a streamed chunk's event-loop time, which the step loop waits behind
+    for the GIL). Exposed as prometheus_client's Histogram of the same name is (_bucket, _count, _sum)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.bounds = name, documentation, tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1  # a bucket holds values <= its bound, as le= says
+            self.sum += value
+
+    def collect(self):
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(repr, self.bounds), "+Inf"), self.counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.sum)
+
+
 class ServerMetrics:
     def __init__(self, device: str = "cpu", max_waiting: int | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -102,8 +130,8 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends (Linux)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "arrival -> first generated token",
                               buckets=_LATENCY_BUCKETS_S, registry=self.registry)
-        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "between consecutive generated tokens",
-                             buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.itl = TokenHistogram(f"{PREFIX}_inter_token_latency_seconds", "between consecutive generated tokens",
+                                  _LATENCY_BUCKETS_S, self.registry)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "arrival -> finished",
                              buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.loop_lag = Histogram(f"{PREFIX}_event_loop_lag_seconds", "how late the event loop ran its 0.1 s tick: "
@@ -136,8 +164,7 @@ class ServerMetrics:
             self.ttft.observe(out.ttft_s)
         if h is not None:
             times = h.token_times
-            for i in range(max(1, num_seen), total):
-                self.itl.observe(times[i] - times[i - 1])
+            self.itl.observe_many(times[i] - times[i - 1] for i in range(max(1, num_seen), total))
         return total
 
     def rejected(self, reason: str) -> None:
