@@ -126,7 +126,8 @@ def test_a_prompt_near_the_context_is_counted_once_and_the_engine_gets_the_token
     model = _tiny_model_dir(tmp_path)
     loads = []
     real_load = models.load_tokenizer
-    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: loads.append(a) or real_load(*a, **k))  # what
+    # engine.core.tokenizer_load calls
     given = []
     monkeypatch.setattr(engine, "LLM", lambda model, tokenizer=None, **fields: given.append(tokenizer) or 1 / 0)
     prompt = "Paris " * 10  # 60 bytes: within 8 of the 64-token context, ~11 tokens

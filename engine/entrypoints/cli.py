@@ -129,6 +129,7 @@ def _refuse_too_long_prompts(args, fields: dict) -> None:
     file (converted by the engine) is left to the engine's own check."""
     import models
     from engine import InvalidRequestError
+    from engine.core.tokenizer_load import load_tokenizer
     from models.config import ModelConfig
 
     model_dir = Path(args.model)
@@ -141,7 +142,10 @@ def _refuse_too_long_prompts(args, fields: dict) -> None:
         limit = min(ModelConfig.from_hf(models.loader.read_config(model_dir)).max_position_embeddings, 4096)
     if all(len(p.encode()) + ADDED_TOKENS_BOUND <= limit for p in args.prompt):
         return
-    tokenizer = models.load_tokenizer(fields.get("tokenizer") or args.model)
+    # the engine's own loader: a model without a tokenizer gives None here (the engine says what that means)
+    tokenizer = load_tokenizer(fields.get("tokenizer") or args.model, required=fields.get("tokenizer") is not None)
+    if tokenizer is None:
+        return
     for prompt in args.prompt:
         num_tokens = len(tokenizer(prompt)["input_ids"])  # as LLM.encode counts it
         if num_tokens > limit:
