@@ -27,7 +27,7 @@ from bench.common import device_and_dtype, parse_ints
 from bench.configs import load_config
 from bench.e2e import _graph_replays, decode_graph_sizes, frontend_note, measure_generate
 from bench.frontend import STOP_STRINGS, engines, load_tokenizer, parse_variants, sampling_params, tokenizer_dir
-from bench.measure import Report, ratio
+from bench.measure import Report, host_speed_us, ratio
 from bench.paged import BLOCK_SIZE
 from bench.profiling import cprofiled
 
@@ -36,7 +36,7 @@ CPU_SHAPE = {"batches": (4,), "prompt_len": 16, "output_len": 8}
 NULL_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=16)
 PROFILE_ENV = "BENCH_HOST_PROFILE"  # a directory: a cProfile of one more generate per front end goes there
 COLUMNS = ["batch", "tokenizer", "stop_strings", "frontend", "ms_per_step", "us_per_request", "steady_steps", "graph_replay_ms",
-           "step_x_replay", "prompt_len", "output_len"]
+           "step_x_replay", "host_speed_us", "prompt_len", "output_len"]
 
 
 def null_forward_config(config: dict) -> dict:
@@ -106,7 +106,9 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
         for llm, group in engines(make, group_variants, tok):
             for b in batches:
                 for v in group:
-                    rows[b, v.name, front] = measure_generate(llm, v, b, prompt_len, output_len, repeats, vocab)
+                    speed = host_speed_us()  # the host's pace just before, to compare runs on other hosts
+                    rows[b, v.name, front] = dict(measure_generate(llm, v, b, prompt_len, output_len, repeats, vocab),
+                                                  host_speed_us=speed)
             if (profile_dir := os.environ.get(PROFILE_ENV)) and group:
                 os.makedirs(profile_dir, exist_ok=True)
                 prompts = torch.randint(0, vocab, (max_batch, prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
@@ -125,12 +127,13 @@ def run(model: str, batches=None, prompt_len: int | None = None, output_len: int
                    us_per_request=None if ms is None else ms * 1e3 / b,
                    steady_steps=round(r["steady_intervals"] / b),
                    graph_replay_ms=replay.get(b), step_x_replay=ratio(ms, replay.get(b)),
-                   prompt_len=prompt_len, output_len=output_len)
+                   host_speed_us=r["host_speed_us"], prompt_len=prompt_len, output_len=output_len)
     report.notes.append(
         f"null forward: {model}'s config with hidden {config['hidden_size']}, {config['num_hidden_layers']} layer(s)"
         f"{' ' + str(config['layer_types']) if config.get('layer_types') else ''}, vocabulary {vocab}; ms_per_step = the median inter-token latency of the "
         f"steps where all requests of a generate call decode (median of {repeats} calls after a warm-up), the host's "
-        f"time per step while the GPU runs only graph_replay_ms; decode graphs "
+        f"time per step while the GPU runs only graph_replay_ms; host_speed_us = a fixed piece of pure-Python work "
+        f"timed just before the row (bench.measure.host_speed_us): a slowed host reads higher there too; decode graphs "
         f"{replay_note[1] if replay_note else '?'}")
     report.notes.append(frontend_note(chosen, tok_dir, tok))
     return report

@@ -36,6 +36,32 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def host_speed_us(rounds: int = 7) -> float:
+    """The median time of one fixed piece of pure-Python work (dict and list traffic, attribute reads,
+    small loops: the kind of work a host step does), in us. Printed beside host-bound rows: the lent
+    machines' hosts ran one suite ~1.4x slower than the next (bench/results/h100-2026-12-07/
+    host-check-2/), and a row read on a slowed host reads slower here too."""
+    class Item:
+        __slots__ = ("key", "value")
+
+        def __init__(self, key: int, value: int) -> None:
+            self.key, self.value = key, value
+
+    def work() -> int:
+        table: dict[int, Item] = {}
+        for i in range(2000):
+            table[i] = Item(i, i * 7)
+        out = [item.value + 1 for item in table.values() if item.key % 3]
+        return sum(out) + len({v % 97 for v in out})
+
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
 def gpu_ms_host_ahead(fn: Callable[[], object], iters: int = 10, sleep_cycles: int = 500_000_000,
                       attempts: int = 3) -> float:
     """Mean GPU milliseconds of one call of fn with the host far ahead: the GPU sleeps while the host

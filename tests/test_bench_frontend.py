@@ -119,6 +119,7 @@ def test_host_suite_runs_a_null_forward_with_each_front_end_variant(tiny_tok_dir
     for r in report.rows:
         assert r["ms_per_step"] > 0 and r["us_per_request"] == pytest.approx(r["ms_per_step"] * 1e3 / 3)
         assert r["steady_steps"] >= 1 and r["graph_replay_ms"] is None  # no graphs on the CPU
+        assert r["host_speed_us"] > 0  # the host's pace beside each row
     assert report.meta["null_model"] == {"hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 256}
     # one engine without a tokenizer, then one holding it; the stop variant's params carry both strings
     engines = [tok for kind, tok, *_ in seen if kind == "engine"]
