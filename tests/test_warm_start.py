@@ -83,6 +83,23 @@ def test_second_engine_loads_the_saved_graph_and_a_changed_config_misses_naming_
     assert len(_entries(cache_dir)) == 2
 
 
+def test_kv_pool_and_front_end_settings_keep_the_key_and_compile_settings_change_it():
+    """A user who changes only how much memory the KV pool takes or where text is decoded keeps the
+    warm start; anything the compiled graph depends on gives a new key."""
+    from engine.config import EngineConfig
+    from engine.worker.warm_start import key_fields, key_of
+    model = _model()
+    base = dict(device="cpu", max_model_len=64, max_num_seqs=4)
+    key = key_of(key_fields(model, EngineConfig(**base)))
+    for same in (dict(gpu_memory_utilization=0.5), dict(kv_memory_fraction=0.5), dict(num_gpu_blocks=40),
+                 dict(frontend_process=False), dict(max_waiting_requests=3), dict(enable_prefix_caching=False),
+                 dict(async_scheduling=False), dict(seed=7)):
+        assert key_of(key_fields(model, EngineConfig(**base, **same))) == key, same
+    for other in (dict(max_num_seqs=2), dict(max_num_batched_tokens=512), dict(block_size=32),
+                  dict(dtype="bfloat16"), dict(piece_compiler="eager")):
+        assert key_of(key_fields(model, EngineConfig(**{**base, **other}))) != key, other
+
+
 def test_a_truncated_artifact_is_reported_removed_and_recompiled(cache_dir):
     _, expected = _run(cache_dir, piece_compiler="eager")
     (entry,) = _entries(cache_dir)

@@ -50,9 +50,11 @@ logger = logging.getLogger("engine")
 SWITCH_ENV = "INFER_GRAPHS_COMPILE_CACHE"  # "0": neither load nor save compiled graphs (the test suite's default)
 KEY_FILE = "key.json"
 MAX_ENTRIES = 8
-# EngineConfig fields that change nothing compiled: scheduling, the KV pool's size, requests.
+# EngineConfig fields that change nothing compiled: scheduling, the KV pool's size, requests, the front end.
+# gpu_memory_utilization sizes the KV pool; frontend_process moves detokenization to another process.
 NOT_IN_KEY = frozenset({"model", "tokenizer", "seed", "show_progress", "max_waiting_requests",
-                        "enable_prefix_caching", "kv_memory_fraction", "num_gpu_blocks", "async_scheduling"})
+                        "enable_prefix_caching", "kv_memory_fraction", "gpu_memory_utilization",
+                        "num_gpu_blocks", "async_scheduling", "frontend_process"})
 _SOURCE_PACKAGES = ("compile_backend", "custom_ops", "models", "engine")
 # Environment variables that change generated code; cache locations do not.
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_", "INFER_GRAPHS_PDL")
