@@ -22,7 +22,6 @@ import asyncio
 import concurrent.futures
 import copy
 import functools
-import json
 import logging
 import time
 import uuid
@@ -40,7 +39,7 @@ from engine.entrypoints.server.engine_loop import EngineLoop, EngineUnavailable
 from engine.entrypoints.server.guard import Guard
 from engine.entrypoints.server.logprobs import LogprobsFormatter, TokenText
 from engine.entrypoints.server.metrics import ServerMetrics
-from engine.entrypoints.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body
+from engine.entrypoints.server.protocol import ChatRequest, CompletionRequest, ResponseBuilder, error_body, sse
 from engine.params import InvalidRequestError
 
 logger = logging.getLogger("engine.server")
@@ -53,14 +52,6 @@ RETRY_AFTER_S = 1
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
            type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, param, code, type), status_code=status, headers=headers)
-
-
-# one encoder: json.dumps with these options builds a new one per call, once per streamed chunk
-_SSE_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {_SSE_JSON.encode(obj)}\n\n"
 
 
 # nginx's code for a request whose client closed the connection first: no one reads it, the access log does
@@ -235,18 +226,18 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
                     if formatters is not None and out.new_token_ids:
                         logprobs = await loop.run_in_executor(tokenize_pool, formatters[index],
                                                               out.prompt_token_ids, out.new_logprobs)
-                    yield _sse(builder.chunk(index, out.new_text, out.new_token_ids,
-                                             out.finish_reason if out.finished else None,
-                                             first=not num_chunks[index], logprobs=logprobs))
+                    yield builder.chunk_event(index, out.new_text, out.new_token_ids,
+                                              out.finish_reason if out.finished else None,
+                                              first=not num_chunks[index], logprobs=logprobs)
                     num_chunks[index] += 1
                 if out.finished:
                     finals[index] = out
             _finished(finals)
             if req.include_usage:
-                yield _sse(builder.usage_chunk(len(finals[0].prompt_token_ids), sum(num_tokens)))
+                yield sse(builder.usage_chunk(len(finals[0].prompt_token_ids), sum(num_tokens)))
             yield "data: [DONE]\n\n"
         except (InvalidRequestError, EngineUnavailable) as exc:
-            yield _sse(error_body(str(exc), type="invalid_request_error" if isinstance(exc, InvalidRequestError)
+            yield sse(error_body(str(exc), type="invalid_request_error" if isinstance(exc, InvalidRequestError)
                                   else "server_error"))
             yield "data: [DONE]\n\n"
         finally:
