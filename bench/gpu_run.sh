@@ -144,7 +144,8 @@ case "${1:-smoke}" in
   host-check)  # after a change to the host loop: host-profile and warm-profile, then the engine's GPU parity
     # tests (greedy identical with graphs off, decode graphs, prefill graphs, FULL mixed; the gemma window
     # against transformers); their profiles in one file ($OUT/prof.tgz: a call brings back 8 files at most); ~10 min
-    # PARTS (default "tests host capture"; "host-gemma": gemma's stop row alone) and TESTS_K pick what a short budget allows
+    # PARTS (default "tests host capture"; "host-gemma": gemma's stop row alone; "misc": the memory-share and FP8
+    # real-weights GPU tests, a capture's time split) and TESTS_K pick what a short budget allows
     tokenizer_check
     parts=" ${PARTS:-tests host capture} "
     if [[ $parts == *" host "* ]]; then
@@ -153,6 +154,11 @@ case "${1:-smoke}" in
     fi
     [[ $parts == *" host-gemma "* ]] && BENCH_HOST_PROFILE=$OUT/prof suite 130 host --model gemma-3-1b --frontends process --variants stop
     [[ $parts == *" capture "* ]] && BENCH_CAPTURE_PROFILE=$OUT/prof suite 180 capture --model llama-3.2-3b
+    if [[ $parts == *" misc "* ]]; then  # gpu_memory_utilization, FP8 on real weights; where a capture's time goes
+      gpu_tests misc 200 -m gpu tests/test_memory_gpu.py tests/test_fp8_gpu.py -k "caps_the_device or real_default"
+      [ -f bench/results/wip-capture-split/split.py ] && timeout 150 python3 bench/results/wip-capture-split/split.py \
+        > "$OUT/capture-split.txt" 2>&1
+    fi
     # the tests last: a pytest cut by its limit is the suspect for the slowed host of the suite after it
     # (llama's rows in bench/results/h100-2026-12-07/host-check/); the first test's cold compiles take ~75 s
     [[ $parts == *" tests "* ]] && gpu_tests engine 300 -m gpu tests/test_engine_gpu.py -k "${TESTS_K:-identical or full_mixed or window}"
