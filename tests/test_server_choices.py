@@ -105,3 +105,32 @@ def test_a_consumer_that_keeps_up_reads_every_step(behind):
     got = asyncio.run(asyncio.wait_for(run(), 10))
     assert [t for ids in got for t in ids] == [0, 1, 2, 3]
     assert len(got) == (1 if behind else 4)
+
+
+def test_inbox_hands_items_over_in_order_wakes_its_reader_and_loses_nothing_to_a_cancelled_get():
+    from engine.entrypoints.server.choices import Inbox
+
+    async def scenario():
+        inbox = Inbox()
+        assert inbox.empty()
+        with pytest.raises(asyncio.QueueEmpty):
+            inbox.get_nowait()
+        reader = asyncio.create_task(inbox.get())
+        await asyncio.sleep(0)
+        assert not reader.done()  # it waits for a put
+        asyncio.get_running_loop().call_soon(inbox.put_nowait, "a")
+        assert await asyncio.wait_for(reader, 5) == "a"
+        for item in "bcd":
+            inbox.put_nowait(item)
+        assert await inbox.get() == "b" and inbox.get_nowait() == "c" and not inbox.empty()
+        assert inbox.get_nowait() == "d" and inbox.empty()
+        # a reader cancelled while it waits (its client left) leaves a later item for the next get
+        reader = asyncio.create_task(inbox.get())
+        await asyncio.sleep(0)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        inbox.put_nowait("e")
+        assert await asyncio.wait_for(inbox.get(), 5) == "e"
+
+    asyncio.run(scenario())

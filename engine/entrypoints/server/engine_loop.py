@@ -65,7 +65,7 @@ class Stream:
     engine requests of one API request share one queue, each with its choice's index
     (engine.entrypoints.server.choices)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, into: asyncio.Queue,
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, into: Any,
                  index: int = 0, every_step: bool = True) -> None:
         self.request_id = request_id
         self.loop = loop
@@ -130,7 +130,7 @@ class EngineLoop:
             return False
         return self.num_waiting + self.num_admitting >= self.max_waiting
 
-    def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: asyncio.Queue,
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: Any,
                index: int = 0, every_step: bool = True) -> Stream:
         """Queue a request; its items go on `into` as (index, item). Choice 0 of an API request is
         bounded by max_waiting_requests; choices 1..n-1 belong to a request already let in.
