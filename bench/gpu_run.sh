@@ -156,7 +156,7 @@ case "${1:-smoke}" in
     [[ $parts == *" capture "* ]] && BENCH_CAPTURE_PROFILE=$OUT/prof suite 180 capture --model llama-3.2-3b
     if [[ $parts == *" misc "* ]]; then  # gpu_memory_utilization, FP8 on real weights; where a capture's time goes
       gpu_tests misc 200 -m gpu tests/test_memory_gpu.py tests/test_fp8_gpu.py -k "caps_the_device or real_default"
-      [ -f bench/results/wip-capture-split/split.py ] && timeout 150 python3 bench/results/wip-capture-split/split.py \
+      timeout 150 python3 -m bench.capture_split \
         > "$OUT/capture-split.txt" 2>&1
     fi
     # the tests last: a pytest cut by its limit is the suspect for the slowed host of the suite after it
