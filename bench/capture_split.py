@@ -7,40 +7,59 @@ capture or the graph's instantiation decides what can be deferred: here every gr
 created with keep_graph=True, so capture_end only ends the capture and instantiate() is timed on its
 own. Builds the model (random weights, engine defaults, prefill graphs) once and prints JSON: the
 start-up phases, the number of graphs, and the seconds in capture_end and in instantiate."""
-import sys, time, collections, json
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+
 import torch
+
 import compile_backend.pool as pool
 import models
 from bench.configs import load_config
 from engine import LLM
 
-acc = collections.defaultdict(float)
-count = collections.Counter()
+seconds: collections.Counter = collections.Counter()
 
 
-class Timed(torch.cuda.CUDAGraph):
-    def capture_end(self):
-        t = time.perf_counter(); super().capture_end(); acc["capture_end"] += time.perf_counter() - t
-        t = time.perf_counter(); super().instantiate(); acc["instantiate"] += time.perf_counter() - t
-        count["graphs"] += 1
+class TimedGraph(torch.cuda.CUDAGraph):
+    """A graph whose capture_end is split: end the stream capture, then instantiate (timed apart)."""
+
+    def capture_end(self) -> None:
+        start = time.perf_counter()
+        super().capture_end()
+        ended = time.perf_counter()
+        super().instantiate()
+        seconds["capture_end"] += ended - start
+        seconds["instantiate"] += time.perf_counter() - ended
+        seconds["graphs"] += 1
 
 
-def new_graph():
-    g = Timed(keep_graph=True)
-    pool._live_graphs.add(g)
-    return g
+def new_graph() -> TimedGraph:
+    graph = TimedGraph(keep_graph=True)
+    pool._live_graphs.add(graph)  # counted as compile_backend.pool.new_graph counts its graphs
+    return graph
 
 
-pool.new_graph = new_graph
-import compile_backend.piecewise as pw, engine.worker.decode_graphs as dg
-for mod in (pw, dg):
-    if hasattr(mod, "new_graph"):
-        mod.new_graph = new_graph
-name = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-3b"
-net = models.from_config(load_config(name), dtype=torch.bfloat16, device="cuda", seed=0)
-t = time.perf_counter()
-llm = LLM(net, show_progress=False)
-ready = time.perf_counter() - t
-phases = {p["name"]: round(p["seconds"], 3) for p in llm.stats()["startup"]["phases"]}
-print(json.dumps({"model": name, "ready_s": round(ready, 2), "phases": phases, "graphs": count["graphs"],
-                  "capture_end_s": round(acc["capture_end"], 3), "instantiate_s": round(acc["instantiate"], 3)}, indent=1))
+def main() -> None:
+    pool.new_graph = new_graph
+    import compile_backend.piecewise as pw
+    import engine.worker.decode_graphs as dg
+    for mod in (pw, dg):
+        if hasattr(mod, "new_graph"):
+            mod.new_graph = new_graph
+    name = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-3b"
+    net = models.from_config(load_config(name), dtype=torch.bfloat16, device="cuda", seed=0)
+    t = time.perf_counter()
+    llm = LLM(net, show_progress=False)
+    ready = time.perf_counter() - t
+    phases = [(p["name"], round(p["seconds"], 3)) for p in llm.stats()["startup"]["phases"]]
+    print(json.dumps({"model": name, "ready_s": round(ready, 2), "phases": phases, "graphs": seconds["graphs"],
+                      "capture_end_s": round(seconds["capture_end"], 3),
+                      "instantiate_s": round(seconds["instantiate"], 3)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
