@@ -238,7 +238,7 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
             yield "data: [DONE]\n\n"
         except (InvalidRequestError, EngineUnavailable) as exc:
             yield sse(error_body(str(exc), type="invalid_request_error" if isinstance(exc, InvalidRequestError)
-                                  else "server_error"))
+                                 else "server_error"))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()

@@ -246,7 +246,8 @@ class ResponseBuilder:
                     first: bool = False, logprobs: dict[str, Any] | None = None) -> str:
         """`sse(self.chunk(...))`, byte for byte, written from a per-request prefix: a stream sends one
         per request and step, on the event loop that shares the GIL with the engine's step thread, and
-        building then encoding the whole object each time was a third of the loop's own work a chunk."""
+        building then encoding the whole object each time was a quarter of the loop's own work a chunk
+        (bench/results/cpu-2026-12-07/sse-chunk/)."""
         prefix = self._event_prefix
         if prefix is None:
             kind = "chat.completion.chunk" if self.chat else "text_completion"
