@@ -79,11 +79,13 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-served"))
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+# Every test over HTTP runs against both servers: the engine loop a thread of the server's process, and
+# the engine in a process of its own (--engine-process, engine_process.py).
+@pytest.fixture(scope="module", params=["engine_thread", "engine_process"])
+def server(model_dir, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("server-log") / "stderr.txt"
     proc, url = start_server(model_dir, log, "--device", "cpu", "--api-key", KEY, "--max-request-bytes", "65536",
-                             *_flags(ENGINE))
+                             *_flags(ENGINE), *(["--engine-process"] if request.param == "engine_process" else []))
     yield proc, url, log
     stop_server(proc)
 
