@@ -157,18 +157,21 @@ def test_a_second_signal_stops_at_once_aborting_what_runs(model_dir, tmp_path, m
         stop_server(proc)
 
 
-def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path, mode):
     import psutil
 
-    proc, url, log = _start(model_dir, tmp_path, "--tensor-parallel-size", "2")
+    proc, url, log = _start(model_dir, tmp_path, "--tensor-parallel-size", "2", *_mode_flags(mode))
     try:
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
                 started = [asyncio.Event(), asyncio.Event()]
                 streams = [asyncio.create_task(_stream(client, url, _body(LONG), s)) for s in started]
                 await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
-                [rank1] = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                spawned = [c for c in psutil.Process(proc.pid).children(recursive=True)
                            if "spawn_main" in " ".join(c.cmdline())]
+                # rank 0 is the server (engine thread) or the engine process, whose child rank 1 is
+                [rank1] = [c for c in spawned if c.ppid() != proc.pid] if mode == "engine_process" else spawned
                 rank1.kill()
                 events = await asyncio.wait_for(asyncio.gather(*streams), 30)
                 try:

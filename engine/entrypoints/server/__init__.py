@@ -83,16 +83,24 @@ def serve_engine_process(build: Any, name: str, host: str = "127.0.0.1", port: i
     sock = _listen(host, port)  # before the start-up: a port in use fails at once
     try:
         engine = EngineProcess(build)
+    except BaseException:
+        sock.close()
+        raise
+    try:
         _check_chat_template(engine.llm, name, chat_template)
     except BaseException:
         sock.close()
+        engine.stop()
         raise
 
     def close() -> int:
         engine.stop()
         return 0 if engine.failure is None else 1
-    return _serve(engine, engine.llm, engine.snapshot.get("decode_graphs", 0), sock, name, close, api_key,
-                  max_request_bytes, chat_template, shutdown_timeout_s, ", the engine in a process of its own")
+    try:
+        return _serve(engine, engine.llm, engine.snapshot.get("decode_graphs", 0), sock, name, close, api_key,
+                      max_request_bytes, chat_template, shutdown_timeout_s, ", the engine in a process of its own")
+    finally:
+        engine.stop()  # whatever ended the server: the engine process must not outlive it
 
 
 def _check_chat_template(llm: Any, name: str, chat_template: str | None) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection
 import queue
 import signal
 import threading
@@ -81,6 +82,8 @@ class _ChildLoop(EngineLoop):
         self._sent_state: tuple | None = None
 
     def _deliver(self, batch: list[tuple[Any, Any]]) -> None:  # engine thread
+        # the counters first: a failure the outputs report (a dead rank) is the parent's before their errors
+        self._send_state()
         items = []
         for stream, item in batch:
             if item is ACCEPTED:
@@ -93,6 +96,10 @@ class _ChildLoop(EngineLoop):
 
     def _publish(self) -> None:  # engine thread
         super()._publish()
+        self._send_state()
+
+    def _send_state(self) -> None:
+        """What EngineLoop publishes, when it changed since it was last sent."""
         state = (self.num_waiting, self._num_added, self.failed_steps, self.failure, id(self.snapshot))
         if state != self._sent_state:
             self._sent_state = state
@@ -119,9 +126,22 @@ class _ChildLoop(EngineLoop):
             self.shutdown()
 
 
-def _child_main(build: Callable[[], Any], commands: Any, outputs: Any) -> None:
+def _logging_setup() -> tuple[int, str | None]:
+    """The parent's root logger level and format: a spawned child starts with logging unconfigured, and the
+    engine's start-up lines (phases, graphs, the KV pool) are what a user reads while it starts."""
+    root = logging.getLogger()
+    formatter = root.handlers[0].formatter if root.handlers else None
+    return root.level, None if formatter is None else formatter._fmt
+
+
+def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup: tuple[int, str | None]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drains and stops this process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    level, fmt = log_setup
+    if fmt is None:
+        logging.getLogger().setLevel(level)
+    else:
+        logging.basicConfig(level=level, format=fmt)
     try:
         llm = build()
     except BaseException as exc:  # the parent raises it: start-up errors read as in one process
@@ -199,15 +219,17 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._commands_recv, commands_send = ctx.Pipe(duplex=False)
         outputs_recv, self._outputs_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child_main, args=(build, self._commands_recv, self._outputs_send),
-                                 name="engine", daemon=True)
+        # not a daemon: the engine starts processes of its own (tensor-parallel ranks, the text front end);
+        # it exits when this process goes, as its command pipe then reads EOF
+        self._proc = ctx.Process(target=_child_main, name="engine",
+                                 args=(build, self._commands_recv, self._outputs_send, _logging_setup()))
         self._proc.start()
         self._commands_recv.close()
         self._outputs_send.close()
         self._conn_out, self._conn_in = commands_send, outputs_recv
         kind, payload = self._receive_ready(ready_timeout_s)
         if kind == "failed":
-            self._proc.join(5)
+            self._proc.join(30)
             raise payload
         config, tokenizer, snapshot = payload
         self.llm = EngineInfo(config, tokenizer)
@@ -226,6 +248,7 @@ class EngineProcess:
         self._sender = threading.Thread(target=self._send_commands, name="engine-commands", daemon=True)
         self._reader = threading.Thread(target=self._read_outputs, name="engine-outputs", daemon=True)
         self._stopping = False
+        self._join_lock = threading.Lock()
 
     def _receive_ready(self, timeout_s: float) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -245,7 +268,8 @@ class EngineProcess:
         self._reader.start()
 
     def is_alive(self) -> bool:
-        return self._proc.is_alive() and self._reader.is_alive()
+        # the sentinel, not Process.is_alive: that reaps the child (waitpid), racing the thread that joins it
+        return self._reader.is_alive() and not multiprocessing.connection.wait([self._proc.sentinel], 0)
 
     @property
     def failure(self) -> str | None:
@@ -290,16 +314,25 @@ class EngineProcess:
         self._send_queue.put(("shutdown",))
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Abort what runs, stop the child's loop, let it close its engine, and wait for it to exit."""
+        """Abort what runs, stop the child's loop, let it close its engine, and wait for it to exit
+        (idempotent)."""
+        if self._stopping:
+            return
         self._stopping = True
         self.shutdown()
         self._send_queue.put(None)
-        self._proc.join(timeout_s)
-        if self._proc.is_alive():
+        if not self._join(timeout_s):
             logger.error("the engine process did not stop within %.0f s; killing it", timeout_s)
             self._proc.kill()
-            self._proc.join(5)
+            self._join(5)
         self._reader.join(5)
+
+    def _join(self, timeout_s: float) -> bool:
+        """Wait for the child to exit; whether it did. Only here, one thread at a time: two waitpid calls
+        on one child race, and the loser reads a process that is gone as alive."""
+        with self._join_lock:
+            self._proc.join(timeout_s)
+            return self._proc.exitcode is not None
 
     # -- the parent's threads ---------------------------------------------------------------------
 
@@ -325,8 +358,8 @@ class EngineProcess:
                 self.num_waiting, self._num_added, self.failed_steps, self._child_failure, self.snapshot = payload
             elif kind == "stopped":
                 break
-        self._proc.join(5)
         if not self._stopping:
+            self._join(5)
             self._exited = f"the engine process exited unexpectedly (exit code {self._proc.exitcode})"
             logger.error("%s", self._exited)
         # whoever still waits for outputs will get none
