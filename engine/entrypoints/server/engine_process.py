@@ -25,6 +25,7 @@ import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import signal
 import threading
@@ -95,7 +96,10 @@ class _ChildLoop(EngineLoop):
         self._send(("outputs", items))
 
     def _publish(self) -> None:  # engine thread
+        published = self.snapshot
         super()._publish()
+        if self.snapshot is not published:  # a new snapshot: this process's memory beside the engine's counters
+            self.snapshot = {**self.snapshot, "engine_process_rss_bytes": _resident_bytes()}
         self._send_state()
 
     def _send_state(self) -> None:
@@ -124,6 +128,15 @@ class _ChildLoop(EngineLoop):
             self.stop_accepting()
         elif kind == "shutdown":
             self.shutdown()
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere): the parent's /metrics shows its own."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _logging_setup() -> tuple[int, str | None]:
