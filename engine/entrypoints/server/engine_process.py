@@ -81,6 +81,7 @@ class _ChildLoop(EngineLoop):
         super().__init__(llm)
         self._conn = conn
         self._sent_state: tuple | None = None
+        self._sent_snapshot: dict | None = None
 
     def _deliver(self, batch: list[tuple[Any, Any]]) -> None:  # engine thread
         # the counters first: a failure the outputs report (a dead rank) is the parent's before their errors
@@ -104,10 +105,10 @@ class _ChildLoop(EngineLoop):
 
     def _send_state(self) -> None:
         """What EngineLoop publishes, when it changed since it was last sent."""
-        state = (self.num_waiting, self._num_added, self.failed_steps, self.failure, id(self.snapshot))
-        if state != self._sent_state:
-            self._sent_state = state
-            self._send(("state", (self.num_waiting, self._num_added, self.failed_steps, self.failure, self.snapshot)))
+        state = (self.num_waiting, self._num_added, self.failed_steps, self.failure)
+        if state != self._sent_state or self.snapshot is not self._sent_snapshot:  # a snapshot is never mutated
+            self._sent_state, self._sent_snapshot = state, self.snapshot
+            self._send(("state", (*state, self.snapshot)))
 
     def _send(self, message: tuple) -> None:
         try:
