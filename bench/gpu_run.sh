@@ -165,8 +165,9 @@ case "${1:-smoke}" in
     rm -f "$OUT"/prof/*.prof; [ -d "$OUT/prof" ] && tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
     ;;
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
+    # (SERVERS: thread, the default; process: serve --engine-process, whose rows are "prefill/engine_process")
     tokenizer_check
-    suite 560 serving --model gemma-3-1b --configs prefill --workloads batch_1,batch_16,batch_64
+    suite 560 serving --model gemma-3-1b --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-thread}"
     ;;
   soak-start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

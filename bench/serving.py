@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -236,9 +237,11 @@ class ServerProcess:
 
 
 def run(model: str, requests: int | None = None, rate: float | None = None, configs=None, workloads=None,
-        url: str | None = None, tokenizer: str | None = None, **_: object) -> Report:
+        url: str | None = None, tokenizer: str | None = None, servers: str | None = None, **_: object) -> Report:
     """tokenizer: the directory of the tokenizer the servers hold (default bench/.tokenizer; "none": none,
-    and no stop strings). With `url`, the running server's own tokenizer is whatever it was given."""
+    and no stop strings). With `url`, the running server's own tokenizer is whatever it was given.
+    servers: "thread" (default: the engine loop a thread of the server), "process" (--engine-process) or
+    both, comma-separated: each configuration's workloads run against each, the config column saying which."""
     from bench.configs import load_config
     from engine.entrypoints.cli_args import ENGINE_OPTIONS
 
@@ -274,7 +277,9 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     prefix_flag = "--enable-prefix-caching" in ENGINE_OPTIONS
     if "prefix_caching" in chosen and not prefix_flag:
         report.notes.append("prefix_caching ran WITHOUT a prefix cache: this engine has no --enable-prefix-caching")
-    targets = {"external": None} if url else {name: CONFIGS[name] for name in config_names(configs)}
+    kinds = parse_servers(servers)
+    targets = {"external": None} if url else {
+        name + SERVER_SUFFIX[kind]: [*CONFIGS[name], *SERVER_FLAGS[kind]] for name in config_names(configs) for kind in kinds}
     for name, flags in targets.items():
         # one server per configuration; prefix_caching gets its own, started with the prefix cache on
         # (the others run without it: their prompts share nothing, so it would only add bookkeeping)
@@ -292,11 +297,26 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
                 if server is not None:
                     server.stop()
         in_process = [w for w in chosen if w == "baseline" or batch_size(w) is not None] if not url else []
+        if name.endswith(SERVER_SUFFIX["process"]):  # the in-process rows do not depend on the server's kind
+            in_process = []
         for workload in in_process:
             _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache], workload,
                                 make(workload, s, vocab, stop=stop)[0],
                                 make(workload, s, vocab, warm_up=True, stop=stop)[0], tok_dir)
     return report
+
+
+SERVER_FLAGS = {"thread": [], "process": ["--engine-process"]}
+SERVER_SUFFIX = {"thread": "", "process": "/engine_process"}
+
+
+def parse_servers(servers: str | None) -> list[str]:
+    """`--servers thread,process` -> the kinds of server to start, in the order given."""
+    kinds = [k.strip() for k in (servers or "thread").split(",")]
+    unknown = [k for k in kinds if k not in SERVER_FLAGS]
+    if unknown:
+        raise ValueError(f"--servers: unknown {unknown}; choose from {sorted(SERVER_FLAGS)}")
+    return kinds
 
 
 def config_names(configs: str | list[str] | None) -> list[str]:
@@ -387,24 +407,36 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
 
 def _serve_main(argv: list[str]) -> int:
     """The server child: the benchmark model (random weights) built in-process, served by the engine."""
-    from bench.common import build_model
-    from engine import LLM
-    from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
-    from engine.entrypoints.server import serve_llm
+    import functools
     import logging
+
+    from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
+    from engine.entrypoints.server import serve_engine_process, serve_llm
 
     parser = OneLineErrorParser(prog="python -m bench.serving --serve")
     add_engine_args(parser)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--engine-process", action="store_true", help="the engine in a process of its own")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    net = build_model(args.model)
-    # --tokenizer is a directory bench/tokenizer.py wrote (no config.json): loaded here and handed to the
-    # engine as an object, LLM(..., tokenizer=...), as the in-process reference does
-    tok = load_tokenizer(args.tokenizer, net.config.vocab_size) if getattr(args, "tokenizer", None) else None
     fields = engine_config_fields(args)
     fields.pop("tokenizer", None)
-    return serve_llm(LLM(net, tokenizer=tok, **fields), args.model, port=args.port)
+    build = functools.partial(build_served_llm, args.model, getattr(args, "tokenizer", None), fields)
+    if args.engine_process:
+        return serve_engine_process(build, args.model, port=args.port)
+    return serve_llm(build(), args.model, port=args.port)
+
+
+def build_served_llm(model: str, tokenizer: str | None, fields: dict) -> Any:
+    """The served engine: the benchmark model with random weights. `tokenizer` is a directory
+    bench/tokenizer.py wrote (no config.json): loaded here and handed to the engine as an object,
+    LLM(..., tokenizer=...), as the in-process reference does. Module-level: the engine process builds it."""
+    from bench.common import build_model
+    from engine import LLM
+
+    net = build_model(model)
+    tok = load_tokenizer(tokenizer, net.config.vocab_size) if tokenizer else None
+    return LLM(net, tokenizer=tok, **fields)
 
 
 if __name__ == "__main__":

@@ -269,10 +269,22 @@ def _histogram_p99_ms(before: dict[str, float], after: dict[str, float], name: s
     return None if le == float("inf") else round(le * 1e3, 3)
 
 
+RSS_TOTAL = "rss_total_bytes"  # the server's RSS and, with serve --engine-process, its engine process's
+
+
+def _with_rss_total(metrics: dict[str, float]) -> dict[str, float]:
+    if "process_resident_memory_bytes" not in metrics:
+        return metrics
+    return {**metrics, RSS_TOTAL: metrics["process_resident_memory_bytes"]
+            + metrics.get(PRA + "engine_process_resident_memory_bytes", 0.0)}
+
+
 def _memory_row(seconds: float, metrics: dict[str, float]) -> list[float]:
-    """[seconds since steady began, RSS MiB, CUDA allocated MiB, CUDA reserved MiB] (None: not exported)."""
+    """[seconds since steady began, RSS MiB (the engine process's included), CUDA allocated MiB, CUDA
+    reserved MiB] (None: not exported)."""
+    metrics = _with_rss_total(metrics)
     mib = lambda name: None if name not in metrics else round(metrics[name] / 2**20, 1)  # noqa: E731
-    return [round(seconds, 1), mib("process_resident_memory_bytes"), mib(PRA + "cuda_memory_allocated_bytes"),
+    return [round(seconds, 1), mib(RSS_TOTAL), mib(PRA + "cuda_memory_allocated_bytes"),
             mib(PRA + "cuda_memory_reserved_bytes")]
 
 
@@ -300,6 +312,8 @@ def _ttft_p99_by_half(outcomes: list[Outcome]) -> list[float | None]:
 
 
 def _end_state(warm: dict[str, float], end: dict[str, float], idle_s: float) -> dict[str, Any]:
+    warm, end = _with_rss_total(warm), _with_rss_total(end)
+
     def growth(name: str) -> dict[str, Any] | None:
         if name not in warm or name not in end:
             return None
@@ -311,7 +325,7 @@ def _end_state(warm: dict[str, float], end: dict[str, float], idle_s: float) -> 
             **{k: end.get(PRA + k) for k in ("kv_blocks_used", "requests_running", "requests_waiting",
                                                "requests_admitting", "preemptions_total")},
             "server_rejected_503": end.get(PRA + "requests_rejected_total{reason=queue_full}"),
-            "rss_bytes": growth("process_resident_memory_bytes"),
+            "rss_bytes": growth(RSS_TOTAL),
             "cuda_allocated_bytes": growth(PRA + "cuda_memory_allocated_bytes"),
             "cuda_reserved_bytes": growth(PRA + "cuda_memory_reserved_bytes"),
             "prefix_cache": {k[len(PRA + "prefix_cache_"):]: v for k, v in end.items()

@@ -25,6 +25,9 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # crosses from the server's engine process to its HTTP process
+        return type(self), (str(self), self.param)
+
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: dividing logits by a smaller one overflows (1e-45 -> inf / nan)
 MAX_LOGPROBS = 20  # top tokens per generated token (vLLM's default limit; OpenAI's chat API allows 20)

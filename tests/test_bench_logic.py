@@ -125,19 +125,22 @@ def test_default_results_dir_is_named_for_the_gpu_model():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
 def test_serving_sends_the_workloads_over_http_and_every_request_completes(tmp_path):
-    """The CPU smoke run: one server subprocess, two workloads over HTTP, sent == completed."""
+    """The CPU smoke run: a server subprocess of each kind (the engine a thread of it, or a process of its
+    own), the workloads over HTTP, sent == completed."""
     from bench import serving
     from tests.tiny_tokenizer import save_tiny_tokenizer
     save_tiny_tokenizer(tmp_path)  # a real tokenizer covering tiny-llama's ids: the server detokenizes
     report = serving.run("tiny-llama", requests=3, configs=["graphs off"], workloads="baseline,chunked_prefill,batch_3",
-                         tokenizer=str(tmp_path))
+                         tokenizer=str(tmp_path), servers="thread,process")
     assert report.meta["tokenizer"] == str(tmp_path) and report.meta["stop"] and report.meta["stop_share"] > 0
     assert not any("errors" in n for n in report.notes)  # text streamed, every stop-string request accepted
     assert f"max_num_batched_tokens={serving.MAX_NUM_BATCHED_TOKENS}" in report.notes[0]
     assert f"KV blocks of {serving.BLOCK_SIZE}" in report.notes[0]
     assert [(r["config"], r["workload"]) for r in report.rows] == [
         ("graphs off", "baseline"), ("graphs off", "chunked_prefill"), ("graphs off", "batch_3"),
-        ("graphs off (in-process LLM)", "baseline"), ("graphs off (in-process LLM)", "batch_3")]
+        ("graphs off (in-process LLM)", "baseline"), ("graphs off (in-process LLM)", "batch_3"),
+        ("graphs off/engine_process", "baseline"), ("graphs off/engine_process", "chunked_prefill"),
+        ("graphs off/engine_process", "batch_3")]
     for row in report.rows:
         assert row["sent"] == row["completed"] > 0 and row["output_tok_per_s"] > 0
         assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0 and not row["graph_mib"]
@@ -161,6 +164,9 @@ def test_serving_workloads_have_their_shape():
     assert all(r.stop == ("<a>", "<b>") for r in batch)  # issue 38's variant: tokenizer + stop strings, all of them
     with pytest.raises(ValueError, match="batch_N"):
         serving.make("batch_x", sizes, 1000)
+    assert serving.parse_servers(None) == ["thread"] and serving.parse_servers("process,thread") == ["process", "thread"]
+    with pytest.raises(ValueError, match=r"--servers: unknown \['threads'\]"):
+        serving.parse_servers("threads")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")

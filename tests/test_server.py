@@ -79,12 +79,14 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-served"))
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+# Every test over HTTP runs against both servers: the engine loop a thread of the server's process, and
+# the engine in a process of its own (--engine-process, engine_process.py).
+@pytest.fixture(scope="module", params=["engine_thread", "engine_process"])
+def server(model_dir, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("server-log") / "stderr.txt"
     proc, url = start_server(model_dir, log, "--device", "cpu", "--api-key", KEY, "--max-request-bytes", "65536",
-                             *_flags(ENGINE))
-    yield proc, url, log
+                             *_flags(ENGINE), *(["--engine-process"] if request.param == "engine_process" else []))
+    yield proc, url, log, request.param
     stop_server(proc)
 
 
@@ -489,7 +491,7 @@ def test_a_client_gone_before_its_body_arrived_is_counted_not_an_error(server):
     """A client whose timeout fires while it is still sending (the soak's load saw 27 such) costs
     nothing: no error or traceback in the log, a counter moves, the next request is served."""
     import socket
-    _, url, log = server
+    _, url, log, _ = server
     host, port = url.removeprefix("http://").split(":")
     before = _metrics(url).get("infer_graphs_requests_left_before_body_total", 0)
     for _ in range(3):
@@ -636,7 +638,7 @@ def test_a_body_over_the_limit_is_413_with_or_without_content_length(url):
     assert chunked.status_code == 413
 
 
-def test_metrics_parse_as_prometheus_text_and_counters_move(url, client):
+def test_metrics_parse_as_prometheus_text_and_counters_move(url, client, server):
     before = _metrics(url)
     client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
@@ -654,6 +656,9 @@ def test_metrics_parse_as_prometheus_text_and_counters_move(url, client):
     for name in ("requests_waiting", "kv_blocks_free", "graph_fallbacks_total", "preemptions_total",
                  "steps_total{mode=full}", "steps_total{mode=piecewise}", "kv_group_blocks_free{kind=full}"):
         assert f"infer_graphs_{name}" in after
+    # the engine's own process (--engine-process) holds the model: its memory is shown beside the server's
+    engine_rss = after.get("infer_graphs_engine_process_resident_memory_bytes")
+    assert (engine_rss is not None and engine_rss > 50 * 2**20) == (server[3] == "engine_process")
 
 
 def test_prompts_are_not_logged(server):

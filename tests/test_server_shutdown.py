@@ -1,6 +1,7 @@
 """SIGTERM / SIGINT on a real `python -m engine serve`: the drain lets streams in flight finish, a drain past
---shutdown-timeout aborts them with an error event, a second signal stops at once. One server per test
-(each ends it), on 127.0.0.1 and a free port.
+--shutdown-timeout aborts them with an error event, a second signal stops at once; with the engine in its
+own process (--engine-process) too, and that process dying ends the streams and the server. One server per
+test (each ends it), on 127.0.0.1 and a free port.
 """
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ LONG = 480  # tokens: seconds of decoding on the CPU, longer than any drain time
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return save_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-shutdown"))
+
+
+MODES = ["engine_thread", "engine_process"]
+
+
+def _mode_flags(mode: str) -> list[str]:
+    return ["--engine-process"] if mode == "engine_process" else []
 
 
 def _start(model_dir: Path, tmp_path: Path, *extra: str):
@@ -65,9 +73,10 @@ def _body(max_tokens: int, **extra) -> dict:
             "ignore_eos": True, "return_token_ids": True, **extra}
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_refuses_new_requests_lets_those_in_flight_finish_and_exits_0(model_dir, tmp_path, sig):
-    proc, url, log = _start(model_dir, tmp_path)
+def test_a_signal_refuses_new_requests_lets_those_in_flight_finish_and_exits_0(model_dir, tmp_path, sig, mode):
+    proc, url, log = _start(model_dir, tmp_path, *_mode_flags(mode))
     try:
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
@@ -97,8 +106,9 @@ def test_a_signal_refuses_new_requests_lets_those_in_flight_finish_and_exits_0(m
         stop_server(proc)
 
 
-def test_a_drain_past_the_timeout_aborts_with_an_error_event_and_exits_0(model_dir, tmp_path):
-    proc, url, log = _start(model_dir, tmp_path, "--shutdown-timeout", "0.5")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_drain_past_the_timeout_aborts_with_an_error_event_and_exits_0(model_dir, tmp_path, mode):
+    proc, url, log = _start(model_dir, tmp_path, "--shutdown-timeout", "0.5", *_mode_flags(mode))
     try:
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
@@ -122,8 +132,9 @@ def test_a_drain_past_the_timeout_aborts_with_an_error_event_and_exits_0(model_d
         stop_server(proc)
 
 
-def test_a_second_signal_stops_at_once_aborting_what_runs(model_dir, tmp_path):
-    proc, url, log = _start(model_dir, tmp_path, "--shutdown-timeout", "60")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_signal_stops_at_once_aborting_what_runs(model_dir, tmp_path, mode):
+    proc, url, log = _start(model_dir, tmp_path, "--shutdown-timeout", "60", *_mode_flags(mode))
     try:
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
@@ -146,18 +157,21 @@ def test_a_second_signal_stops_at_once_aborting_what_runs(model_dir, tmp_path):
         stop_server(proc)
 
 
-def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path, mode):
     import psutil
 
-    proc, url, log = _start(model_dir, tmp_path, "--tensor-parallel-size", "2")
+    proc, url, log = _start(model_dir, tmp_path, "--tensor-parallel-size", "2", *_mode_flags(mode))
     try:
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
                 started = [asyncio.Event(), asyncio.Event()]
                 streams = [asyncio.create_task(_stream(client, url, _body(LONG), s)) for s in started]
                 await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
-                [rank1] = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                spawned = [c for c in psutil.Process(proc.pid).children(recursive=True)
                            if "spawn_main" in " ".join(c.cmdline())]
+                # rank 0 is the server (engine thread) or the engine process, whose child rank 1 is
+                [rank1] = [c for c in spawned if c.ppid() != proc.pid] if mode == "engine_process" else spawned
                 rank1.kill()
                 events = await asyncio.wait_for(asyncio.gather(*streams), 30)
                 try:
@@ -173,6 +187,37 @@ def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_se
         text = log.read_text()
         # the failure is seen as a dead rank or as the collective that its death broke, whichever comes first
         assert "stopping: the engine cannot serve any more: tensor-parallel worker failed" in text
+        assert "server stopped" in text
+    finally:
+        stop_server(proc)
+
+
+def test_an_engine_process_that_dies_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
+    import psutil
+
+    proc, url, log = _start(model_dir, tmp_path, "--engine-process")
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                started = [asyncio.Event(), asyncio.Event()]
+                streams = [asyncio.create_task(_stream(client, url, _body(LONG), s)) for s in started]
+                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
+                [engine] = [c for c in psutil.Process(proc.pid).children(recursive=False)
+                            if "spawn_main" in " ".join(c.cmdline())]
+                engine.kill()
+                events = await asyncio.wait_for(asyncio.gather(*streams), 30)
+                try:
+                    health = (await client.get(f"{url}/health")).status_code
+                except httpx.TransportError:  # already gone: what a load balancer sees as down too
+                    health = None
+                return events, health, await asyncio.to_thread(proc.wait, 30)
+
+        streams, health, status = asyncio.run(run())
+        for events in streams:
+            assert events[-1] == "[DONE]" and "engine process exited unexpectedly" in events[-2]["error"]["message"]
+        assert health in (503, None) and status == 1
+        text = log.read_text()
+        assert "stopping: the engine cannot serve any more: the engine process exited unexpectedly" in text
         assert "server stopped" in text
     finally:
         stop_server(proc)

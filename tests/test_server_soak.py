@@ -40,10 +40,12 @@ def test_the_soak_mix_draws_every_kind_of_request_in_its_shares():
     assert any("logprobs" in body and "messages" not in body for _, body, _ in valid)
 
 
-@pytest.mark.parametrize("front", ["", " --frontend-process"], ids=["inline", "frontend-process"])
+@pytest.mark.parametrize("front", ["", " --frontend-process", " --engine-process"],
+                         ids=["inline", "frontend-process", "engine-process"])
 def test_a_short_soak_loses_nothing_and_ends_idle_with_no_blocks_in_use(tmp_path, front):
     """Also with the text in the front end's process: disconnects, n > 1, stop strings, overload and
-    the SIGTERM drain meet a front end whose stop matches arrive a step late."""
+    the SIGTERM drain meet a front end whose stop matches arrive a step late; and with the engine in a
+    process of its own, whose memory the RSS goal counts too."""
     model_dir = save_tiny_llama_with_tokenizer(tmp_path / "tiny")
     out = tmp_path / "soak.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

@@ -53,6 +53,9 @@ class QueueFullError(RuntimeError):
                          f"(EngineConfig.max_waiting_requests={limit}); retry later")
         self.request_id, self.num_waiting, self.limit = request_id, num_waiting, limit
 
+    def __reduce__(self):  # crosses from the server's engine process to its HTTP process
+        return type(self), (self.request_id, self.num_waiting, self.limit)
+
 
 class LLM:
     def __init__(self, model: str | torch.nn.Module = "default", tokenizer: Any = None, revision: str | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import logging
 import os
 import socket
@@ -30,9 +31,19 @@ def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
     # what the command line gets wrong is refused before the engine spends its start-up on it
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     _check_shutdown_timeout(args.shutdown_timeout)
-    return serve_llm(LLM(args.model, **config_fields), args.served_model_name or args.model, args.host, args.port,
-                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, chat_template=chat_template,
-                     shutdown_timeout_s=args.shutdown_timeout)
+    options = dict(api_key=args.api_key, max_request_bytes=args.max_request_bytes, chat_template=chat_template,
+                   shutdown_timeout_s=args.shutdown_timeout)
+    name = args.served_model_name or args.model
+    if getattr(args, "engine_process", False):
+        return serve_engine_process(functools.partial(build_llm, args.model, config_fields), name, args.host,
+                                    args.port, **options)
+    return serve_llm(LLM(args.model, **config_fields), name, args.host, args.port, **options)
+
+
+def build_llm(model: Any, config_fields: dict[str, Any], tokenizer: Any = None) -> Any:
+    """LLM(model, **config_fields): what the engine process builds (a module-level function pickles)."""
+    from engine.core.llm import LLM
+    return LLM(model, **config_fields) if tokenizer is None else LLM(model, tokenizer=tokenizer, **config_fields)
 
 
 def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -42,19 +53,73 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
     Returns the exit status: 0 after a drain, 1 if a second signal cut it short, the engine failed
     for good (a tensor-parallel rank died) or the engine loop did not stop. `chat_template`: a Jinja
     string (load_chat_template) replacing the tokenizer's."""
-    import uvicorn
-
-    from engine.entrypoints.server.app import build_app
     from engine.entrypoints.server.engine_loop import EngineLoop
-    from engine.entrypoints.server.shutdown import DrainingServer
 
     _check_shutdown_timeout(shutdown_timeout_s)
+    _check_chat_template(llm, name, chat_template)
+    sock = _listen(host, port)
+    engine = EngineLoop(llm)
+    stats = llm.stats()  # before the loop starts: from then on only its thread calls the engine
+
+    def close() -> int:
+        engine.stop()
+        if engine.is_alive():  # a step still running (a stuck collective): closing would free its memory
+            logger.error("the engine loop did not stop in time; exiting without closing the engine")
+            return 1
+        llm.close()
+        return 0
+    return _serve(engine, llm, stats["decode_graphs"], sock, name, close, api_key, max_request_bytes, chat_template,
+                  shutdown_timeout_s, "")
+
+
+def serve_engine_process(build: Any, name: str, host: str = "127.0.0.1", port: int = 8000,
+                         api_key: str | None = None, max_request_bytes: int = 1 << 20, chat_template: str | None = None,
+                         shutdown_timeout_s: float = 30.0) -> int:
+    """serve_llm with the engine built by `build()` in a process of its own (engine_process.py): the
+    HTTP side and the step loop do not share a GIL. Same start-up order, drain and exit statuses."""
+    from engine.entrypoints.server.engine_process import EngineProcess
+
+    _check_shutdown_timeout(shutdown_timeout_s)
+    sock = _listen(host, port)  # before the start-up: a port in use fails at once
+    try:
+        engine = EngineProcess(build)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        _check_chat_template(engine.llm, name, chat_template)
+    except BaseException:
+        sock.close()
+        engine.stop()
+        raise
+
+    def close() -> int:
+        engine.stop()
+        return 0 if engine.failure is None else 1
+    try:
+        return _serve(engine, engine.llm, engine.snapshot.get("decode_graphs", 0), sock, name, close, api_key,
+                      max_request_bytes, chat_template, shutdown_timeout_s, ", the engine in a process of its own")
+    finally:
+        engine.stop()  # whatever ended the server: the engine process must not outlive it
+
+
+def _check_chat_template(llm: Any, name: str, chat_template: str | None) -> None:
     if llm.tokenizer is None:
         if chat_template is not None:
             raise ConfigError(f"--chat-template: model {name} has no tokenizer to render a chat template with")
         logger.warning("model %s has no tokenizer: prompts must be token ids, texts are empty, no chat", name)
-    sock = _listen(host, port)
-    engine = EngineLoop(llm)
+
+
+def _serve(engine: Any, llm: Any, num_decode_graphs: int, sock: socket.socket, name: str, close: Any,
+           api_key: str | None, max_request_bytes: int, chat_template: str | None, shutdown_timeout_s: float,
+           where: str) -> int:
+    """The HTTP server over `engine` (EngineLoop or EngineProcess) until it stops; `close()` stops the
+    engine and returns its part of the exit status."""
+    import uvicorn
+
+    from engine.entrypoints.server.app import build_app
+    from engine.entrypoints.server.shutdown import DrainingServer
+
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     app = build_app(engine, name, tokenize_pool, api_key=api_key, max_request_bytes=max_request_bytes,
                     chat_template=chat_template)
@@ -66,16 +131,15 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off",
                             timeout_keep_alive=KEEP_ALIVE_S)
     server = DrainingServer(config, engine, app, shutdown_timeout_s)
-    stats = llm.stats()  # before the loop starts: from then on only its thread calls the engine
     status = 0
     with server.signals_handled():
         engine.start()
         host, port = sock.getsockname()[:2]
-        logger.info("ready: serving %r at http://%s:%d/v1 (%s, %s; %d decode graphs, prefill graphs %s%s%s)",
+        logger.info("ready: serving %r at http://%s:%d/v1 (%s, %s; %d decode graphs, prefill graphs %s%s%s%s)",
                     name, host if ":" not in host else f"[{host}]", port, llm.config.device, llm.config.dtype,
-                    stats["decode_graphs"], "on" if llm.config.prefill_graphs else "off",
+                    num_decode_graphs, "on" if llm.config.prefill_graphs else "off",
                     "" if engine.max_waiting is None else f", at most {engine.max_waiting} waiting",
-                    ", API key required" if api_key else "")
+                    ", API key required" if api_key else "", where)
         try:
             server.run(sockets=[sock])
         finally:
@@ -86,12 +150,7 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
             if server.failed:
                 status = 1
             tokenize_pool.shutdown(wait=False, cancel_futures=True)
-            engine.stop()
-            if engine.is_alive():  # a step still running (a stuck collective): closing would free its memory
-                logger.error("the engine loop did not stop in time; exiting without closing the engine")
-                status = 1
-            else:
-                llm.close()
+            status = max(status, close())
     logger.info("server stopped")
     return status
 

@@ -43,6 +43,9 @@ class _EngineStats:
         def counter(name, doc, value):
             return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
+        if "engine_process_rss_bytes" in s:  # serve --engine-process: the process that holds the engine
+            yield gauge("engine_process_resident_memory_bytes", "resident memory of the engine's process",
+                        s["engine_process_rss_bytes"])
         yield gauge("requests_running", "requests scheduled in the running batch", s["requests_running"])
         yield gauge("requests_waiting", "requests queued, waiting for a slot or KV blocks", s["requests_waiting"])
         yield gauge("requests_admitting", "requests submitted to the engine thread, not yet in its queue",

@@ -1,0 +1,412 @@
+"""The engine in a process of its own: the server's HTTP side and the engine's step loop stop sharing a GIL.
+
+In one process (EngineLoop) the event loop and the step thread take turns at the GIL: at batch 64 each
+step's 64 streamed chunks are ~1 ms of Python on the event loop, and a step whose GPU work is done
+waits for it. Here (`serve --engine-process`, as vLLM's API server and engine core are split) the child
+process builds the LLM and runs an EngineLoop in it; the parent runs the HTTP server and this
+EngineProcess, which has EngineLoop's interface, so the app, Choices and the drain use either alike.
+
+Over two pipes:
+- parent -> child: commands (add, abort, stop accepting, shutdown, stop), sent by a sender thread from
+  a SimpleQueue, so that a signal handler on the main thread can put one (as with EngineLoop);
+- child -> parent: per step, the outputs as deltas (`_encode`: a RequestOutput reads its cumulative
+  fields through cursors into the request's own lists, which stay in the child; the parent keeps a
+  mirror of each request's lists, `_Mirror`, appended from the deltas, and builds RequestOutputs over
+  it), and the counters EngineLoop publishes (queue depth, submissions processed, the stats snapshot,
+  the tensor-parallel failure).
+
+The child ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): the parent drains and
+then stops it. A child that exits on its own is an engine failure (`failure`), which stops the server
+as a dead tensor-parallel rank does; every request in flight ends with EngineUnavailable.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop, EngineUnavailable, Stream, _put_all
+from engine.outputs import RequestOutput, TextHistory
+from engine.params import SamplingParams
+
+logger = logging.getLogger("engine.server")
+
+READY_TIMEOUT_S = 3600.0  # a cold GPU start-up compiles and captures for minutes
+STOP_TIMEOUT_S = 30.0
+
+
+# -- the child ------------------------------------------------------------------------------------
+
+class _ChildStream:
+    """The child's side of a request's stream: what of its lists the parent has already been sent."""
+
+    __slots__ = ("request_id", "index", "every_step", "sent_first", "tokens", "pieces", "times", "logprobs", "loop")
+
+    def __init__(self, request_id: str, index: int, every_step: bool) -> None:
+        self.request_id, self.index, self.every_step = request_id, index, every_step
+        self.sent_first = False
+        self.tokens = self.pieces = self.times = self.logprobs = 0
+        self.loop = None
+
+
+def _encode(stream: _ChildStream, out: RequestOutput) -> tuple:
+    """A RequestOutput as what the parent has not seen of it: the new entries of the request's lists
+    (the prompt with the first), the cursors, and the delta fields."""
+    h = out.history
+    if h is None:
+        history = None
+    else:
+        end = h.num_prompt_tokens + h.num_output_tokens
+        logprobs = None if h.token_logprobs is None else h.token_logprobs[stream.logprobs:h.num_output_tokens]
+        history = (h.num_prompt_tokens, h.all_token_ids[stream.tokens:end], h.text_pieces[stream.pieces:h.num_text_pieces],
+                   h.token_times[stream.times:h.num_output_tokens], logprobs, h.num_output_tokens, h.num_text_pieces)
+        stream.tokens, stream.pieces, stream.times = end, h.num_text_pieces, h.num_output_tokens
+        if logprobs is not None:
+            stream.logprobs = h.num_output_tokens
+    return (out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.ttft_s,
+            out.num_preemptions, out.new_logprobs, history)
+
+
+class _ChildLoop(EngineLoop):
+    """EngineLoop whose deliveries and published counters go down a pipe instead of to an event loop."""
+
+    def __init__(self, llm: Any, conn: Any) -> None:
+        super().__init__(llm)
+        self._conn = conn
+        self._sent_state: tuple | None = None
+        self._sent_snapshot: dict | None = None
+
+    def _deliver(self, batch: list[tuple[Any, Any]]) -> None:  # engine thread
+        # the counters first: a failure the outputs report (a dead rank) is the parent's before their errors
+        self._send_state()
+        items = []
+        for stream, item in batch:
+            if item is ACCEPTED:
+                items.append((stream.request_id, "accepted", None))
+            elif isinstance(item, BaseException):
+                items.append((stream.request_id, "error", item))
+            else:
+                items.append((stream.request_id, "output", _encode(stream, item)))
+        self._send(("outputs", items))
+
+    def _publish(self) -> None:  # engine thread
+        published = self.snapshot
+        super()._publish()
+        if self.snapshot is not published:  # a new snapshot: this process's memory beside the engine's counters
+            self.snapshot = {**self.snapshot, "engine_process_rss_bytes": _resident_bytes()}
+        self._send_state()
+
+    def _send_state(self) -> None:
+        """What EngineLoop publishes, when it changed since it was last sent."""
+        state = (self.num_waiting, self._num_added, self.failed_steps, self.failure)
+        if state != self._sent_state or self.snapshot is not self._sent_snapshot:  # a snapshot is never mutated
+            self._sent_state, self._sent_snapshot = state, self.snapshot
+            self._send(("state", (*state, self.snapshot)))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):  # the parent is gone; stop() follows
+            pass
+
+    def command(self, message: tuple) -> None:
+        """A command from the parent (the child's reader thread)."""
+        kind, *args = message
+        if kind == "add":
+            prompt, params, request_id, index, every_step, bounded = args
+            self._num_submitted += 1
+            self._commands.put((self._add, (prompt, params, _ChildStream(request_id, index, every_step), bounded)))
+        elif kind == "abort":
+            self.abort(*args)
+        elif kind == "stop_accepting":
+            self.stop_accepting()
+        elif kind == "shutdown":
+            self.shutdown()
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere): the parent's /metrics shows its own."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _logging_setup() -> tuple[int, str | None]:
+    """The parent's root logger level and format: a spawned child starts with logging unconfigured, and the
+    engine's start-up lines (phases, graphs, the KV pool) are what a user reads while it starts."""
+    root = logging.getLogger()
+    formatter = root.handlers[0].formatter if root.handlers else None
+    return root.level, None if formatter is None else formatter._fmt
+
+
+def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup: tuple[int, str | None]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drains and stops this process
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    level, fmt = log_setup
+    if fmt is None:
+        logging.getLogger().setLevel(level)
+    else:
+        logging.basicConfig(level=level, format=fmt)
+    try:
+        llm = build()
+    except BaseException as exc:  # the parent raises it: start-up errors read as in one process
+        outputs.send(("failed", exc))
+        return
+    loop = _ChildLoop(llm, outputs)
+    outputs.send(("ready", (llm.config, llm.tokenizer, loop.snapshot)))
+    loop.start()
+    while True:
+        try:
+            message = commands.recv()
+        except (EOFError, OSError):  # the parent died: nothing will read the outputs
+            message = None
+        if message is None:
+            break
+        loop.command(message)
+    loop.stop(STOP_TIMEOUT_S)
+    if not loop.is_alive():
+        llm.close()
+    outputs.send(("stopped", None))
+
+
+# -- the parent -----------------------------------------------------------------------------------
+
+class _Mirror:
+    """The parent's copy of one request's lists, grown from the deltas; RequestOutputs read it as the
+    child's read the request's own."""
+
+    __slots__ = ("prompt", "all_token_ids", "text_pieces", "token_times", "token_logprobs")
+
+    def __init__(self) -> None:
+        self.prompt: list[int] = []
+        self.all_token_ids: list[int] = []
+        self.text_pieces: list[str] = []
+        self.token_times: list[float] = []
+        self.token_logprobs: list | None = None
+
+    def output(self, fields: tuple) -> RequestOutput:
+        request_id, new_ids, new_text, finished, reason, ttft, preemptions, new_logprobs, history = fields
+        h = None
+        if history is not None:
+            num_prompt, tokens, pieces, times, logprobs, num_out, num_pieces = history
+            if not self.all_token_ids:
+                self.prompt = tokens[:num_prompt]
+            self.all_token_ids.extend(tokens)
+            self.text_pieces.extend(pieces)
+            self.token_times.extend(times)
+            if logprobs is not None:
+                if self.token_logprobs is None:
+                    self.token_logprobs = []
+                self.token_logprobs.extend(logprobs)
+            h = TextHistory(self.all_token_ids, num_prompt, num_out, self.text_pieces, num_pieces, self.token_times,
+                            self.token_logprobs)
+        return RequestOutput(request_id, self.prompt, new_ids, new_text, finished, reason, ttft, preemptions,
+                             history=h, new_logprobs=new_logprobs)
+
+
+class EngineInfo:
+    """What the app reads of the LLM in the parent: its configuration and tokenizer."""
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.tp = None  # a failed rank reaches the parent as EngineProcess.failure
+
+    def encode(self, text: str, tokenizer: Any = None) -> list[int]:
+        return (tokenizer or self.tokenizer)(text)["input_ids"]  # as LLM.encode
+
+
+class EngineProcess:
+    """EngineLoop's interface (engine_loop.py) over an engine built by `build()` in a child process.
+    `build` must pickle (a module-level function, or functools.partial of one). Construction waits
+    until the child's engine is ready and raises what its start-up raised."""
+
+    def __init__(self, build: Callable[[], Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        self._commands_recv, commands_send = ctx.Pipe(duplex=False)
+        outputs_recv, self._outputs_send = ctx.Pipe(duplex=False)
+        # not a daemon: the engine starts processes of its own (tensor-parallel ranks, the text front end);
+        # it exits when this process goes, as its command pipe then reads EOF
+        self._proc = ctx.Process(target=_child_main, name="engine",
+                                 args=(build, self._commands_recv, self._outputs_send, _logging_setup()))
+        self._proc.start()
+        self._commands_recv.close()
+        self._outputs_send.close()
+        self._conn_out, self._conn_in = commands_send, outputs_recv
+        kind, payload = self._receive_ready(ready_timeout_s)
+        if kind == "failed":
+            self._proc.join(30)
+            raise payload
+        config, tokenizer, snapshot = payload
+        self.llm = EngineInfo(config, tokenizer)
+        self.max_waiting = config.max_waiting_requests
+        self.snapshot: dict[str, Any] = snapshot
+        self.accepting = True
+        self._stopped = False
+        self.failed_steps = 0
+        self.num_waiting = 0
+        self._num_submitted = 0
+        self._num_added = 0
+        self._child_failure: str | None = None
+        self._exited: str | None = None  # why the child is gone, when it went without being stopped
+        self._streams: dict[str, tuple[Stream, _Mirror]] = {}
+        self._send_queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a signal handler
+        self._sender = threading.Thread(target=self._send_commands, name="engine-commands", daemon=True)
+        self._reader = threading.Thread(target=self._read_outputs, name="engine-outputs", daemon=True)
+        self._stopping = False
+        self._join_lock = threading.Lock()
+
+    def _receive_ready(self, timeout_s: float) -> tuple[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn_in.poll(1.0):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} during start-up "
+                                   "(see its log above)")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise RuntimeError(f"the engine process was not ready after {timeout_s:.0f} s")
+        return self._conn_in.recv()
+
+    # -- EngineLoop's interface (event loop thread, and signal handlers where EngineLoop allows) -------
+
+    def start(self) -> None:
+        self._sender.start()
+        self._reader.start()
+
+    def is_alive(self) -> bool:
+        # the sentinel, not Process.is_alive: that reaps the child (waitpid), racing the thread that joins it
+        return self._reader.is_alive() and not multiprocessing.connection.wait([self._proc.sentinel], 0)
+
+    @property
+    def failure(self) -> str | None:
+        return self._child_failure or self._exited
+
+    @property
+    def healthy(self) -> bool:
+        return self.accepting and self.is_alive() and self.failure is None
+
+    @property
+    def num_admitting(self) -> int:
+        return self._num_submitted - self._num_added
+
+    def queue_full(self) -> bool:
+        if self.max_waiting is None:
+            return False
+        return self.num_waiting + self.num_admitting >= self.max_waiting
+
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: Any,
+               index: int = 0, every_step: bool = True) -> Stream:
+        stream = Stream(request_id, asyncio.get_running_loop(), into, index, every_step)
+        if self._stopped or not self.is_alive() or self.failure is not None:
+            stream.put(EngineUnavailable("the server is shutting down" if self._stopped
+                                         else "the engine process is not running"))
+            return stream
+        self._streams[request_id] = (stream, _Mirror())
+        self._num_submitted += 1
+        self._send_queue.put(("add", prompt, params, request_id, index, every_step, index == 0))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._send_queue.put(("abort", request_id))
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+        self._send_queue.put(("stop_accepting",))
+
+    def shutdown(self) -> None:
+        self.accepting = False
+        self._stopped = True
+        self._send_queue.put(("shutdown",))
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Abort what runs, stop the child's loop, let it close its engine, and wait for it to exit
+        (idempotent)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.shutdown()
+        self._send_queue.put(None)
+        if not self._join(timeout_s):
+            logger.error("the engine process did not stop within %.0f s; killing it", timeout_s)
+            self._proc.kill()
+            self._join(5)
+        self._reader.join(5)
+
+    def _join(self, timeout_s: float) -> bool:
+        """Wait for the child to exit; whether it did. Only here, one thread at a time: two waitpid calls
+        on one child race, and the loser reads a process that is gone as alive."""
+        with self._join_lock:
+            self._proc.join(timeout_s)
+            return self._proc.exitcode is not None
+
+    # -- the parent's threads ---------------------------------------------------------------------
+
+    def _send_commands(self) -> None:
+        while True:
+            message = self._send_queue.get()
+            try:
+                self._conn_out.send(message)
+            except (BrokenPipeError, OSError):  # the child is gone: the reader reports it
+                return
+            if message is None:
+                return
+
+    def _read_outputs(self) -> None:
+        while True:
+            try:
+                kind, payload = self._conn_in.recv()
+            except (EOFError, OSError):
+                break
+            if kind == "outputs":
+                self._dispatch(payload)
+            elif kind == "state":
+                self.num_waiting, self._num_added, self.failed_steps, self._child_failure, self.snapshot = payload
+            elif kind == "stopped":
+                break
+        if not self._stopping:
+            self._join(5)
+            self._exited = f"the engine process exited unexpectedly (exit code {self._proc.exitcode})"
+            logger.error("%s", self._exited)
+        # whoever still waits for outputs will get none
+        streams, self._streams = self._streams, {}
+        self._dispatch_items([(stream, EngineUnavailable(self._exited or "the server is shutting down"))
+                              for stream, _ in streams.values()])
+
+    def _dispatch(self, items: list[tuple[str, str, Any]]) -> None:
+        batch = []
+        for request_id, kind, payload in items:
+            entry = self._streams.get(request_id)
+            if entry is None:  # aborted by its client: nobody listens
+                continue
+            stream, mirror = entry
+            if kind == "accepted":
+                batch.append((stream, ACCEPTED))
+            elif kind == "error":
+                self._streams.pop(request_id, None)
+                batch.append((stream, payload))
+            else:
+                out = mirror.output(payload)
+                if out.finished:
+                    self._streams.pop(request_id, None)
+                batch.append((stream, out))
+        self._dispatch_items(batch)
+
+    @staticmethod
+    def _dispatch_items(batch: list[tuple[Stream, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
+        for stream, item in batch:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: the server is gone
+                pass
