@@ -48,3 +48,36 @@ def test_observe_adds_each_new_gap_between_tokens_once():
     assert metrics.itl.counts[0] == 1 and sum(metrics.itl.counts) == 4  # 0.0005 in the first bucket (le=0.001)
     assert metrics.itl.sum == pytest.approx(0.0305)
     assert metrics.generation_tokens._value.get() == 5
+
+
+def test_with_the_engine_in_its_own_process_the_cuda_gauges_are_the_engine_processes(monkeypatch):
+    """serve --engine-process: the server's process holds no CUDA context, so its allocator would read 0;
+    the engine's process sends its own figures in the snapshot and /metrics shows those."""
+    import torch
+    import transformers
+
+    import models
+    from engine import LLM
+    from engine.core.stats import collect_stats
+    from engine.entrypoints.server import engine_process
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the server's own allocator was read")
+    net = models.from_config(transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=2,
+                                                      num_key_value_heads=1, max_position_embeddings=64),
+                             dtype=torch.float32, device="cpu", seed=0)
+    with LLM(net, device="cpu", max_model_len=32, block_size=4, num_gpu_blocks=16, show_progress=False) as llm:
+        stats = collect_stats(llm, gather_ranks=False)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 123 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 456 * 2**20)
+    sent = engine_process._memory("cuda:0")  # what the engine's process adds to each snapshot
+    assert sent["cuda_memory_allocated_bytes"] == 123 * 2**20 and sent["cuda_memory_reserved_bytes"] == 456 * 2**20
+    assert sent["engine_process_rss_bytes"] > 0
+    monkeypatch.setattr(torch.cuda, "memory_allocated", refuse)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", refuse)
+    text = ServerMetrics("cuda").render({**stats, **sent, "requests_waiting": 0, "requests_admitting": 0}).decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["infer_graphs_cuda_memory_allocated_bytes"] == 123 * 2**20
+    assert values["infer_graphs_cuda_memory_reserved_bytes"] == 456 * 2**20
+    assert values["infer_graphs_engine_process_resident_memory_bytes"] == sent["engine_process_rss_bytes"]

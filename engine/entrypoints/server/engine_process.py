@@ -100,7 +100,7 @@ class _ChildLoop(EngineLoop):
         published = self.snapshot
         super()._publish()
         if self.snapshot is not published:  # a new snapshot: this process's memory beside the engine's counters
-            self.snapshot = {**self.snapshot, "engine_process_rss_bytes": _resident_bytes()}
+            self.snapshot = {**self.snapshot, **_memory(self.llm.config.device)}
         self._send_state()
 
     def _send_state(self) -> None:
@@ -131,13 +131,20 @@ class _ChildLoop(EngineLoop):
             self.shutdown()
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere): the parent's /metrics shows its own."""
+def _memory(device: Any) -> dict[str, int]:
+    """This process's resident memory (Linux /proc; 0 elsewhere) and, on CUDA, its allocator's bytes: the
+    server's /metrics reads its own process, which holds neither the model nor a CUDA context."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return 0
+        resident = 0
+    memory = {"engine_process_rss_bytes": resident}
+    if str(device).startswith("cuda"):
+        import torch
+        memory.update(cuda_memory_allocated_bytes=torch.cuda.memory_allocated(device),
+                      cuda_memory_reserved_bytes=torch.cuda.memory_reserved(device))
+    return memory
 
 
 def _logging_setup() -> tuple[int, str | None]:
@@ -162,6 +169,7 @@ def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup
         outputs.send(("failed", exc))
         return
     loop = _ChildLoop(llm, outputs)
+    loop.snapshot = {**loop.snapshot, **_memory(llm.config.device)}
     outputs.send(("ready", (llm.config, llm.tokenizer, loop.snapshot)))
     loop.start()
     while True:

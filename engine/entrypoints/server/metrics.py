@@ -92,10 +92,13 @@ class _EngineStats:
                 yield gauge("spec_decode_draft_kv_blocks_free", "free blocks of the draft's KV pool",
                             spec["draft_kv_blocks_free"])
         if self.device.type == "cuda":
+            # with --engine-process the engine's process reads its allocator (this one holds no CUDA context)
+            allocated = s.get("cuda_memory_allocated_bytes")
+            reserved = s.get("cuda_memory_reserved_bytes")
             yield gauge("cuda_memory_allocated_bytes", "memory torch's allocator hands out on the engine's device",
-                        torch.cuda.memory_allocated(self.device))
+                        torch.cuda.memory_allocated(self.device) if allocated is None else allocated)
             yield gauge("cuda_memory_reserved_bytes", "memory torch's allocator holds on the engine's device",
-                        torch.cuda.memory_reserved(self.device))
+                        torch.cuda.memory_reserved(self.device) if reserved is None else reserved)
 
 
 class TokenHistogram:
