@@ -679,7 +679,10 @@ def test_every_engine_option_is_an_engine_config_field():
     ["generate", "--model", "MODEL", "--device", "cpu", "--prompt", ""],
     ["generate", "--model", "MODEL", "--max-num-seqs", "many", "--prompt", "hi"],
     ["serve", "--model", "MODEL", "--dtype", "int3"],
-], ids=["missing-model", "serve-missing-model", "bad-config", "empty-prompt", "not-an-int", "bad-choice"])
+    # found by the engine's own start-up, in the engine's process: the same one line
+    ["serve", "--model", "MODEL", "--device", "cpu", "--max-model-len", "100000", "--engine-process", "--port", "0"],
+], ids=["missing-model", "serve-missing-model", "bad-config", "empty-prompt", "not-an-int", "bad-choice",
+        "engine-process-start-up"])
 def test_a_users_mistake_is_one_error_line_and_status_2(argv, model_dir, capsys):
     argv = [str(model_dir) if a == "MODEL" else a for a in argv]
     try:
