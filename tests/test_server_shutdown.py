@@ -157,30 +157,40 @@ def test_a_second_signal_stops_at_once_aborting_what_runs(model_dir, tmp_path, m
         stop_server(proc)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path, mode):
+def _kill_mid_stream(proc, url: str, pick) -> tuple[list, int | None, int]:
+    """Two long streams run; then the spawned process `pick(spawned, server_pid)` chooses is killed.
+    (each stream's events, /health's status or None if the server is already gone, the exit status)"""
     import psutil
 
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = [asyncio.Event(), asyncio.Event()]
+            streams = [asyncio.create_task(_stream(client, url, _body(LONG), s)) for s in started]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
+            spawned = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                       if "spawn_main" in " ".join(c.cmdline())]
+            pick(spawned, proc.pid).kill()
+            events = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            try:
+                health = (await client.get(f"{url}/health")).status_code
+            except httpx.TransportError:  # already gone: what a load balancer sees as down too
+                health = None
+            return events, health, await asyncio.to_thread(proc.wait, 30)
+    return asyncio.run(run())
+
+
+def _only(processes: list):
+    [process] = processes
+    return process
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path, mode):
     proc, url, log = _start(model_dir, tmp_path, "--tensor-parallel-size", "2", *_mode_flags(mode))
     try:
-        async def run():
-            async with httpx.AsyncClient(timeout=60) as client:
-                started = [asyncio.Event(), asyncio.Event()]
-                streams = [asyncio.create_task(_stream(client, url, _body(LONG), s)) for s in started]
-                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
-                spawned = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                           if "spawn_main" in " ".join(c.cmdline())]
-                # rank 0 is the server (engine thread) or the engine process, whose child rank 1 is
-                [rank1] = [c for c in spawned if c.ppid() != proc.pid] if mode == "engine_process" else spawned
-                rank1.kill()
-                events = await asyncio.wait_for(asyncio.gather(*streams), 30)
-                try:
-                    health = (await client.get(f"{url}/health")).status_code
-                except httpx.TransportError:  # already gone: what a load balancer sees as down too
-                    health = None
-                return events, health, await asyncio.to_thread(proc.wait, 30)
-
-        streams, health, status = asyncio.run(run())
+        # rank 0 is the server (engine thread) or the engine process, whose child rank 1 is
+        streams, health, status = _kill_mid_stream(proc, url, lambda spawned, server: _only(
+            [c for c in spawned if c.ppid() != server] if mode == "engine_process" else spawned))
         for events in streams:
             assert events[-1] == "[DONE]" and "failed a step" in events[-2]["error"]["message"]
         assert health in (503, None) and status == 1
@@ -193,26 +203,10 @@ def test_a_killed_tensor_parallel_rank_ends_the_streams_with_an_error_and_the_se
 
 
 def test_an_engine_process_that_dies_ends_the_streams_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
-    import psutil
-
     proc, url, log = _start(model_dir, tmp_path, "--engine-process")
     try:
-        async def run():
-            async with httpx.AsyncClient(timeout=60) as client:
-                started = [asyncio.Event(), asyncio.Event()]
-                streams = [asyncio.create_task(_stream(client, url, _body(LONG), s)) for s in started]
-                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
-                [engine] = [c for c in psutil.Process(proc.pid).children(recursive=False)
-                            if "spawn_main" in " ".join(c.cmdline())]
-                engine.kill()
-                events = await asyncio.wait_for(asyncio.gather(*streams), 30)
-                try:
-                    health = (await client.get(f"{url}/health")).status_code
-                except httpx.TransportError:  # already gone: what a load balancer sees as down too
-                    health = None
-                return events, health, await asyncio.to_thread(proc.wait, 30)
-
-        streams, health, status = asyncio.run(run())
+        streams, health, status = _kill_mid_stream(
+            proc, url, lambda spawned, server: _only([c for c in spawned if c.ppid() == server]))
         for events in streams:
             assert events[-1] == "[DONE]" and "engine process exited unexpectedly" in events[-2]["error"]["message"]
         assert health in (503, None) and status == 1

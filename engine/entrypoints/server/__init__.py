@@ -26,24 +26,22 @@ KEEP_ALIVE_S = 30  # an idle connection's life (uvicorn's timeout_keep_alive; it
 
 def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
     """`python -m engine serve`: build the engine from the command line, then serve it."""
-    from engine.core.llm import LLM
-
     # what the command line gets wrong is refused before the engine spends its start-up on it
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     _check_shutdown_timeout(args.shutdown_timeout)
     options = dict(api_key=args.api_key, max_request_bytes=args.max_request_bytes, chat_template=chat_template,
                    shutdown_timeout_s=args.shutdown_timeout)
     name = args.served_model_name or args.model
-    if getattr(args, "engine_process", False):
+    if args.engine_process:
         return serve_engine_process(functools.partial(build_llm, args.model, config_fields), name, args.host,
                                     args.port, **options)
-    return serve_llm(LLM(args.model, **config_fields), name, args.host, args.port, **options)
+    return serve_llm(build_llm(args.model, config_fields), name, args.host, args.port, **options)
 
 
-def build_llm(model: Any, config_fields: dict[str, Any], tokenizer: Any = None) -> Any:
-    """LLM(model, **config_fields): what the engine process builds (a module-level function pickles)."""
+def build_llm(model: Any, config_fields: dict[str, Any]) -> Any:
+    """LLM(model, **config_fields): what either server serves (module-level: the engine process builds it)."""
     from engine.core.llm import LLM
-    return LLM(model, **config_fields) if tokenizer is None else LLM(model, tokenizer=tokenizer, **config_fields)
+    return LLM(model, **config_fields)
 
 
 def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

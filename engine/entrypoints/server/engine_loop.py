@@ -269,16 +269,20 @@ class EngineLoop:
             self.llm.abort(request_id)
         self._deliver([(s, EngineUnavailable(reason)) for s in streams.values()])
 
-    @staticmethod
-    def _deliver(batch: list[tuple[Stream, Any]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
-        for stream, item in batch:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the event loop is closed: the server is gone
-                pass
+    def _deliver(self, batch: list[tuple[Stream, Any]]) -> None:
+        deliver(batch)
+
+
+def deliver(batch: list[tuple[Stream, Any]]) -> None:
+    """Hand (stream, item) pairs to their streams' event loops, one callback per loop (any thread)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
+    for stream, item in batch:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
 
 
 def _put_all(items: list[tuple[Stream, Any]]) -> None:

@@ -32,7 +32,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop, EngineUnavailable, Stream, _put_all
+from engine.core.llm import LLM
+from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop, EngineUnavailable, Stream, deliver
 from engine.outputs import RequestOutput, TextHistory
 from engine.params import SamplingParams
 
@@ -47,13 +48,12 @@ STOP_TIMEOUT_S = 30.0
 class _ChildStream:
     """The child's side of a request's stream: what of its lists the parent has already been sent."""
 
-    __slots__ = ("request_id", "index", "every_step", "sent_first", "tokens", "pieces", "times", "logprobs", "loop")
+    __slots__ = ("request_id", "every_step", "sent_first", "tokens", "pieces", "times", "logprobs")
 
-    def __init__(self, request_id: str, index: int, every_step: bool) -> None:
-        self.request_id, self.index, self.every_step = request_id, index, every_step
+    def __init__(self, request_id: str, every_step: bool) -> None:
+        self.request_id, self.every_step = request_id, every_step
         self.sent_first = False
         self.tokens = self.pieces = self.times = self.logprobs = 0
-        self.loop = None
 
 
 def _encode(stream: _ChildStream, out: RequestOutput) -> tuple:
@@ -105,7 +105,7 @@ class _ChildLoop(EngineLoop):
 
     def _send_state(self) -> None:
         """What EngineLoop publishes, when it changed since it was last sent."""
-        state = (self.num_waiting, self._num_added, self.failed_steps, self.failure)
+        state = (self.num_waiting, self._num_added, self.failure)
         if state != self._sent_state or self.snapshot is not self._sent_snapshot:  # a snapshot is never mutated
             self._sent_state, self._sent_snapshot = state, self.snapshot
             self._send(("state", (*state, self.snapshot)))
@@ -120,9 +120,9 @@ class _ChildLoop(EngineLoop):
         """A command from the parent (the child's reader thread)."""
         kind, *args = message
         if kind == "add":
-            prompt, params, request_id, index, every_step, bounded = args
+            prompt, params, request_id, every_step, bounded = args
             self._num_submitted += 1
-            self._commands.put((self._add, (prompt, params, _ChildStream(request_id, index, every_step), bounded)))
+            self._commands.put((self._add, (prompt, params, _ChildStream(request_id, every_step), bounded)))
         elif kind == "abort":
             self.abort(*args)
         elif kind == "stop_accepting":
@@ -224,12 +224,10 @@ class _Mirror:
 class EngineInfo:
     """What the app reads of the LLM in the parent: its configuration and tokenizer."""
 
+    encode = LLM.encode  # reads only self.tokenizer
+
     def __init__(self, config: Any, tokenizer: Any) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.tp = None  # a failed rank reaches the parent as EngineProcess.failure
-
-    def encode(self, text: str, tokenizer: Any = None) -> list[int]:
-        return (tokenizer or self.tokenizer)(text)["input_ids"]  # as LLM.encode
 
 
 class EngineProcess:
@@ -259,7 +257,6 @@ class EngineProcess:
         self.snapshot: dict[str, Any] = snapshot
         self.accepting = True
         self._stopped = False
-        self.failed_steps = 0
         self.num_waiting = 0
         self._num_submitted = 0
         self._num_added = 0
@@ -319,7 +316,7 @@ class EngineProcess:
             return stream
         self._streams[request_id] = (stream, _Mirror())
         self._num_submitted += 1
-        self._send_queue.put(("add", prompt, params, request_id, index, every_step, index == 0))
+        self._send_queue.put(("add", prompt, params, request_id, every_step, index == 0))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -377,7 +374,7 @@ class EngineProcess:
             if kind == "outputs":
                 self._dispatch(payload)
             elif kind == "state":
-                self.num_waiting, self._num_added, self.failed_steps, self._child_failure, self.snapshot = payload
+                self.num_waiting, self._num_added, self._child_failure, self.snapshot = payload
             elif kind == "stopped":
                 break
         if not self._stopping:
@@ -386,7 +383,7 @@ class EngineProcess:
             logger.error("%s", self._exited)
         # whoever still waits for outputs will get none
         streams, self._streams = self._streams, {}
-        self._dispatch_items([(stream, EngineUnavailable(self._exited or "the server is shutting down"))
+        deliver([(stream, EngineUnavailable(self._exited or "the server is shutting down"))
                               for stream, _ in streams.values()])
 
     def _dispatch(self, items: list[tuple[str, str, Any]]) -> None:
@@ -406,15 +403,4 @@ class EngineProcess:
                 if out.finished:
                     self._streams.pop(request_id, None)
                 batch.append((stream, out))
-        self._dispatch_items(batch)
-
-    @staticmethod
-    def _dispatch_items(batch: list[tuple[Stream, Any]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
-        for stream, item in batch:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the event loop is closed: the server is gone
-                pass
+        deliver(batch)
