@@ -45,6 +45,11 @@ tokenizer_check() {  # the suites with a tokenizer fail at once without it (rc 2
     echo "=== NO bench/.tokenizer: run 'python -m bench tokenizer' on the CPU machine and carry bench/.tokenizer" | tee -a "$LOG"
   fi
 }
+server_wheels() {  # the server's packages the image lacks (fastapi, uvicorn, ...), from the carried .whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "carry .whl with the server's wheels (see the header)" | tee -a "$LOG"; exit 1; }
+  export PYTHONPATH=.:/tmp/site
+}
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 python3 -c "import matplotlib; print('matplotlib', matplotlib.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
@@ -80,6 +85,7 @@ case "${1:-smoke}" in
   serving-tokenizer)  # issue 38: the server holds the tokenizer, half the requests carry 2 stop strings; the
     # in-process row of each configuration is the reference (goal: HTTP within 5%); needs bench/.tokenizer
     tokenizer_check
+    server_wheels
     suite 280 serving --model gemma-3-1b --requests 64 --configs decode,prefill
     suite 280 serving --model llama-3.2-3b --requests 64 --configs decode,prefill
     ;;
@@ -167,11 +173,11 @@ case "${1:-smoke}" in
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
     # (SERVERS: thread, the default; process: serve --engine-process, whose rows are "prefill/engine_process")
     tokenizer_check
+    server_wheels
     suite 560 serving --model gemma-3-1b --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-thread}"
     ;;
   soak-start)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || { echo "soak-start: carry .whl with the server's wheels (see the header)"; exit 1; }
+    server_wheels
     rm -rf /tmp/soakrepo /tmp/soak; mkdir -p /tmp/soak; cp -a . /tmp/soakrepo  # a later call's copy may replace this tree
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > /tmp/soak/gpu.txt
     (cd /tmp/soakrepo && PYTHONPATH=/tmp/soakrepo:/tmp/site setsid nohup python3 -m bench soak --model "${SOAK_MODEL:-llama-3.2-3b}" \
