@@ -82,6 +82,13 @@ case "${1:-smoke}" in
     suite 200 e2e --model gemma-3-1b --peers none
     suite 230 e2e --model llama-3.2-3b --peers none
     ;;
+  itl)  # issue 38's ITL goal alone (e2e-tokenizer without its host rows), then issue 42's capture split; ~9.5 min
+    tokenizer_check
+    suite 200 e2e --model gemma-3-1b --peers none
+    suite 230 e2e --model llama-3.2-3b --peers none
+    timeout 140 python3 -m bench.capture_split > "$OUT/capture-split.txt" 2>&1
+    echo "=== capture_split rc=$?: $(tail -c 600 "$OUT/capture-split.txt")" | tee -a "$LOG"
+    ;;
   serving-tokenizer)  # issue 38: the server holds the tokenizer, half the requests carry 2 stop strings; the
     # in-process row of each configuration is the reference (goal: HTTP within 5%); needs bench/.tokenizer
     tokenizer_check
