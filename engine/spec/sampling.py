@@ -25,7 +25,7 @@ import torch
 from engine.request import Request
 from engine.sample.sampler import Sampler
 from engine.sample.staging import host_to_device
-from engine.spec.verify import verify_greedy, verify_sampled
+from engine.spec.verify import greedy_tokens, verify_sampled
 
 
 @dataclass
@@ -59,39 +59,48 @@ def sample_verify(sampler: Sampler, logits: torch.Tensor, layout: VerifyLayout) 
     device, width = logits.device, layout.width
     requests, proposals = layout.requests, layout.proposals
     starts = layout.row_starts
+    speculated = [i for i, p in enumerate(proposals) if p]
+    greedy = [i for i in speculated if requests[i].params.temperature == 0]
+    if len(greedy) == len(requests):  # every chunk a greedy verify (batch 1's case): no scatter into `out`
+        index, padded = _verify_rows(greedy, starts, proposals, width, device)
+        return _greedy(logits, index, padded)
     out = torch.full((len(requests), width), -1, dtype=torch.int64, device=device)
     plain = [i for i, p in enumerate(proposals) if not p]
     if plain:
         rows = host_to_device([starts[i] for i in plain], torch.int64, device)
         tokens = sampler.sample(logits.index_select(0, rows), [requests[i] for i in plain])
         out[:, 0].index_copy_(0, host_to_device(plain, torch.int64, device), tokens)
-    speculated = [i for i, p in enumerate(proposals) if p]
-    greedy = [i for i in speculated if requests[i].params.temperature == 0]
     sampled = [i for i in speculated if requests[i].params.temperature != 0]
-    for chosen, verify in ((greedy, _verify_greedy), (sampled, _verify_sampled)):
-        if chosen:
-            # row (i, j) of the verify: chunk i's row j, its last row for j past its proposals (never
-            # read by the verification, which stops at each chunk's own count)
-            index = host_to_device([[starts[i] + min(j, len(proposals[i])) for j in range(width)] for i in chosen],
-                                   torch.int64, device)
-            padded = host_to_device([list(proposals[i]) + [-1] * (width - 1 - len(proposals[i])) for i in chosen],
-                                    torch.int64, device)
-            counts = host_to_device([len(proposals[i]) for i in chosen], torch.int64, device)
-            chosen_requests = [requests[i] for i in chosen]
-            draft = (layout.draft_probs(chosen_requests) if verify is _verify_sampled and layout.draft_probs
-                     else None)
-            tokens = verify(sampler, logits, index, padded, counts, chosen_requests, draft)
-            out.index_copy_(0, host_to_device(chosen, torch.int64, device), tokens)
+    if greedy:
+        out.index_copy_(0, host_to_device(greedy, torch.int64, device),
+                        _greedy(logits, *_verify_rows(greedy, starts, proposals, width, device)))
+    if sampled:
+        index, padded = _verify_rows(sampled, starts, proposals, width, device)
+        counts = host_to_device([len(proposals[i]) for i in sampled], torch.int64, device)
+        chosen_requests = [requests[i] for i in sampled]
+        draft = layout.draft_probs(chosen_requests) if layout.draft_probs else None
+        tokens = _verify_sampled(sampler, logits, index, padded, counts, chosen_requests, draft)
+        out.index_copy_(0, host_to_device(sampled, torch.int64, device), tokens)
     return out
 
 
-def _verify_greedy(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor,
-                   counts: torch.Tensor, requests: list[Request], draft: torch.Tensor | None) -> torch.Tensor:
+def _verify_rows(chosen: list[int], starts: list[int], proposals: list[tuple[int, ...]], width: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen chunks' logits rows [n, width] and proposals [n, width - 1] (-1 past a chunk's own),
+    in one copy to the device. Row (i, j) of the verify is chunk i's row j, its last row for j past its
+    proposals (never read by the verification, which stops at each chunk's own count)."""
+    rows = [[starts[i] + min(j, len(proposals[i])) for j in range(width)] for i in chosen]
+    rows += [[*proposals[i], *[-1] * (width - len(proposals[i]))] for i in chosen]  # a spare -1 column
+    both = host_to_device(rows, torch.int64, device)
+    return both[:len(chosen)], both[len(chosen):, :width - 1]
+
+
+def _greedy(logits: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
     # torch's argmax, not the Sampler's per-row-count Triton variants: a verify step's row count
     # varies with the proposals, and each new count would compile mid-serving; both take the first
     # index of a tie, as greedy decoding without speculation does
     target = logits.index_select(0, index.flatten()).argmax(dim=-1).view(index.shape)
-    return verify_greedy(target, proposals, counts).tokens
+    return greedy_tokens(target, proposals)
 
 
 def _verify_sampled(sampler: Sampler, logits: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor,

@@ -40,13 +40,25 @@ def _accepted_count(accept: torch.Tensor) -> torch.Tensor:
     return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def greedy_tokens(target_argmax: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+    """target_argmax [B, K + 1], proposals [B, K] padded with -1 past each row's own -> [B, K + 1]: the
+    accepted proposals and the target's token after them, then -1.
+
+    An accepted proposal equals the target's argmax at its column, so the result is the argmax itself up
+    to the accepted count and -1 after it: four kernels besides the arange (a verify step's sampling
+    is host time the step waits for; engine.core.step_loop reads it before planning the next)."""
+    k = proposals.shape[1]
+    accepted = (target_argmax[:, :k] == proposals).cumprod(dim=1).sum(dim=1)  # -1 never equals an argmax
+    cols = torch.arange(k + 1, device=proposals.device)
+    return torch.where(cols <= accepted[:, None], target_argmax, -1)
+
+
 def verify_greedy(target_argmax: torch.Tensor, proposals: torch.Tensor, num_proposals: torch.Tensor) -> Verified:
     """target_argmax [B, K + 1], proposals [B, K], num_proposals [B]."""
     k = proposals.shape[1]
     live = torch.arange(k, device=proposals.device)[None, :] < num_proposals[:, None]
-    accepted = _accepted_count((target_argmax[:, :k] == proposals) & live)
-    extra = target_argmax.gather(1, accepted[:, None]).squeeze(1)
-    return _assemble(proposals, accepted, extra)
+    tokens = greedy_tokens(target_argmax, torch.where(live, proposals, -1))
+    return Verified(tokens, (tokens >= 0).sum(dim=1))
 
 
 def verify_sampled(target_probs: torch.Tensor, proposals: torch.Tensor, num_proposals: torch.Tensor,
