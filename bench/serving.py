@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from bench import repo_env
+from bench.e2e import _graph_replays
 from bench.frontend import STOP_STRINGS, load_tokenizer, tokenizer_dir
-from bench.measure import Report
+from bench.measure import Report, ratio
 from bench.workload import RequestSpec, make_workload, percentile, with_stops
 
 CONFIGS = {
@@ -57,8 +58,9 @@ WORKLOADS = ("baseline", "continuous_batching", "chunked_prefill", "prefix_cachi
 BATCH_PREFIX = "batch_"
 BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every server, so the report's note states what ran
 COLUMNS = ["config", "workload", "sent", "completed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-           "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s"]
+           "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s", "graph_replay_ms", "itl_x_replay"]
 READY_TIMEOUT_S = 1800
+REPLAY_ITERS = 30  # replays timed for an in-process batch row's graph_replay_ms (as bench e2e's default)
 STOP_SHARE = 0.5  # of each workload's requests, with the stop strings (when the server has a tokenizer)
 
 
@@ -387,6 +389,14 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
         run_all = one_at_a_time if workload == "baseline" else all_at_once
         run_all(warm_up)
         outs, makespan = run_all(specs)
+        replay = None
+        if (n := batch_size(workload)) is not None and torch.cuda.is_available():
+            # issue 38's other reference: the decode graph alone at the batch's mid-generation context
+            # (e2e's graph_replay_ms), so one run gives ITL over replay and HTTP over in-process
+            spec = specs[0]
+            times, _ = _graph_replays(llm, [n], net.config.vocab_size,
+                                      len(spec.prompt_ids) + spec.output_len // 2, REPLAY_ITERS)
+            replay = times.get(n)
     finally:
         llm.close()
         del llm, net
@@ -401,7 +411,8 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
                ttft_p50_ms=ms(percentile(ttfts, 50)), ttft_p99_ms=ms(percentile(ttfts, 99)),
                itl_p50_ms=ms(percentile(itls, 50)), itl_p99_ms=ms(percentile(itls, 99)),
                e2e_p50_ms=ms(percentile(e2es, 50)), e2e_p99_ms=ms(percentile(e2es, 99)), graph_mib=None,
-               makespan_s=makespan)
+               makespan_s=makespan, graph_replay_ms=replay,
+               itl_x_replay=ratio(ms(percentile(itls, 50)), replay) if replay else None)
     _progress(report.rows[-1])
 
 
