@@ -181,7 +181,8 @@ case "${1:-smoke}" in
     # (SERVERS: thread, the default; process: serve --engine-process, whose rows are "prefill/engine_process")
     tokenizer_check
     server_wheels
-    suite 560 serving --model gemma-3-1b --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-thread}"
+    # (MODEL: gemma-3-1b, the default, or llama-3.2-3b; the in-process rows carry the decode graph's replay)
+    suite 560 serving --model "${MODEL:-gemma-3-1b}" --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-thread}"
     ;;
   soak-start)
     server_wheels
