@@ -182,7 +182,7 @@ case "${1:-smoke}" in
     tokenizer_check
     server_wheels
     # (MODEL: gemma-3-1b, the default, or llama-3.2-3b; the in-process rows carry the decode graph's replay)
-    suite 560 serving --model "${MODEL:-gemma-3-1b}" --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-thread}"
+    suite "${SERVING_S:-560}" serving --model "${MODEL:-gemma-3-1b}" --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-thread}"
     ;;
   soak-start)
     server_wheels
