@@ -301,10 +301,10 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
         in_process = [w for w in chosen if w == "baseline" or batch_size(w) is not None] if not url else []
         if name.endswith(SERVER_SUFFIX["process"]):  # the in-process rows do not depend on the server's kind
             in_process = []
-        for workload in in_process:
-            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache], workload,
-                                make(workload, s, vocab, stop=stop)[0],
-                                make(workload, s, vocab, warm_up=True, stop=stop)[0], tok_dir)
+        if in_process:
+            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache],
+                                {w: (make(w, s, vocab, stop=stop)[0], make(w, s, vocab, warm_up=True, stop=stop)[0])
+                                 for w in in_process}, tok_dir)
     return report
 
 
@@ -354,11 +354,15 @@ def _measure(report: Report, config: str, workload: str, url: str, specs: list[R
         report.notes.append(f"{config} / {workload}: errors {errors}")
 
 
-def _measure_in_process(report: Report, config: str, model: str, flags: list[str], workload: str,
-                        specs: list[RequestSpec], warm_up: list[RequestSpec], tok_dir: Path | None = None) -> None:
-    """The workload in this process with the same engine options and tokenizer: the reference the
-    HTTP rows are compared with (what HTTP, JSON, SSE and the engine loop thread add). The baseline runs
-    through LLM.add_request / step one request at a time, a batch_N workload as one LLM.generate."""
+def _measure_in_process(report: Report, config: str, model: str, flags: list[str],
+                        workloads: dict[str, tuple[list[RequestSpec], list[RequestSpec]]],
+                        tok_dir: Path | None = None) -> None:
+    """Each workload (its requests, its warm-up's) in this process with the same engine options and
+    tokenizer: the reference the HTTP rows are compared with (what HTTP, JSON, SSE and the engine loop
+    add). One engine serves them in turn, as one server does. The baseline runs through
+    LLM.add_request / step one request at a time, a batch_N workload as one LLM.generate, whose row
+    also times the decode graph alone at the batch's mid-generation context (e2e's graph_replay_ms:
+    issue 38's other reference, so one run gives ITL over replay and HTTP over in-process)."""
     from bench.common import build_model, free_device_memory
     from engine import LLM, SamplingParams
     from engine.entrypoints.cli_args import OneLineErrorParser, add_engine_args, engine_config_fields
@@ -370,38 +374,43 @@ def _measure_in_process(report: Report, config: str, model: str, flags: list[str
     fields = engine_config_fields(parser.parse_args(flags))
     fields.pop("tokenizer", None)  # the tokenizer object is passed itself
     llm = LLM(net, tokenizer=tok, **fields)
+
+    def params(spec):
+        return SamplingParams(max_tokens=spec.output_len, ignore_eos=True, stop=spec.stop)
+
+    def one_at_a_time(specs):
+        outs, start = [], time.perf_counter()
+        for spec in specs:
+            rid = llm.add_request(list(spec.prompt_ids), params(spec))
+            while llm.has_unfinished_requests():
+                outs += [o for o in llm.step() if o.finished and o.request_id == rid]
+        return outs, time.perf_counter() - start
+
+    def all_at_once(specs):
+        start = time.perf_counter()
+        outs = llm.generate([list(spec.prompt_ids) for spec in specs], [params(spec) for spec in specs])
+        return outs, time.perf_counter() - start
+
     try:
-        def params(spec):
-            return SamplingParams(max_tokens=spec.output_len, ignore_eos=True, stop=spec.stop)
-
-        def one_at_a_time(specs):
-            outs, start = [], time.perf_counter()
-            for spec in specs:
-                rid = llm.add_request(list(spec.prompt_ids), params(spec))
-                while llm.has_unfinished_requests():
-                    outs += [o for o in llm.step() if o.finished and o.request_id == rid]
-            return outs, time.perf_counter() - start
-
-        def all_at_once(specs):
-            start = time.perf_counter()
-            outs = llm.generate([list(spec.prompt_ids) for spec in specs], [params(spec) for spec in specs])
-            return outs, time.perf_counter() - start
-        run_all = one_at_a_time if workload == "baseline" else all_at_once
-        run_all(warm_up)
-        outs, makespan = run_all(specs)
-        replay = None
-        if (n := batch_size(workload)) is not None and torch.cuda.is_available():
-            # issue 38's other reference: the decode graph alone at the batch's mid-generation context
-            # (e2e's graph_replay_ms), so one run gives ITL over replay and HTTP over in-process
-            spec = specs[0]
-            times, _ = _graph_replays(llm, [n], net.config.vocab_size,
-                                      len(spec.prompt_ids) + spec.output_len // 2, REPLAY_ITERS)
-            replay = times.get(n)
+        for workload, (specs, warm_up) in workloads.items():
+            run_all = one_at_a_time if workload == "baseline" else all_at_once
+            run_all(warm_up)
+            outs, makespan = run_all(specs)
+            replay = None
+            if (n := batch_size(workload)) is not None and torch.cuda.is_available():
+                times, _ = _graph_replays(llm, [n], net.config.vocab_size,
+                                          specs[0].prompt_len + specs[0].output_len // 2, REPLAY_ITERS)
+                replay = times.get(n)
+            _add_in_process_row(report, config, workload, specs, outs, makespan, replay)
     finally:
         llm.close()
         del llm, net
         torch._dynamo.reset()
         free_device_memory()
+
+
+def _add_in_process_row(report: Report, config: str, workload: str, specs: list[RequestSpec], outs: list,
+                        makespan: float, replay: float | None) -> None:
     ttfts = [o.ttft_s for o in outs]
     e2es = [o.ttft_s + sum(o.inter_token_latencies_s) for o in outs]
     itls = [x for o in outs for x in o.inter_token_latencies_s]
