@@ -58,7 +58,7 @@ WORKLOADS = ("baseline", "continuous_batching", "chunked_prefill", "prefix_cachi
 BATCH_PREFIX = "batch_"
 BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every server, so the report's note states what ran
 COLUMNS = ["config", "workload", "sent", "completed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-           "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s", "graph_replay_ms", "itl_x_replay"]
+           "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s", "graph_replay_ms", "itl_x_replay"]
 READY_TIMEOUT_S = 1800
 REPLAY_ITERS = 30  # replays timed for an in-process batch row's graph_replay_ms (as bench e2e's default)
 STOP_SHARE = 0.5  # of each workload's requests, with the stop strings (when the server has a tokenizer)
@@ -197,12 +197,15 @@ def summarize(specs: list[RequestSpec], results: list[Result], makespan_s: float
     ttfts = [r.token_times[0][0] - r.sent_s for r in done]
     e2es = [r.token_times[-1][0] - r.sent_s for r in done]
     itls = [(b - a) / k for r in done for (a, _), (b, k) in zip(r.token_times, r.token_times[1:]) for _ in range(k)]
+    # time per output token after the first, per request (vLLM's TPOT): unlike the ITL percentiles it
+    # does not depend on how the client's reads group the stream's events
+    tpots = [(r.token_times[-1][0] - r.token_times[0][0]) / (r.tokens - 1) for r in done if r.tokens > 1]
     tokens = sum(r.tokens for r in done)
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return {"sent": len(specs), "completed": len(done), "output_tok_per_s": tokens / makespan_s,
             "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
             "itl_p50_ms": ms(percentile(itls, 50)), "itl_p99_ms": ms(percentile(itls, 99)),
-            "e2e_p50_ms": ms(percentile(e2es, 50)), "e2e_p99_ms": ms(percentile(e2es, 99)), "makespan_s": makespan_s,
+            "tpot_p50_ms": ms(percentile(tpots, 50)), "e2e_p50_ms": ms(percentile(e2es, 50)), "e2e_p99_ms": ms(percentile(e2es, 99)), "makespan_s": makespan_s,
             "errors": sorted({r.error for r in results if r.error})[:3]}
 
 
@@ -414,11 +417,13 @@ def _add_in_process_row(report: Report, config: str, workload: str, specs: list[
     ttfts = [o.ttft_s for o in outs]
     e2es = [o.ttft_s + sum(o.inter_token_latencies_s) for o in outs]
     itls = [x for o in outs for x in o.inter_token_latencies_s]
+    tpots = [sum(o.inter_token_latencies_s) / len(o.inter_token_latencies_s) for o in outs if o.inter_token_latencies_s]
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     report.add(config=f"{config} (in-process LLM)", workload=workload, sent=len(specs), completed=len(outs),
                output_tok_per_s=sum(len(o.token_ids) for o in outs) / makespan,
                ttft_p50_ms=ms(percentile(ttfts, 50)), ttft_p99_ms=ms(percentile(ttfts, 99)),
                itl_p50_ms=ms(percentile(itls, 50)), itl_p99_ms=ms(percentile(itls, 99)),
+               tpot_p50_ms=ms(percentile(tpots, 50)),
                e2e_p50_ms=ms(percentile(e2es, 50)), e2e_p99_ms=ms(percentile(e2es, 99)), graph_mib=None,
                makespan_s=makespan, graph_replay_ms=replay,
                itl_x_replay=ratio(ms(percentile(itls, 50)), replay) if replay else None)
