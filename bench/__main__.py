@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "chunked_prefill,prefix_caching)")
     parser.add_argument("--configs", help="serving: comma-separated, of off, decode, prefill (default all three: "
                                           "graphs off, decode graphs, decode + prefill graphs)")
-    parser.add_argument("--servers", help="serving: thread (default: the engine loop a thread of the server), "
-                        "process (serve --engine-process: the engine in a process of its own) or thread,process")
+    parser.add_argument("--servers", help="serving: process (default, as serve: the engine in a process of its "
+                        "own), thread (serve --no-engine-process: the engine loop a thread of the server) or "
+                        "thread,process")
     parser.add_argument("--url", help="serving: a running server to send the workloads to (default: start one "
                                       "per configuration); soak: the server to soak (default: start one for --model)")
     parser.add_argument("--duration", type=float, help="soak: seconds of traffic, 2/3 steady and 1/3 overload "

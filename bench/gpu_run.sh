@@ -178,11 +178,11 @@ case "${1:-smoke}" in
     rm -f "$OUT"/prof/*.prof; [ -d "$OUT/prof" ] && tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
     ;;
   serving-batch)  # issue 38: the server's ITL at batch 1 / 16 / 64 next to LLM.generate's, tokenizer + stop strings
-    # (SERVERS: thread, the default; process: serve --engine-process, whose rows are "prefill/engine_process")
+    # (SERVERS: process, the default, serve's; thread: serve --no-engine-process, whose rows are "/engine_thread")
     tokenizer_check
     server_wheels
     # (MODEL: gemma-3-1b, the default, or llama-3.2-3b; the in-process rows carry the decode graph's replay)
-    suite "${SERVING_S:-560}" serving --model "${MODEL:-gemma-3-1b}" --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-thread}"
+    suite "${SERVING_S:-560}" serving --model "${MODEL:-gemma-3-1b}" --configs prefill --workloads batch_1,batch_16,batch_64 --servers "${SERVERS:-process}"
     ;;
   soak-start)
     server_wheels

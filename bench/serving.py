@@ -24,6 +24,7 @@ same options: the difference to the HTTP baseline row is what serving adds.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -245,8 +246,9 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
         url: str | None = None, tokenizer: str | None = None, servers: str | None = None, **_: object) -> Report:
     """tokenizer: the directory of the tokenizer the servers hold (default bench/.tokenizer; "none": none,
     and no stop strings). With `url`, the running server's own tokenizer is whatever it was given.
-    servers: "thread" (default: the engine loop a thread of the server), "process" (--engine-process) or
-    both, comma-separated: each configuration's workloads run against each, the config column saying which."""
+    servers: "process" (default: the engine in a process of its own, serve's default), "thread"
+    (--no-engine-process: the engine loop a thread of the server) or both, comma-separated: each
+    configuration's workloads run against each, the config column saying which ("/engine_thread")."""
     from bench.configs import load_config
     from engine.entrypoints.cli_args import ENGINE_OPTIONS
 
@@ -283,9 +285,11 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
     if "prefix_caching" in chosen and not prefix_flag:
         report.notes.append("prefix_caching ran WITHOUT a prefix cache: this engine has no --enable-prefix-caching")
     kinds = parse_servers(servers)
-    targets = {"external": None} if url else {
-        name + SERVER_SUFFIX[kind]: [*CONFIGS[name], *SERVER_FLAGS[kind]] for name in config_names(configs) for kind in kinds}
-    for name, flags in targets.items():
+    targets = {"external": (None, [])} if url else {
+        name + SERVER_SUFFIX[kind]: (name, [*CONFIGS[name], *SERVER_FLAGS[kind]])
+        for name in config_names(configs) for kind in kinds}
+    measured_in_process: set[str | None] = set()
+    for name, (config, flags) in targets.items():
         # one server per configuration; prefix_caching gets its own, started with the prefix cache on
         # (the others run without it: their prompts share nothing, so it would only add bookkeeping)
         groups = [[w for w in chosen if w != "prefix_caching"], [w for w in chosen if w == "prefix_caching"]]
@@ -302,22 +306,23 @@ def run(model: str, requests: int | None = None, rate: float | None = None, conf
                 if server is not None:
                     server.stop()
         in_process = [w for w in chosen if w == "baseline" or batch_size(w) is not None] if not url else []
-        if name.endswith(SERVER_SUFFIX["process"]):  # the in-process rows do not depend on the server's kind
+        if config in measured_in_process:  # the in-process rows do not depend on the server's kind
             in_process = []
+        measured_in_process.add(config)
         if in_process:
-            _measure_in_process(report, name, model, [*engine_flags, *flags, *no_cache],
+            _measure_in_process(report, config, model, [*engine_flags, *CONFIGS[config], *no_cache],
                                 {w: (make(w, s, vocab, stop=stop)[0], make(w, s, vocab, warm_up=True, stop=stop)[0])
                                  for w in in_process}, tok_dir)
     return report
 
 
-SERVER_FLAGS = {"thread": [], "process": ["--engine-process"]}
-SERVER_SUFFIX = {"thread": "", "process": "/engine_process"}
+SERVER_FLAGS = {"thread": ["--no-engine-process"], "process": ["--engine-process"]}
+SERVER_SUFFIX = {"thread": "/engine_thread", "process": ""}  # serve's default, the engine process, unmarked
 
 
 def parse_servers(servers: str | None) -> list[str]:
     """`--servers thread,process` -> the kinds of server to start, in the order given."""
-    kinds = [k.strip() for k in (servers or "thread").split(",")]
+    kinds = [k.strip() for k in (servers or "process").split(",")]
     unknown = [k for k in kinds if k not in SERVER_FLAGS]
     if unknown:
         raise ValueError(f"--servers: unknown {unknown}; choose from {sorted(SERVER_FLAGS)}")
@@ -441,7 +446,8 @@ def _serve_main(argv: list[str]) -> int:
     parser = OneLineErrorParser(prog="python -m bench.serving --serve")
     add_engine_args(parser)
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--engine-process", action="store_true", help="the engine in a process of its own")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine in a process of its own (serve's default)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     fields = engine_config_fields(args)

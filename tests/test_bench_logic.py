@@ -137,10 +137,10 @@ def test_serving_sends_the_workloads_over_http_and_every_request_completes(tmp_p
     assert f"max_num_batched_tokens={serving.MAX_NUM_BATCHED_TOKENS}" in report.notes[0]
     assert f"KV blocks of {serving.BLOCK_SIZE}" in report.notes[0]
     assert [(r["config"], r["workload"]) for r in report.rows] == [
-        ("graphs off", "baseline"), ("graphs off", "chunked_prefill"), ("graphs off", "batch_3"),
+        ("graphs off/engine_thread", "baseline"), ("graphs off/engine_thread", "chunked_prefill"),
+        ("graphs off/engine_thread", "batch_3"),
         ("graphs off (in-process LLM)", "baseline"), ("graphs off (in-process LLM)", "batch_3"),
-        ("graphs off/engine_process", "baseline"), ("graphs off/engine_process", "chunked_prefill"),
-        ("graphs off/engine_process", "batch_3")]
+        ("graphs off", "baseline"), ("graphs off", "chunked_prefill"), ("graphs off", "batch_3")]
     for row in report.rows:
         assert row["sent"] == row["completed"] > 0 and row["output_tok_per_s"] > 0
         assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0 and not row["graph_mib"]
@@ -164,7 +164,7 @@ def test_serving_workloads_have_their_shape():
     assert all(r.stop == ("<a>", "<b>") for r in batch)  # issue 38's variant: tokenizer + stop strings, all of them
     with pytest.raises(ValueError, match="batch_N"):
         serving.make("batch_x", sizes, 1000)
-    assert serving.parse_servers(None) == ["thread"] and serving.parse_servers("process,thread") == ["process", "thread"]
+    assert serving.parse_servers(None) == ["process"] and serving.parse_servers("process,thread") == ["process", "thread"]
     with pytest.raises(ValueError, match=r"--servers: unknown \['threads'\]"):
         serving.parse_servers("threads")
 

@@ -85,7 +85,7 @@ def model_dir(tmp_path_factory) -> Path:
 def server(model_dir, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("server-log") / "stderr.txt"
     proc, url = start_server(model_dir, log, "--device", "cpu", "--api-key", KEY, "--max-request-bytes", "65536",
-                             *_flags(ENGINE), *(["--engine-process"] if request.param == "engine_process" else []))
+                             *_flags(ENGINE), "--engine-process" if request.param == "engine_process" else "--no-engine-process")
     yield proc, url, log, request.param
     stop_server(proc)
 

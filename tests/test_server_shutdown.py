@@ -30,7 +30,7 @@ MODES = ["engine_thread", "engine_process"]
 
 
 def _mode_flags(mode: str) -> list[str]:
-    return ["--engine-process"] if mode == "engine_process" else []
+    return ["--engine-process"] if mode == "engine_process" else ["--no-engine-process"]
 
 
 def _start(model_dir: Path, tmp_path: Path, *extra: str):

@@ -54,9 +54,10 @@ def build_parser(prog: str = "python -m engine") -> OneLineErrorParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM / SIGINT: how long requests in flight may run on before they are "
                             "aborted (default 30; a second signal stops at once)")
-    serve.add_argument("--engine-process", action="store_true",
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="build and run the engine in a process of its own, so the HTTP server and the "
-                            "engine's step loop do not share a GIL (docs/server.md)")
+                            "engine's step loop do not share a GIL (the default; --no-engine-process runs the "
+                            "engine loop as a thread of the server: docs/server.md)")
     return parser
 
 
