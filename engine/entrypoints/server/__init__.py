@@ -34,8 +34,20 @@ def serve(args: argparse.Namespace, config_fields: dict[str, Any]) -> int:
     name = args.served_model_name or args.model
     if args.engine_process:
         return serve_engine_process(functools.partial(build_llm, args.model, config_fields), name, args.host,
-                                    args.port, **options)
+                                    args.port, tokenizer_source=tokenizer_source(args.model, config_fields),
+                                    **options)
     return serve_llm(build_llm(args.model, config_fields), name, args.host, args.port, **options)
+
+
+def tokenizer_source(model: Any, config_fields: dict[str, Any]) -> tuple[str, bool] | None:
+    """(name, required) of the tokenizer LLM(model, **config_fields) loads, where the server can load the
+    same itself: EngineConfig.tokenizer, or a model directory's own. None for what the engine resolves
+    first ("default", a .gguf file or a hub id: converted or downloaded once, by the engine)."""
+    if isinstance(config_fields.get("tokenizer"), str):
+        return config_fields["tokenizer"], True
+    if isinstance(model, str) and os.path.isdir(model):
+        return model, False
+    return None
 
 
 def build_llm(model: Any, config_fields: dict[str, Any]) -> Any:
@@ -72,15 +84,16 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
 
 def serve_engine_process(build: Any, name: str, host: str = "127.0.0.1", port: int = 8000,
                          api_key: str | None = None, max_request_bytes: int = 1 << 20, chat_template: str | None = None,
-                         shutdown_timeout_s: float = 30.0) -> int:
+                         shutdown_timeout_s: float = 30.0, tokenizer_source: tuple[str, bool] | None = None) -> int:
     """serve_llm with the engine built by `build()` in a process of its own (engine_process.py): the
-    HTTP side and the step loop do not share a GIL. Same start-up order, drain and exit statuses."""
+    HTTP side and the step loop do not share a GIL. Same start-up order, drain and exit statuses.
+    tokenizer_source: see EngineProcess."""
     from engine.entrypoints.server.engine_process import EngineProcess
 
     _check_shutdown_timeout(shutdown_timeout_s)
     sock = _listen(host, port)  # before the start-up: a port in use fails at once
     try:
-        engine = EngineProcess(build)
+        engine = EngineProcess(build, tokenizer_source=tokenizer_source)
     except BaseException:
         sock.close()
         raise

@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable
 
 from engine.core.llm import LLM
+from engine.core.tokenizer_load import PendingTokenizer
 from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop, EngineUnavailable, Stream, deliver
 from engine.outputs import RequestOutput, TextHistory
 from engine.params import SamplingParams
@@ -155,7 +156,13 @@ def _logging_setup() -> tuple[int, str | None]:
     return root.level, None if formatter is None else formatter._fmt
 
 
-def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup: tuple[int, str | None]) -> None:
+def tokenizer_fingerprint(tokenizer: Any) -> tuple[str, int] | None:
+    """Enough of a tokenizer to tell that two processes loaded the same one from the same source."""
+    return None if tokenizer is None else (type(tokenizer).__name__, len(tokenizer))
+
+
+def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup: tuple[int, str | None],
+                send_tokenizer: bool = True) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drains and stops this process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     level, fmt = log_setup
@@ -170,7 +177,10 @@ def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup
         return
     loop = _ChildLoop(llm, outputs)
     loop.snapshot = {**loop.snapshot, **_memory(llm.config.device)}
-    outputs.send(("ready", (llm.config, llm.tokenizer, loop.snapshot)))
+    # the parent loads its own copy where it knows the source (EngineProcess's tokenizer_source): pickling
+    # a 262k-token tokenizer here and parsing it there costs ~3 s of serve's start-up on the CPU box
+    tokenizer = llm.tokenizer if send_tokenizer else tokenizer_fingerprint(llm.tokenizer)
+    outputs.send(("ready", (llm.config, tokenizer, loop.snapshot)))
     loop.start()
     while True:
         try:
@@ -233,16 +243,23 @@ class EngineInfo:
 class EngineProcess:
     """EngineLoop's interface (engine_loop.py) over an engine built by `build()` in a child process.
     `build` must pickle (a module-level function, or functools.partial of one). Construction waits
-    until the child's engine is ready and raises what its start-up raised."""
+    until the child's engine is ready and raises what its start-up raised.
 
-    def __init__(self, build: Callable[[], Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+    `tokenizer_source` (name, required), where the caller knows what the engine's tokenizer is loaded
+    from (EngineConfig.tokenizer, or a model directory's own: `tokenizer_source`): this process loads
+    its copy on a thread while the child starts, instead of receiving the child's pickled."""
+
+    def __init__(self, build: Callable[[], Any], ready_timeout_s: float = READY_TIMEOUT_S,
+                 tokenizer_source: tuple[str, bool] | None = None) -> None:
+        pending = PendingTokenizer(*tokenizer_source, background=True) if tokenizer_source else None
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._commands_recv, commands_send = ctx.Pipe(duplex=False)
         outputs_recv, self._outputs_send = ctx.Pipe(duplex=False)
         # not a daemon: the engine starts processes of its own (tensor-parallel ranks, the text front end);
         # it exits when this process goes, as its command pipe then reads EOF
         self._proc = ctx.Process(target=_child_main, name="engine",
-                                 args=(build, self._commands_recv, self._outputs_send, _logging_setup()))
+                                 args=(build, self._commands_recv, self._outputs_send, _logging_setup(),
+                                       pending is None))
         self._proc.start()
         self._commands_recv.close()
         self._outputs_send.close()
@@ -252,6 +269,8 @@ class EngineProcess:
             self._proc.join(30)
             raise payload
         config, tokenizer, snapshot = payload
+        if pending is not None:
+            tokenizer = self._own_tokenizer(pending, tokenizer)
         self.llm = EngineInfo(config, tokenizer)
         self.max_waiting = config.max_waiting_requests
         self.snapshot: dict[str, Any] = snapshot
@@ -268,6 +287,21 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read_outputs, name="engine-outputs", daemon=True)
         self._stopping = False
         self._join_lock = threading.Lock()
+
+    def _own_tokenizer(self, pending: PendingTokenizer, child_fingerprint: Any) -> Any:
+        """This process's copy, checked against the child's; a mismatch stops the child and raises."""
+        try:
+            tokenizer = pending.result()
+            if tokenizer_fingerprint(tokenizer) != child_fingerprint:
+                raise RuntimeError(f"the server loaded tokenizer {tokenizer_fingerprint(tokenizer)} from "
+                                   f"{pending.name!r}, but the engine process holds {child_fingerprint}")
+        except BaseException:
+            self._conn_out.send(None)  # the child closes its engine and exits
+            self._proc.join(STOP_TIMEOUT_S)
+            if self._proc.exitcode is None:
+                self._proc.kill()
+            raise
+        return tokenizer
 
     def _receive_ready(self, timeout_s: float) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout_s
