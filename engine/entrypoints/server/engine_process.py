@@ -246,8 +246,9 @@ class EngineProcess:
     until the child's engine is ready and raises what its start-up raised.
 
     `tokenizer_source` (name, required), where the caller knows what the engine's tokenizer is loaded
-    from (EngineConfig.tokenizer, or a model directory's own: `tokenizer_source`): this process loads
-    its copy on a thread while the child starts, instead of receiving the child's pickled."""
+    from (EngineConfig.tokenizer, or a model directory's own: engine.entrypoints.server.tokenizer_source):
+    this process loads its copy on a thread while the child starts, instead of receiving the child's
+    pickled."""
 
     def __init__(self, build: Callable[[], Any], ready_timeout_s: float = READY_TIMEOUT_S,
                  tokenizer_source: tuple[str, bool] | None = None) -> None:
