@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|serving-tokenizer|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
