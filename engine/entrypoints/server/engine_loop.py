@@ -81,20 +81,53 @@ class Stream:
         self.queue.put_nowait((self.index, item))
 
 
-class EngineLoop:
+class Admission:
+    """What the handlers read of an engine loop before they submit, the same whether the loop is a
+    thread here (EngineLoop) or in a process of its own (engine_process.EngineProcess): accepting,
+    healthy, and the back-pressure estimate. A subclass says whether its loop runs and why it failed."""
+
+    def __init__(self, max_waiting: int | None) -> None:
+        self.accepting = True   # new API requests are let in (False from the first shutdown signal)
+        self._stopped = False   # every submission is refused (shutdown: the rest was aborted)
+        self.max_waiting = max_waiting
+        # Each counter has one writer, so reading them from the other thread needs no lock.
+        self._num_submitted = 0  # asyncio side: submissions put on the command queue
+        self._num_added = 0      # engine side: submissions it has processed (admitted or refused)
+        self.num_waiting = 0     # engine side: len(scheduler.waiting) after its latest commands / step
+
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def failure(self) -> str | None:
+        raise NotImplementedError
+
+    @property
+    def healthy(self) -> bool:
+        """Accepting, the loop running, and no failure that makes every step fail."""
+        return self.accepting and self.is_alive() and self.failure is None
+
+    @property
+    def num_admitting(self) -> int:
+        """Submissions the engine has not processed yet (on their way to the waiting queue)."""
+        return self._num_submitted - self._num_added
+
+    def queue_full(self) -> bool:
+        """Whether max_waiting_requests requests wait or are on their way to the queue (an estimate
+        that may lag by one step; add_request's own check is exact)."""
+        if self.max_waiting is None:
+            return False
+        return self.num_waiting + self.num_admitting >= self.max_waiting
+
+
+class EngineLoop(Admission):
     def __init__(self, llm: LLM) -> None:
+        super().__init__(llm.config.max_waiting_requests)
         self.llm = llm
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a signal handler
         self._streams: dict[str, Stream] = {}   # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.accepting = True   # new API requests are let in (False from the first shutdown signal)
-        self._stopped = False   # every submission is refused (shutdown: the rest was aborted)
         self.failed_steps = 0
-        self.max_waiting = llm.config.max_waiting_requests
-        # Each counter has one writer, so reading them from the other thread needs no lock.
-        self._num_submitted = 0  # asyncio side: submissions put on the command queue
-        self._num_added = 0      # engine thread: submissions it has processed (admitted or refused)
-        self.num_waiting = 0     # engine thread: len(scheduler.waiting) after its latest commands / step
         # engine thread (and this constructor, before it starts): the latest counters, never mutated
         self.snapshot: dict[str, Any] = collect_stats(llm, gather_ranks=False)
         self._published_at = time.monotonic()
@@ -112,23 +145,6 @@ class EngineLoop:
         """Why the engine can serve nothing more (a tensor-parallel rank failed), or None."""
         tp = self.llm.tp
         return None if tp is None else tp.failure
-
-    @property
-    def healthy(self) -> bool:
-        """Accepting, the loop running, and no tensor-parallel rank failed (every step would fail)."""
-        return self.accepting and self.is_alive() and self.failure is None
-
-    @property
-    def num_admitting(self) -> int:
-        """Submissions the engine thread has not processed yet (on their way to the waiting queue)."""
-        return self._num_submitted - self._num_added
-
-    def queue_full(self) -> bool:
-        """Whether max_waiting_requests requests wait or are on their way to the queue (an estimate
-        that may lag by one step; add_request's own check is exact)."""
-        if self.max_waiting is None:
-            return False
-        return self.num_waiting + self.num_admitting >= self.max_waiting
 
     def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: Any,
                index: int = 0, every_step: bool = True) -> Stream:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from engine.core.llm import LLM
 from engine.core.tokenizer_load import PendingTokenizer
-from engine.entrypoints.server.engine_loop import ACCEPTED, EngineLoop, EngineUnavailable, Stream, deliver
+from engine.entrypoints.server.engine_loop import ACCEPTED, Admission, EngineLoop, EngineUnavailable, Stream, deliver
 from engine.outputs import RequestOutput, TextHistory
 from engine.params import SamplingParams
 
@@ -240,7 +240,7 @@ class EngineInfo:
         self.config, self.tokenizer = config, tokenizer
 
 
-class EngineProcess:
+class EngineProcess(Admission):
     """EngineLoop's interface (engine_loop.py) over an engine built by `build()` in a child process.
     `build` must pickle (a module-level function, or functools.partial of one). Construction waits
     until the child's engine is ready and raises what its start-up raised.
@@ -272,14 +272,9 @@ class EngineProcess:
         config, tokenizer, snapshot = payload
         if pending is not None:
             tokenizer = self._own_tokenizer(pending, tokenizer)
+        super().__init__(config.max_waiting_requests)
         self.llm = EngineInfo(config, tokenizer)
-        self.max_waiting = config.max_waiting_requests
         self.snapshot: dict[str, Any] = snapshot
-        self.accepting = True
-        self._stopped = False
-        self.num_waiting = 0
-        self._num_submitted = 0
-        self._num_added = 0
         self._child_failure: str | None = None
         self._exited: str | None = None  # why the child is gone, when it went without being stopped
         self._streams: dict[str, tuple[Stream, _Mirror]] = {}
@@ -328,19 +323,6 @@ class EngineProcess:
     @property
     def failure(self) -> str | None:
         return self._child_failure or self._exited
-
-    @property
-    def healthy(self) -> bool:
-        return self.accepting and self.is_alive() and self.failure is None
-
-    @property
-    def num_admitting(self) -> int:
-        return self._num_submitted - self._num_added
-
-    def queue_full(self) -> bool:
-        if self.max_waiting is None:
-            return False
-        return self.num_waiting + self.num_admitting >= self.max_waiting
 
     def submit(self, prompt: Any, params: SamplingParams, request_id: str, into: Any,
                index: int = 0, every_step: bool = True) -> Stream:
