@@ -91,15 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                         "many waiting requests (default --clients)")
     parser.add_argument("--server-args", help="soak: more flags for the server it starts, e.g. \"--device cpu\"")
     parser.add_argument("--api-key", help="soak: the server's API key (default $INFER_GRAPHS_API_KEY)")
-    parser.add_argument("--full-graph-compile", choices=("layered", "unsplit", "piecewise"),
-                        help="decode, capture: what the engine's decode graphs record (EngineConfig.full_graph_compile; "
-                             "write each choice to its own --out)")
     parser.add_argument("--decode-gemv", action="store_true", default=None,
                         help="decode: full_graph rows from an engine with EngineConfig.decode_gemv=False (cuBLAS only), "
                              "and full_graph_gemv rows from one with it on (the default)")
-    parser.add_argument("--compare-full-graph-compile", choices=("layered", "unsplit", "piecewise"),
-                        help="decode: full_graph_<choice> rows from one more engine whose decode graphs record that "
-                             "compile, beside the full_graph rows of --full-graph-compile (default: the engine's)")
     parser.add_argument("--quantization", choices=("fp8",),
                         help="decode, e2e, prefill: rows from engines over the same model with FP8 weights "
                              "(EngineConfig.quantization), next to the model dtype's, with the FP8 floor")

@@ -49,10 +49,8 @@ def _require_cuda() -> None:
         raise RuntimeError("the capture suite needs a CUDA device: graphs are captured only there")
 
 
-def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024,
-            full_graph_compile: str | None = None) -> dict:
-    """Run in THIS process: build the engine with every default graph; what its stats say it cost.
-    `full_graph_compile`: EngineConfig.full_graph_compile (None: the engine's default)."""
+def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024) -> dict:
+    """Run in THIS process: build the engine with every default graph; what its stats say it cost."""
     _require_cuda()
     from engine import LLM
 
@@ -63,7 +61,7 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     llm = LLM(net, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, prefill_graphs=True,
-              show_progress=False, **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
+              show_progress=False)
     ready_s = time.perf_counter() - start
     from engine import SamplingParams
     # the same greedy continuation cold and warm: a loaded graph computes what the traced one did
@@ -82,7 +80,6 @@ def measure(model: str, max_num_seqs: int = 32, max_num_batched_tokens: int = 10
         "piecewise_pool_bytes": backend.get("graph_pool_bytes", 0),
         "decode_total_s": stats.get("decode_graph_capture_seconds", 0.0),
         "startup": stats.get("startup"),
-        "full_graph_compile": stats.get("full_graph_compile"),
         "greedy_tokens": list(greedy),
         **{key: stats[key] for key in MEMORY_KEYS if key in stats},
     }
@@ -136,8 +133,8 @@ def bytecode_env(env: dict, cache_dir: str) -> tuple[dict, bool, str]:
                        "install would have)")
 
 
-def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str | None = None,
-           env: dict | None = None, profile_to: str | None = None) -> dict:
+def _child(model: str, cache_dir: str, timeout_s: float, env: dict | None = None,
+           profile_to: str | None = None) -> dict:
     """One start-up in a fresh process; `profile_to`: a path prefix for its cProfile (.prof, and .txt,
     the top functions by cumulative time)."""
     env = dict(os.environ if env is None else env)
@@ -149,7 +146,7 @@ def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, "-m", "bench.capture", model, out.name, *([full_graph_compile] if full_graph_compile else [])]
+        cmd = [sys.executable, "-m", "bench.capture", model, out.name]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -159,9 +156,8 @@ def _child(model: str, cache_dir: str, timeout_s: float, full_graph_compile: str
         return data
 
 
-def run(model: str, timeout_s: float = 400, full_graph_compile: str | None = None, **_: object) -> Report:
-    """`full_graph_compile`: what the decode graphs record ("unsplit" costs one more Inductor compile of
-    the whole graph at start-up, "layered" one per distinct layer, "piecewise" none). Write each choice to its own --out directory."""
+def run(model: str, timeout_s: float = 400, **_: object) -> Report:
+    """Cold then warm start-up of `model`, each in a fresh process over one cache directory."""
     _require_cuda()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as cache_dir:
@@ -173,7 +169,7 @@ def run(model: str, timeout_s: float = 400, full_graph_compile: str | None = Non
         if profile:
             os.makedirs(profile, exist_ok=True)
         for cache in ("cold", "warm"):
-            runs[cache] = _child(model, cache_dir, timeout_s, full_graph_compile, env,
+            runs[cache] = _child(model, cache_dir, timeout_s, env,
                                  profile and os.path.join(profile, f"startup-{cache}"))
     report = build_report(model, runs)
     report.notes.append(bytecode_note)
@@ -215,9 +211,7 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
     warm = runs.get("warm", any_run)
     report.notes.append(f"engine defaults: max_num_seqs=32 (decode batches {warm['decode_sizes']}), "
                         f"max_num_batched_tokens=1024 (piecewise sizes {warm['prefill_sizes'][0]}.."
-                        f"{warm['prefill_sizes'][-1]}, {len(warm['prefill_sizes'])} sizes), prefill graphs on, "
-                        f"decode graphs record the {warm.get('full_graph_compile') or 'default'} compile "
-                        "(EngineConfig.full_graph_compile)")
+                        f"{warm['prefill_sizes'][-1]}, {len(warm['prefill_sizes'])} sizes), prefill graphs on")
     report.notes.append("from the engine's own stats: 'startup: ...' rows are its start-up timeline (when it has "
                         "one); graph_mib: piecewise = the backend's graph pool growth, decode = device memory the "
                         "decode captures took, 'ready' = the KV pool")
@@ -260,7 +254,7 @@ def plot_capture(report: Report):
 
 
 if __name__ == "__main__":
-    run_child = lambda: measure(sys.argv[1], full_graph_compile=sys.argv[3] if len(sys.argv) > 3 else None)  # noqa: E731
+    run_child = lambda: measure(sys.argv[1])  # noqa: E731
     prefix = os.environ.get(PROFILE_CHILD_ENV)
     data = cprofiled(run_child, prefix, sort="cumulative") if prefix else run_child()
     with open(sys.argv[2], "w") as f:

@@ -102,15 +102,11 @@ def graph_replay_ms(runner, vocab_size: int, batch: int, context: int, iters: in
 
 
 def run(model: str, batches=None, contexts=None, peers: str | None = None, iters: int = 30,
-        time_budget_s: float | None = None, full_graph_compile: str | None = None,
-        decode_gemv: bool = False, compare_full_graph_compile: str | None = None,
+        time_budget_s: float | None = None, decode_gemv: bool = False,
         quantization: str | None = None) -> Report:
     """peers: "all" (default), "eager" (transformers eager only) or "none".
-    full_graph_compile: what the decode graphs record (EngineConfig.full_graph_compile; None: its default).
     decode_gemv: compare the GEMV switch: the first engine runs cuBLAS only (decode_gemv=False) and
     the full_graph_gemv rows come from a second one with it on.
-    compare_full_graph_compile: full_graph_<variant> rows from one more engine over the same model whose
-    decode graphs record that compile (e.g. "unsplit" beside the default "layered").
     quantization: "fp8" adds full_graph_fp8 rows (the model quantized in place after the other engines)."""
     from custom_ops import RuntimeMode
     from engine import LLM
@@ -148,10 +144,8 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
     # compile=True: the engine's default on CUDA only, and the "compiled" rows must be compiled everywhere.
     engine_fields = dict(max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE, num_gpu_blocks=num_blocks,
                          decode_graph_sizes=tuple(sorted({b for b, _ in grid})), show_progress=False,
-                         max_num_batched_tokens=max(256, max_batch), compile=True,
-                         **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
+                         max_num_batched_tokens=max(256, max_batch), compile=True)
     llm = LLM(net, **engine_fields, **({"decode_gemv": False} if decode_gemv else {}))
-    report.meta["full_graph_compile"] = llm.stats()["full_graph_compile"]
     runner = llm.runtime.runner
     with torch.inference_mode():  # the engine made the pool in inference mode
         for t in llm.runtime.kv_cache.tensors:
@@ -161,8 +155,8 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
               if runner.decode_graphs is not None else "no decode graphs (the engine captures them on CUDA only)")
     report.notes.append(f"{graphs}; K/V pool {num_blocks} blocks, each sequence its own blocks, random contents")
     if runner.decode_graphs is not None:
-        report.notes.append(f"full_graph rows record the {report.meta['full_graph_compile']} compile of the model "
-                            "(EngineConfig.full_graph_compile); 'compiled' rows run the split pieces")
+        report.notes.append("full_graph rows replay the decode graphs (the compiled pieces recorded with "
+                            "attention between them); 'compiled' rows run the pieces without graphs")
 
     def load(b: int, c: int):
         return load_decode_step(runner, net.config.vocab_size, b, c)
@@ -222,12 +216,6 @@ def run(model: str, batches=None, contexts=None, peers: str | None = None, iters
         report.notes.append("full_graph rows: an engine with EngineConfig.decode_gemv=False (cuBLAS only); "
                             "full_graph_gemv rows: a second engine over the same model with decode_gemv=True, the "
                             "default (custom_ops/gemv_table.py: the Triton GEMV at batch 1 for the measured shapes)")
-    if compare_full_graph_compile:
-        variant = f"full_graph_{compare_full_graph_compile}"
-        second_engines.append((variant, {"full_graph_compile": compare_full_graph_compile}))
-        report.notes.append(f"{variant} rows: one more engine over the same model whose decode graphs record the "
-                            f"{compare_full_graph_compile} compile (EngineConfig.full_graph_compile), replayed at "
-                            "the same points")
     if quantization:
         from models import QUANTIZATIONS, quantize_fp8
         if quantization not in QUANTIZATIONS:

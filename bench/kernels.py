@@ -3,7 +3,7 @@
 What issue 11 counts before and after each fusion. Parts, each profiled (torch.profiler, CUDA
 activity) over STEPS identical steps, separated by a synchronize:
   decode_graph    one replay of the engine's full-decode graph (forward + logits, as the engine serves
-                  it; EngineConfig.full_graph_compile decides what it records);
+                  it: the compiled pieces recorded with attention between them);
   decode_pieces   the same step through the compiled pieces without graphs (RuntimeMode.NONE), the
                   kernels a piecewise step runs;
   sample_greedy   the sampler on that step's logits, every request greedy;
@@ -74,8 +74,7 @@ def load_prefill_step(runner, vocab_size: int, num_tokens: int):
     return runner.buffers.metadata(num_tokens, 1, num_tokens, num_tokens, num_tokens, False)
 
 
-def run(model: str, batches=None, contexts=None, full_graph_compile: str | None = None,
-        num_steps: int = STEPS, **_: object) -> Report:
+def run(model: str, batches=None, contexts=None, num_steps: int = STEPS, **_: object) -> Report:
     """batches: decode batch sizes (default 1,8); contexts: one cached length (default 512)."""
     _require_cuda()
     from custom_ops import RuntimeMode
@@ -90,18 +89,16 @@ def run(model: str, batches=None, contexts=None, full_graph_compile: str | None 
               num_gpu_blocks=max(1 + blocks_per_seq(max_model_len),  # the engine's minimum for one request
                                  *(decode_blocks_needed(b, context) for b in batches)),
               decode_graph_sizes=tuple(sorted(set(batches))), show_progress=False,
-              max_num_batched_tokens=max(PREFILL_TOKENS, max(batches)), compile=True,
-              **({"full_graph_compile": full_graph_compile} if full_graph_compile else {}))
+              max_num_batched_tokens=max(PREFILL_TOKENS, max(batches)), compile=True)
     runner, sampler = llm.runtime.runner, llm.runtime.sampler
     graphs = runner.decode_graphs  # None without CUDA (the CPU run of tests/test_bench_kernels.py)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = Report("kernels", model, device_name, COLUMNS)
-    compile_mode = llm.stats()["full_graph_compile"]
     report.meta.update(torch=torch.__version__, context=context, batches=batches, num_layers=num_layers,
-                       num_steps=num_steps, full_graph_compile=compile_mode)
+                       num_steps=num_steps)
     report.notes.append(f"decode at context {context}, {num_layers} layers; per_layer = per_step / layers "
                         "(kinds launched once per step read 1/layers); us_per_step is GPU time, gaps excluded")
-    report.notes.append(f"decode_graph replays the engine's decode graph ({compile_mode} compile); "
+    report.notes.append("decode_graph replays the engine's decode graph; "
                         f"prefill_pieces is one sequence of {PREFILL_TOKENS} tokens")
     with torch.inference_mode():
         for t in llm.runtime.kv_cache.tensors:

@@ -1,14 +1,14 @@
 """What one compiled graph is made of, written to a directory and read back without Dynamo or Inductor.
 
 A compiled graph is the split module (its top-level code calls the pieces in order), the compiled
-compute pieces, the splitting pieces (their FX code: the direct calls are rebuilt from it), and the
-code FULL steps run (layered or unsplit), if any. `save_graph` writes them; `load_graph` returns the
+compute pieces and the splitting pieces (their FX code: the direct calls are rebuilt from it).
+`save_graph` writes them; `load_graph` returns the
 same parts, ready for a CompiledGraph, in milliseconds per piece: no trace, no split, no compile.
 
 Files of one graph directory:
   graph.pkl     the split module pickled with stub modules in the compute pieces' places (an FX
                 GraphModule pickles as its code, re-read by FX on load), the split summary, each
-                compute piece's input names and artifact, the FULL-step layout;
+                compute piece's input names and artifact;
   a<i>.bin      one Inductor artifact per DISTINCT compiled piece (torch._inductor.standalone_compile's
                 CompiledArtifact, binary format: the FX-graph / AOTAutograd cache entries and their
                 Triton kernels), or a<i>.pkl, a piece compiled with "eager" (its FX module).
@@ -35,7 +35,7 @@ import torch.fx
 
 from compile_backend.split import SplitGraph, SplitSummary
 
-FORMAT = 1
+FORMAT = 2  # 2: no FULL-step code of its own (the layered / unsplit compiles are gone)
 GRAPH_FILE = "graph.pkl"
 MANIFEST_FILE = "manifest.json"
 
@@ -53,7 +53,6 @@ class LoadedGraph:
     split: SplitGraph
     runners: dict[str, Callable[..., Any]]      # every piece: compute artifacts and splitting runners
     piece_inputs: dict[str, tuple[str, ...]]   # compute piece -> its placeholder names
-    full_forward: Callable[..., Any] | None
     meta: dict[str, Any] = field(default_factory=dict)  # the saver's own (input names, step inputs, ...)
 
 
@@ -118,13 +117,10 @@ def _picklable_top(module: torch.fx.GraphModule, compute: set[str]) -> torch.fx.
 
 
 def save_graph(directory: Path, split: SplitGraph, runners: dict[str, Callable[..., Any]],
-               full: dict[str, Any] | None, meta: dict[str, Any]) -> None:
+               meta: dict[str, Any]) -> None:
     """Write one compiled graph into `directory` (which must exist and be empty). Call before
     CompiledGraph takes the split module over (it replaces the submodules by runners).
 
-    `full`: the FULL-step code: None, {"kind": "unsplit", "fn": callable, "module": the traced module},
-    or {"kind": "layered", "module": the split-after module, "pieces": {name: (callable, renamed)},
-    "graphs": {name: the piece's FX module}}.
     `meta`: picklable facts the caller wants back (input names, step inputs)."""
     writer = _Writer(directory)
     compute = {p.name for p in split.summary.pieces if not p.is_splitting}
@@ -132,16 +128,8 @@ def save_graph(directory: Path, split: SplitGraph, runners: dict[str, Callable[.
               for info in split.summary.pieces if info.name in compute}
     piece_inputs = {name: tuple(n.name for n in split.piece(info).graph.nodes if n.op == "placeholder")
                     for info in split.summary.pieces if (name := info.name) in compute}
-    full_record = None
-    if full is not None and full["kind"] == "unsplit":
-        full_record = {"kind": "unsplit", "artifact": writer.add(full["fn"], full["module"])}
-    elif full is not None:
-        layered = {name: (writer.add(fn, full["graphs"][name]), renamed)
-                   for name, (fn, renamed) in full["pieces"].items()}
-        full_record = {"kind": "layered", "module": _picklable_top(full["module"], set(layered)),
-                       "pieces": layered}
     record = {"format": FORMAT, "torch": torch.__version__, "module": _picklable_top(split.module, compute),
-              "summary": split.summary, "pieces": pieces, "piece_inputs": piece_inputs, "full": full_record,
+              "summary": split.summary, "pieces": pieces, "piece_inputs": piece_inputs,
               "single_output": sorted(writer.single_output), "meta": meta}
     (directory / GRAPH_FILE).write_bytes(pickle.dumps(record))
     files = sorted(p.name for p in directory.iterdir())
@@ -217,7 +205,6 @@ def load_graph(directory: Path, layer_names: Any = None) -> LoadedGraph:
     (meta["layer_names"]; a model instance's layer prefix is its own): every piece then names the
     caller's layers."""
     from compile_backend.compile_pieces import splitting_runner
-    from compile_backend.layered import RenamedLayer
 
     verify_files(directory)
     try:
@@ -243,21 +230,7 @@ def load_graph(directory: Path, layer_names: Any = None) -> LoadedGraph:
             if rename:
                 _rename_constants(split.piece(info), rename)
             runners[info.name] = splitting_runner(split.piece(info))
-    full = record["full"]
-    full_forward = None
-    if full is not None and full["kind"] == "unsplit":
-        full_forward = _load_artifact(directory, full["artifact"], loaded, single)
-        if rename:  # the names are constants inside its compiled code: rename around each call
-            full_forward = RenamedLayer(full_forward, rename)
-    elif full is not None:
-        module = full["module"]
-        for name, (file, renamed) in full["pieces"].items():
-            fn = _load_artifact(directory, file, loaded, single)
-            delattr(module, name)
-            renamed = {canonical: rename.get(real, real) for canonical, real in renamed.items()}
-            module.__dict__[name] = RenamedLayer(fn, renamed) if renamed else fn
-        full_forward = module.forward
-    return LoadedGraph(split, runners, record["piece_inputs"], full_forward, record["meta"])
+    return LoadedGraph(split, runners, record["piece_inputs"], record["meta"])
 
 
 def remove_tree(path: Path) -> None:

@@ -16,10 +16,9 @@ import torch
 import torch.fx
 
 from compile_backend.artifacts import ArtifactSink, keeps_artifact, load_graph, save_graph
-from compile_backend.compile_pieces import compile_pieces, compile_unsplit, graph_fake_inputs, lower_graph_only_ops
+from compile_backend.compile_pieces import compile_pieces, graph_fake_inputs
 from compile_backend.compiled_graph import CompiledGraph, GraphHandle, step_inputs_of
 from compile_backend.config import BackendConfig
-from compile_backend.layered import compile_layered
 from compile_backend.pool import GraphPool, gc_frozen, pool_handle
 from compile_backend.split import SplitSummary, split_graph
 from compile_backend.stats import BackendStats
@@ -115,11 +114,6 @@ class InferGraphsBackend:
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode, fake_inputs = graph_fake_inputs(example_inputs)
         keep = self.artifacts is not None
-        full, full_parts = None, None
-        if self.config.full_graph_compile != "piecewise":  # before the split, which rewrites gm
-            full, full_parts = self._compile_full(gm, fake_mode, fake_inputs, keep)
-            # the FULL-step code (its own copy) keeps them for the decode graphs; the pieces need not pay
-            self.stats.graph_only_ops_lowered += lower_graph_only_ops(gm)
         num_outputs = _num_outputs(gm)
         layer_names = _splitting_strings(gm, self.config.splitting_ops)
         split = split_graph(gm, self.config.splitting_ops)
@@ -129,11 +123,11 @@ class InferGraphsBackend:
         runners, distinct = compile_pieces(split, fake_mode, fake_inputs, self.config.piece_compiler, keep)
         step_inputs = step_inputs_of(fake_inputs, input_names)
         if keep:
-            self._save(split, runners, full_parts, example_inputs, {
+            self._save(split, runners, example_inputs, {
                 "input_names": input_names, "step_inputs": step_inputs, "num_outputs": num_outputs,
                 "layer_names": layer_names})
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
-        graph = CompiledGraph(split, runners, step_inputs, self.config, self.stats, pool, full_forward=full)
+        graph = CompiledGraph(split, runners, step_inputs, self.config, self.stats, pool)
         self.graphs.append(graph)
         summary = split.summary
         self.stats.graphs_compiled += 1
@@ -143,15 +137,14 @@ class InferGraphsBackend:
         self.stats.piece_compilations += distinct
         seconds = time.perf_counter() - start
         self.stats.compile_seconds += seconds
-        logger.info("%s\ncompiled with %s in %.1f s (%d distinct compute pieces%s)", summary,
-                    self.config.piece_compiler, seconds, distinct,
-                    f", and {self.config.full_graph_compile} code for FULL steps" if full is not None else "")
+        logger.info("%s\ncompiled with %s in %.1f s (%d distinct compute pieces)", summary,
+                    self.config.piece_compiler, seconds, distinct)
         handle = GraphHandle(graph)
         self._handles.append(handle)
         return handle
 
-    def _save(self, split: Any, runners: dict[str, Any], full_parts: dict[str, Any] | None,
-              example_inputs: Sequence[Any], meta: dict[str, Any]) -> None:
+    def _save(self, split: Any, runners: dict[str, Any], example_inputs: Sequence[Any],
+              meta: dict[str, Any]) -> None:
         """Write this graph to the artifact sink (graph i to its directory i); a graph that cannot be
         written is compiled and served all the same, and the sink says why it was not kept."""
         sink = self.artifacts
@@ -165,7 +158,7 @@ class InferGraphsBackend:
             if sink.describe_inputs is not None:
                 meta = {**meta, "inputs": sink.describe_inputs(example_inputs)}
             directory.mkdir(parents=True, exist_ok=False)
-            save_graph(directory, split, runners, full_parts, meta)
+            save_graph(directory, split, runners, meta)
         except Exception as exc:  # noqa: BLE001 - not keeping a graph never fails the compile
             sink.failure = f"graph {self.stats.graphs_compiled} not saved: {type(exc).__name__}: {exc}"
             logger.warning("infer_graphs: %s", sink.failure)
@@ -184,7 +177,7 @@ class InferGraphsBackend:
         loaded = load_graph(directory, layer_names)
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
         graph = CompiledGraph(loaded.split, loaded.runners, loaded.meta["step_inputs"], self.config, self.stats,
-                              pool, full_forward=loaded.full_forward, piece_inputs=loaded.piece_inputs)
+                              pool, piece_inputs=loaded.piece_inputs)
         self.graphs.append(graph)
         summary = loaded.split.summary
         self.stats.graphs_loaded += 1
@@ -198,26 +191,6 @@ class InferGraphsBackend:
         handle = GraphHandle(graph)
         self._handles.append(handle)
         return handle, loaded.meta
-
-    def _compile_full(self, gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any],
-                      keep: bool) -> tuple[Callable[..., Any], dict[str, Any]]:
-        """The code FULL steps run, with the splitting ops inside (config.full_graph_compile), and its
-        parts for save_graph."""
-        start = time.perf_counter()
-        if (self.config.full_graph_compile == "layered" and self.config.piece_compiler == "inductor"
-                and self.config.splitting_ops):
-            layered = compile_layered(gm, fake_mode, self.config.splitting_ops, keep)
-            full, pieces, compiles = layered.forward, layered.num_pieces, layered.num_compiles
-            parts = {"kind": "layered", "module": layered.module, "pieces": layered.layers, "graphs": layered.graphs}
-        else:  # "unsplit", or nothing to cut at / no Inductor: the whole graph as one callable
-            full = compile_unsplit(gm, fake_mode, fake_inputs, self.config.piece_compiler, keep)
-            pieces, compiles = 1, int(self.config.piece_compiler == "inductor")
-            parts = {"kind": "unsplit", "fn": full, "module": gm}
-        self.stats.full_graph_pieces += pieces
-        self.stats.full_graph_compilations += compiles
-        logger.info("infer_graphs: FULL-step code (%s): %d graphs, %d compiled, in %.1f s",
-                    self.config.full_graph_compile, pieces, compiles, time.perf_counter() - start)
-        return full, parts
 
     def split_summary(self, graph_index: int = -1) -> SplitSummary:
         """The split of a compiled graph (default: the latest); print it for a readable table."""

@@ -25,9 +25,6 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from compile_backend.split import SplitGraph, op_name
-from custom_ops.fp8 import fp8_linear_plain  # downward imports: the graph-only ops' plain forms
-from custom_ops.linear import gated_linear_fp8_plain, gated_linear_plain
-from custom_ops.qkv_rope import linear_rope_fp8_plain, linear_rope_plain
 
 
 def _direct_impls() -> dict[str, Callable[..., Any]]:
@@ -92,64 +89,10 @@ def splitting_runner(piece: torch.fx.GraphModule) -> Callable[..., Any]:
 
 
 # Ops that pay off only inside a graph that records them, with the plain op that computes the same:
-# `infer::linear` picks the Triton GEMV at one row (a decode graph records it), but a step without a
-# graph would call it through the dispatcher, ~20 us of host time per linear, where Inductor's own
-# matmul costs a few.
-# `infer::gated_linear` likewise (the activation inside the GEMV); its plain form lets Inductor fuse
-# the activation as it always did. Each: (plain equivalent, its form for an FP8 weight, the op's
-# argument names in order). Each op takes an optional last `weight_scale`, an FP8 weight's scale per
-# row (custom_ops.fp8): given, the node lowers to the FP8 form (the weight dequantized, or
-# torch._scaled_mm), which takes it as its last argument.
-_GRAPH_ONLY_OPS: dict[str, tuple[Callable[..., Any], Callable[..., Any], tuple[str, ...]]] = {
-    "infer::linear": (torch.ops.aten.linear.default, fp8_linear_plain, ("x", "weight", "bias")),
-    "infer::gated_linear": (gated_linear_plain, gated_linear_fp8_plain, ("gate_up", "weight", "activation")),
-    "infer::linear_rope": (linear_rope_plain, linear_rope_fp8_plain,
-                           ("x", "weight", "bias", "cos", "sin", "num_heads", "num_kv_heads")),
-}
-
-
-def lower_graph_only_ops(gm: torch.fx.GraphModule) -> int:
-    """Rewrite gm's graph-only ops (_GRAPH_ONLY_OPS) into their plain equivalents, in place: for the
-    pieces when FULL steps have their own code (layered or unsplit), so no PIECEWISE or NONE step pays
-    for them.
-    The nodes keep their names and recorded values. Returns how many it rewrote."""
-    lowered = 0
-    for node in gm.graph.nodes:
-        name = op_name(node.target) if node.op == "call_function" else None
-        entry = _GRAPH_ONLY_OPS.get(name.split(".")[0] if name else "")
-        if entry is None:
-            continue
-        plain, fp8_plain, names = entry
-        names = (*names, "weight_scale")
-        args = list(node.args) + [None] * (len(names) - len(node.args))
-        for i, key in enumerate(names):
-            if key in node.kwargs:
-                args[i] = node.kwargs[key]
-        scale = args.pop()
-        if scale is not None:
-            plain = fp8_plain
-            args.append(scale)
-        node.target, node.args, node.kwargs = plain, tuple(args), {}
-        lowered += 1
-    if lowered:
-        gm.recompile()
-    return lowered
-
-
 def _private_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A module over a copy of gm's graph (attributes shared): what a compiler or the split may rewrite
     while gm stays what its callers run."""
     return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-
-
-def compile_unsplit(gm: torch.fx.GraphModule, fake_mode: Any, fake_inputs: Sequence[Any], compiler: str,
-                    keep_artifacts: bool = False) -> Callable[..., Any]:
-    """The whole traced graph as one callable (FULL steps under full_graph_compile="unsplit"). Call it
-    before the split, which rewrites gm's graph (torch.Size rebuilds); gm itself is left as it was."""
-    if compiler != "inductor":
-        return _private_copy(gm).forward
-    with fake_mode:
-        return _compile_inductor(gm, fake_inputs, keep_artifacts)
 
 
 # Inductor's own cudagraphs stay off: this backend captures per token count itself. Kernels are tuned

@@ -5,8 +5,8 @@ The runtime mode comes from the forward context (the engine, or `piecewise_conte
   PIECEWISE one graph per compute piece per captured token count: replay it, capture it on the
             first step at that size, or (a size that is not captured) run without graphs and count
             a fallback; on CPU or with cudagraphs=False simply run the pieces;
-  FULL      the whole forward runs straight through, so the caller's own capture records it: the
-            unsplit compile of the graph when the config asks for one, else the pieces.
+  FULL      the pieces run straight through, attention between them, so the caller's own capture
+            (the engine's decode and mixed graphs) records the whole forward.
 
 Step inputs (graph inputs whose shape has the token dimension) are copied into persistent buffers
 before a graph step: a graph reads the addresses it was captured with, and a caller's fresh tensor
@@ -70,7 +70,7 @@ def step_inputs_of(fake_inputs: Sequence[Any], input_names: Sequence[str]) -> li
 
 class CompiledGraph:
     def __init__(self, split: SplitGraph, runners: dict[str, Any], step_inputs: Sequence[tuple[int, int, str]],
-                 config: BackendConfig, stats: BackendStats, pool: Any, full_forward: Any = None,
+                 config: BackendConfig, stats: BackendStats, pool: Any,
                  piece_inputs: dict[str, tuple[str, ...]] | None = None):
         """`step_inputs`: step_inputs_of the graph's inputs. `piece_inputs`: each compute piece's
         placeholder names, where the split module holds no piece to read them from (a loaded graph)."""
@@ -96,7 +96,6 @@ class CompiledGraph:
             delattr(split.module, info.name)
             split.module.__dict__[info.name] = fn
         self.forward = split.module.forward
-        self.full_forward = full_forward or self.forward
         self.step_inputs = [tuple(entry) for entry in step_inputs]
         self.static_inputs: dict[int, torch.Tensor] = {}       # input index -> buffer at max size
         self.static_views: dict[int, list[torch.Tensor]] = {}  # token count -> views, one per step input
@@ -116,7 +115,7 @@ class CompiledGraph:
         mode = context.runtime_mode if context is not None else RuntimeMode.NONE
         if mode is RuntimeMode.FULL:
             self.stats.full_steps += 1
-            return self.full_forward(*args)
+            return self.forward(*args)
         if mode is RuntimeMode.NONE or not self.config.cudagraphs or not self._on_cuda(args):
             self.stats.graphless_steps += 1
             return self.forward(*args)

@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 from typing import Sequence
 
 PIECE_COMPILERS = ("inductor", "eager")
-FULL_GRAPH_COMPILES = ("piecewise", "unsplit", "layered")
 DEFAULT_MAX_CAPTURE_SIZE = 512
 _OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
@@ -42,13 +41,6 @@ class BackendConfig:
     max_capture_size: largest captured token count; must equal max(capture_sizes) if both are given.
     cudagraphs:       False runs PIECEWISE steps through the compiled pieces without graphs.
     debug_checks:     on every replay, check that each piece input lives at its captured address.
-    full_graph_compile: what FULL steps run: "piecewise" the pieces, passed through to the caller's
-                      capture; "unsplit" the same traced graph compiled once more with no split (the
-                      splitting ops inside one Inductor graph, so fusions cross them), from the same
-                      Dynamo trace: the pieces still serve NONE and PIECEWISE steps; "layered" the
-                      same ops inside, one Inductor graph per layer (cut after each splitting op,
-                      which costs no fusion) and each identical layer compiled once
-                      (compile_backend/layered.py).
     pdl:              Inductor's kernels use programmatic dependent launch on Hopper and newer GPUs
                       (custom_ops/pdl.py says why; INFER_GRAPHS_PDL=0 also turns it off).
     warm_up_every_size: run each piece once outside the capture before every size's capture, not only
@@ -63,7 +55,6 @@ class BackendConfig:
     max_capture_size: int | None = None
     cudagraphs: bool = True
     debug_checks: bool = False
-    full_graph_compile: str = "piecewise"
     pdl: bool = True
     warm_up_every_size: bool = False
 
@@ -83,9 +74,6 @@ class BackendConfig:
         if self.piece_compiler not in PIECE_COMPILERS:
             raise ValueError(
                 f"BackendConfig.piece_compiler must be one of {PIECE_COMPILERS}, got {self.piece_compiler!r}")
-        if self.full_graph_compile not in FULL_GRAPH_COMPILES:
-            raise ValueError(f"BackendConfig.full_graph_compile must be one of {FULL_GRAPH_COMPILES}, got "
-                             f"{self.full_graph_compile!r}")
         for name in ("cudagraphs", "debug_checks", "pdl", "warm_up_every_size"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BackendConfig.{name} must be a bool, got {getattr(self, name)!r}")

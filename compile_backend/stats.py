@@ -14,9 +14,6 @@ class BackendStats:
     compute_pieces: int = 0
     splitting_pieces: int = 0
     piece_compilations: int = 0       # Inductor compilations: identical compute pieces share one
-    full_graph_pieces: int = 0        # graphs FULL steps run (1 unsplit, one per layer layered, 0 piecewise)
-    full_graph_compilations: int = 0  # Inductor compiles of them: identical layers share one
-    graph_only_ops_lowered: int = 0   # graph-only ops (infer::linear) the pieces run as plain ops instead
     capture_seconds: dict[int, float] = field(default_factory=dict)  # token count -> seconds
     graph_pool_bytes: int = 0         # pool growth caused by this backend's captures
     piece_captures: int = 0
@@ -25,7 +22,7 @@ class BackendStats:
     replay_steps: int = 0             # PIECEWISE steps served by graphs
     fallback_steps: int = 0           # PIECEWISE steps on CUDA with no graph for their size
     graphless_steps: int = 0          # NONE mode, or PIECEWISE on CPU / with cudagraphs=False
-    full_steps: int = 0               # FULL mode: the FULL-step code or the pieces, under an outer capture
+    full_steps: int = 0               # FULL mode: the pieces run through, under the caller's capture
 
     @property
     def captured_sizes(self) -> list[int]:

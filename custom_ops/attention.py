@@ -14,8 +14,7 @@ kernel (custom_ops.triton_decode), one kernel per layer fewer.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -24,26 +23,6 @@ from custom_ops.forward_context import get_forward_context
 from custom_ops.layers import AttentionLayer, get_attention_layer
 from custom_ops.rope import QKRotary, check_rope_tables, rotary_deferred, rotate_qk
 from custom_ops.registry import infer_op
-
-# layer name compiled into a piece -> the layer it computes now (see `attention_layer_renamed`)
-_renamed: dict[str, str] = {}
-
-
-@contextlib.contextmanager
-def attention_layer_renamed(renamed: dict[str, str]) -> Iterator[None]:
-    """Inside the block, an attention call that names layer A computes layer `renamed[A]`.
-
-    For code compiled once and run for many layers: the compiled code of one decoder layer calls this
-    op with that layer's name as a constant, and the same code serves every identical layer (weights
-    are its inputs) when the caller renames the layer around each call. The name resolves when the op
-    runs, so a graph captured inside the block records the renamed layer's cache and parameters."""
-    global _renamed
-    previous, _renamed = _renamed, renamed
-    try:
-        yield
-    finally:
-        _renamed = previous
-
 
 def _rotary(layer: AttentionLayer, layer_name: str, raw_q: torch.Tensor | None, raw_k: torch.Tensor | None,
             cos: torch.Tensor | None, sin: torch.Tensor | None, q_weight: torch.Tensor | None,
@@ -63,8 +42,6 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None) -> None:
     """The op's implementation, callable directly (no dispatcher cost) by graph runners between pieces."""
-    if _renamed:
-        layer_name = _renamed.get(layer_name, layer_name)
     layer = get_attention_layer(layer_name)
     rotary = None
     # Checked and read only where the rotary op deferred: a piecewise prefill runs this op eagerly on

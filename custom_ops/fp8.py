@@ -13,8 +13,8 @@ matmuls (`run_fp8_linear`; which one per shape: custom_ops.gemv_table.fp8_config
 Everything is device work with shapes fixed by the call: no host sync, CUDA-graph capturable.
 
 `fp8_linear_plain` is the same computation in traceable torch for a graph that is compiled for every
-token count at once (the pieces, compile_backend.compile_pieces.lower_graph_only_ops): DEQUANT or
-SCALED_MM by the weight's shape alone.
+token count at once (a model whose linears are not switched to the ops: models.set_decode_gemv off):
+DEQUANT or SCALED_MM by the weight's shape alone.
 """
 from __future__ import annotations
 

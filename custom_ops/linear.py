@@ -14,15 +14,14 @@ replays the GEMV and the batch-64 one the choices for 64 rows.
 
 Models trace it only when switched on (models.set_decode_gemv; eager code calls `run_linear`
 itself); switched off, their linears are plain F.linear and Inductor keeps its own matmul lowering.
-A step that ran the op without a graph would call it through torch's custom-op dispatcher, ~20 us of
-host time per linear (4 per layer), where Inductor's own matmul costs a few; so the
-backend rewrites it into aten.linear in the pieces when FULL steps have their own code for the decode
-graphs (compile_backend.compile_pieces.lower_graph_only_ops), and graph replays pay nothing.
+Switched on, the compiled pieces call it too: graph replays pay nothing for it, and a step without a
+graph pays ~3.6 us per call more than a plain matmul (the dispatcher and the table lookup;
+bench/results/cpu-2026-12-07/graph-only-op-cost).
 
 FP8 weights (custom_ops.fp8): `linear` and `gated_linear` take an optional `weight_scale`, the float32
 scale per row of a float8_e4m3fn weight; given, the matmul is custom_ops.fp8.run_fp8_linear (the FP8
-GEMV / skinny GEMM up to 64 rows, dequantize + cuBLAS or torch._scaled_mm above), and the lowered form
-in the pieces is custom_ops.fp8.fp8_linear_plain.
+GEMV / skinny GEMM up to 64 rows, dequantize + cuBLAS or torch._scaled_mm above); a model not switched
+to the ops traces custom_ops.fp8.fp8_linear_plain instead.
 """
 from __future__ import annotations
 
@@ -204,20 +203,6 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.infer.act_and_mul(gate_up, activation)
     return run_act_and_mul(gate_up, activation)
-
-
-def gated_linear_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    """What the gated op computes, as the act-and-mul op and a plain matmul: what Inductor compiles in
-    its place where no graph records it (compile_backend.compile_pieces.lower_graph_only_ops). The op
-    is called as such: Inductor traces this function outside Dynamo, where `act_and_mul` would run the
-    kernel on fake tensors."""
-    return F.linear(torch.ops.infer.act_and_mul(gate_up, activation), weight)
-
-
-def gated_linear_fp8_plain(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,
-                           weight_scale: torch.Tensor) -> torch.Tensor:
-    """gated_linear_plain for an FP8 weight (custom_ops.fp8.fp8_linear_plain for the matmul)."""
-    return fp8_linear_plain(torch.ops.infer.act_and_mul(gate_up, activation), weight, None, weight_scale)
 
 
 def run_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, activation: str,

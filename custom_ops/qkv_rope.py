@@ -6,9 +6,8 @@ the rotated heads as new contiguous tensors: exactly `linear` followed by `qk_no
 At one row on CUDA, where the GEMV table has the projection's shape, this is one Triton launch
 (custom_ops.triton_gemv_rope: the rotary in the GEMV's epilogue, one kernel and one launch-to-launch
 gap fewer per layer of a batch-1 decode step). Everywhere else it runs the two ops' implementations,
-as the model ran them before. Like `infer.linear` the op is opaque to Dynamo, and the compile backend
-rewrites it into its plain form (`linear_rope_plain`) in the pieces when FULL steps have their own
-code (compile_backend.compile_pieces.lower_graph_only_ops).
+as the model ran them before. Like `infer.linear` the op is opaque to Dynamo: the pieces call it, and
+the graphs that record them record the kernel it chose.
 
 `weight_scale`: an FP8 weight's float32 scale per row (custom_ops.fp8); the one-launch kernel reads
 the FP8 weight where the FP8 table (custom_ops.gemv_table.fp8_config) picks a GEMV tile that fits.
@@ -18,10 +17,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from custom_ops.gemv_table import GemvConfig, fp8_config
-from custom_ops.fp8 import fp8_linear_plain
 from custom_ops.linear import run_linear, table_config
 from custom_ops.rope import check_rope_tables, run_qk_norm_rope
 from custom_ops.registry import infer_op
@@ -70,25 +67,6 @@ def run_linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     x = x if x.stride(-1) == 1 else x.contiguous()
     half = head_dim // 2
     return gemv_rope(x, weight, cos.reshape(half), sin.reshape(half), config, num_heads, num_kv_heads, weight_scale)
-
-
-def linear_rope_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                      sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op as the two steps it stands for, F.linear (Inductor lowers it) and the rotary op: what
-    the pieces run where no graph records the op."""
-    qkv = F.linear(x, weight, bias)
-    q, k = torch.ops.infer.qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
-    return qkv, q, k
-
-
-def linear_rope_fp8_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                          sin: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """linear_rope_plain for an FP8 weight (custom_ops.fp8.fp8_linear_plain for the projection)."""
-    qkv = fp8_linear_plain(x, weight, bias, weight_scale)
-    q, k = torch.ops.infer.qk_norm_rope(qkv, cos, sin, None, None, 0.0, False, num_heads, num_kv_heads)
-    return qkv, q, k
 
 
 @infer_op("linear_rope")

@@ -22,7 +22,6 @@ logger = logging.getLogger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PIECE_COMPILERS = ("inductor", "eager")
-_FULL_GRAPH_COMPILES = ("layered", "unsplit", "piecewise")
 
 # The seeds' (vLLM's) graph modes -> (decode graphs, piecewise graphs, full graphs for mixed steps):
 #   NONE                no graphs: the compiled (or eager) model on every step
@@ -57,13 +56,6 @@ def default_decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     if sizes[-1] != max_num_seqs:  # an off-stride maximum must still be captured
         sizes.append(max_num_seqs)
     return tuple(sizes)
-
-
-def default_full_graph_compile(prefill_graphs: bool) -> str:
-    """What decode graphs record when EngineConfig.full_graph_compile is None: the pieces themselves
-    when prefill graphs replay them anyway (one compile, the same kernels), else the layered code, so
-    the pieces that steps without a graph call keep their cheaper plain matmuls."""
-    return "piecewise" if prefill_graphs else "layered"
 
 
 @dataclass
@@ -102,22 +94,11 @@ class EngineConfig:
     # gemma-3-1b, 4% for llama-3.2-3b, H100: docs/performance.md), inline on the CPU device, whose
     # model uses every core.
     frontend_process: bool | None = None
-    # what the decode graphs record when compiled, from the pieces' own trace: "piecewise" the split
-    # pieces with the attention op called between them; "layered" one Inductor graph per decoder layer
-    # with its attention op inside, identical layers compiled once (compile_backend/layered.py);
-    # "unsplit" the whole forward as one Inductor graph. The three record the same kernels (H100,
-    # bench/results/h100-2026-11-26/startup-compile: llama-3.2-3b and gemma-3-1b decode replays within
-    # 0.3%); "layered" and "unsplit" are a second compile. Its one use: the pieces then run the
-    # graph-only ops (the decode GEMV) as plain matmuls, which steps without a graph call more cheaply
-    # (compile_backend.compile_pieces.lower_graph_only_ops). None: "piecewise" with prefill graphs
-    # (every piece call is then a replay, and one compile serves both), "layered" without.
-    full_graph_compile: str | None = None
     # batch-1 decode linears and LM head on the Triton GEMV where an H100 measurement of the kernel
     # alone beat cuBLAS (custom_ops.gemv_table; other shapes and batches stay on cuBLAS). Measured end
     # to end (`python -m bench decode --decode-gemv`, H100, llama-3.2-3b): the batch-1 decode graph
-    # 3.305 -> 3.054 ms, batch 8 unchanged. Only graphs that record it see the op: compiled pieces
-    # run Inductor's own matmul when layered / unsplit code serves FULL steps (compile_backend), eager
-    # code calls the kernel without the dispatcher (models.layers.Linear).
+    # 3.305 -> 3.054 ms, batch 8 unchanged. Compiled pieces call the op (the graphs that record them
+    # record its kernel); eager code calls the kernel without the dispatcher (models.layers.Linear).
     decode_gemv: bool = True
     show_progress: bool = True             # tqdm bar during graph capture
     tensor_parallel_size: int = 1          # ranks (GPUs) the model is split over; engine.distributed.tp
@@ -175,8 +156,6 @@ class EngineConfig:
                self.frontend_process, "a bool or None")
         _check(isinstance(self.hybrid_kv_cache, bool), "hybrid_kv_cache", self.hybrid_kv_cache, "a bool")
         _check(isinstance(self.decode_gemv, bool), "decode_gemv", self.decode_gemv, "a bool")
-        _check(self.full_graph_compile is None or self.full_graph_compile in _FULL_GRAPH_COMPILES,
-               "full_graph_compile", self.full_graph_compile, f"None or one of {', '.join(_FULL_GRAPH_COMPILES)}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check(isinstance(self.disable_custom_all_reduce, bool), "disable_custom_all_reduce",
                self.disable_custom_all_reduce, "a bool")
@@ -287,7 +266,6 @@ class EngineConfig:
         changes["cuda_graphs"] = cuda_graphs
         changes["prefill_graphs"] = prefill_graphs
         changes["cudagraph_mode"] = mode or cudagraph_mode_of(cuda_graphs, prefill_graphs)
-        changes["full_graph_compile"] = self.full_graph_compile or default_full_graph_compile(prefill_graphs)
         max_len = self.max_model_len
         if max_len is None:
             max_len = min(model_max_len or 4096, 4096)

@@ -41,7 +41,6 @@ def test_explicit_capture_sizes_are_sorted_and_deduplicated():
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(piece_compiler="tvm"), "piece_compiler"),
-    (dict(full_graph_compile="split"), "full_graph_compile"),
     (dict(splitting_ops="infer::attention"), "splitting_ops"),
     (dict(splitting_ops=("attention",)), "splitting_ops"),
     (dict(capture_sizes=()), "capture_sizes"),

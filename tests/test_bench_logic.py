@@ -181,12 +181,11 @@ def test_decode_report_on_cpu_claims_no_graphs_and_times_a_compiled_model(monkey
         return built[-1]
     monkeypatch.setattr(engine, "LLM", recording_llm)
     report = decode.run("tiny-llama", batches="1", contexts="16", peers="none", iters=1, decode_gemv=True,
-                        compare_full_graph_compile="unsplit", quantization="fp8")
+                        quantization="fp8")
     assert report.notes[0].startswith("no decode graphs (the engine captures them on CUDA only)")
     assert [r["variant"] for r in report.rows] == ["eager", "compiled"]
     assert built[0].runtime.backend is not None  # the "compiled" row ran the infer_graphs backend
     assert "full_graph_gemv: no decode graphs on this device, nothing to time" in report.notes
-    assert "full_graph_unsplit: no decode graphs on this device, nothing to time" in report.notes
     assert "full_graph_fp8: no decode graphs on this device, nothing to time" in report.notes
     assert report.meta["fp8_weight_bytes"] < report.meta["weight_bytes"]  # the model was quantized for it
 
@@ -501,9 +500,7 @@ def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
     assert rows[("warm", "decode total")]["note"] == "0.200 s per graph"
     assert rows[("warm", "ready")]["capture_s"] == 12.0 and rows[("warm", "ready")]["graph_mib"] == 1024
     assert rows[("warm", "compile")]["capture_s"] == 5.0
-    assert "decode graphs record the default compile" in report.notes[0]
-    piecewise = build_report("m", {"warm": {**child(None), "full_graph_compile": "piecewise"}})
-    assert "decode graphs record the piecewise compile" in piecewise.notes[0]
+    assert "prefill graphs on" in report.notes[0]
     import tempfile
     with tempfile.TemporaryDirectory() as out:
         report.write(out)

@@ -2,8 +2,8 @@
 passes opcheck and equals F.linear wherever it does not pick the GEMV; the choice is the measured
 table's shapes at one row on CUDA in bf16/fp16 and nothing else; the wrapper around the kernel (rows,
 bias, `out`) is right, run in Triton's interpreter; a model switched on traces the op for every
-matmul and a model switched off traces exactly F.linear; eager calls skip the dispatcher; an unsplit
-compile keeps the op for the decode graphs while the pieces get plain linears; row-parallel layers
+matmul and a model switched off traces exactly F.linear; eager calls skip the dispatcher; the
+compiled pieces keep the op for the graphs that record them; row-parallel layers
 still all-reduce; an engine without decode graphs leaves the model alone; the flags parse."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import custom_ops.linear
 import models
 from bench.configs import TINY_LLAMA
 from custom_ops import (
-    GEMV_CONFIGS, GemvConfig, gated_linear_plain, gemv_config, linear_rope_plain, run_gated_linear, run_linear,
+    GEMV_CONFIGS, GemvConfig, gemv_config, run_gated_linear, run_linear,
 )
 from custom_ops.linear import act_and_mul_plain
 from engine import LLM, ConfigError, EngineConfig, SamplingParams
@@ -280,15 +280,14 @@ def _linear_targets(gm: torch.fx.GraphModule) -> list[str]:
     names = {torch.ops.infer.linear: "infer.linear", torch.ops.infer.linear.default: "infer.linear",
              torch.ops.aten.linear.default: "aten.linear", F.linear: "F.linear",
              torch.ops.infer.gated_linear: "infer.gated_linear", torch.ops.infer.gated_linear.default: "infer.gated_linear",
-             gated_linear_plain: "gated_linear_plain", torch.ops.infer.linear_rope: "infer.linear_rope",
-             torch.ops.infer.linear_rope.default: "infer.linear_rope", linear_rope_plain: "linear_rope_plain"}
+             torch.ops.infer.linear_rope: "infer.linear_rope", torch.ops.infer.linear_rope.default: "infer.linear_rope"}
     return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names]
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_an_unsplit_compile_keeps_the_op_for_full_steps_and_gives_the_pieces_plain_linears():
-    """The decode graphs record the unsplit graph, so the GEMV must be there; the pieces serve steps
-    that may run without a graph, where the op would cost the dispatcher's host time per linear."""
+def test_the_compiled_pieces_keep_the_op_for_the_graphs_that_record_them():
+    """Decode graphs record the pieces run straight through (RuntimeMode.FULL), so every matmul of a
+    switched-on model must still be the op there; a step without a graph runs the same pieces."""
     from compile_backend import BackendConfig, InferGraphsBackend
     from custom_ops import RuntimeMode, forward_context
 
@@ -298,27 +297,21 @@ def test_an_unsplit_compile_keeps_the_op_for_full_steps_and_gives_the_pieces_pla
     ids, pos = torch.tensor([1, 5, 9]), torch.arange(3)
     with torch.no_grad():
         expected = net(ids, pos)
-    backend = InferGraphsBackend(BackendConfig(piece_compiler="eager", cudagraphs=False,
-                                               full_graph_compile="unsplit"))
+    backend = InferGraphsBackend(BackendConfig(piece_compiler="eager", cudagraphs=False))
     torch._dynamo.reset()
     try:
         compiled = torch.compile(net, backend=backend, fullgraph=True, dynamic=False)
         with torch.no_grad(), forward_context(None, RuntimeMode.NONE, 3):
-            out = compiled(ids, pos)
+            torch.testing.assert_close(compiled(ids, pos), expected)
+        with torch.no_grad(), forward_context(None, RuntimeMode.FULL, 3):
+            torch.testing.assert_close(compiled(ids, pos), expected)
         graph = backend.graphs[0]
-        unsplit = graph.full_forward.__self__
-        assert _linear_targets(unsplit) == ["infer.linear_rope", "infer.linear", "infer.linear",
-                                            "infer.gated_linear"] * layers
-        runners = [graph.split.piece(info) for info in graph.split.summary.pieces]  # the eager compiler's
-        fns = [getattr(r, "fn", None) for r in runners]
+        fns = [getattr(piece, "fn", None) for piece in graph.pieces]  # the eager compiler's FX modules
         pieces = [f.__self__ for f in fns if isinstance(getattr(f, "__self__", None), torch.fx.GraphModule)]
         assert len(pieces) > layers  # compute pieces between the attention calls
         assert sorted(sum((_linear_targets(p) for p in pieces), [])) == sorted(
-            ["aten.linear"] * (2 * layers) + ["gated_linear_plain", "linear_rope_plain"] * layers)
-        assert backend.stats.graph_only_ops_lowered == 4 * layers
-        torch.testing.assert_close(out, expected)   # the pieces' plain linears compute the same
-        with torch.no_grad(), forward_context(None, RuntimeMode.FULL, 3):
-            torch.testing.assert_close(compiled(ids, pos), expected)
+            ["infer.linear_rope", "infer.linear", "infer.linear", "infer.gated_linear"] * layers)
+        assert backend.stats.full_steps == 1 and backend.stats.graphless_steps == 1
     finally:
         models.set_decode_gemv(net, False)
         torch._dynamo.reset()

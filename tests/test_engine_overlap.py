@@ -190,7 +190,7 @@ def test_token_slots_grow_without_losing_tokens():
     assert len({slots.slot(r) for r in requests}) == 5
 
 
-# -- GPU: decode graphs (the default layered and the piecewise compiles), prefill graphs, no graphs ------------------
+# -- GPU: decode graphs alone, decode and prefill graphs, no graphs ------------------------------------------------
 
 def _mixed_workload(llm: LLM) -> dict[str, tuple[list[int], str]]:
     """Staggered arrivals; greedy, seeded top-k / top-p sampling, stop tokens and EOS; the finished
@@ -219,10 +219,10 @@ def _mixed_workload(llm: LLM) -> dict[str, tuple[list[int], str]]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [
-    dict(cuda_graphs=True, prefill_graphs=False),                                   # FULL (layered) + NONE
-    dict(cuda_graphs=True, prefill_graphs=True, full_graph_compile="piecewise"),    # FULL (pieces) + PIECEWISE
-    dict(cuda_graphs=False, prefill_graphs=False),                                  # NONE only
-], ids=["decode_graphs_layered", "decode_and_prefill_graphs_piecewise", "graphs_off"])
+    dict(cuda_graphs=True, prefill_graphs=False),    # FULL_DECODE_ONLY: decode graphs + NONE
+    dict(cuda_graphs=True, prefill_graphs=True),     # FULL_AND_PIECEWISE
+    dict(cuda_graphs=False, prefill_graphs=False),   # NONE only
+], ids=["decode_graphs", "decode_and_prefill_graphs", "graphs_off"])
 def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path, graphs):
     from tests.test_engine_generate import _build_hf
     from tests.test_engine_gpu import _engine

@@ -58,10 +58,6 @@ def collect_stats(llm: LLM, gather_ranks: bool) -> dict[str, Any]:
     }
     if llm.runtime.backend is not None:
         stats["backend"] = dataclasses.asdict(llm.runtime.backend.stats)
-    # what the decode graphs recorded: "layered" / "unsplit" code, or the split pieces (None: no graphs)
-    backend = llm.runtime.backend
-    stats["full_graph_compile"] = (backend.config.full_graph_compile if backend is not None and graphs
-                                   else "piecewise" if graphs else None)
     if llm.tp is not None and gather_ranks:
         # graph counts and fallbacks of every rank; a failed group can only report its failure
         stats["ranks"] = llm.tp.rank_stats() if llm.tp.failure is None else llm.tp.failure

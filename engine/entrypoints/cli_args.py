@@ -70,10 +70,6 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--enable-prefix-caching": _set("enable_prefix_caching", True, "share the KV blocks of common prompt "
                                     "prefixes (the default)"),
     "--no-prefix-caching": _set("enable_prefix_caching", False, "no prefix caching"),
-    "--full-graph-compile": ("full_graph_compile", dict(
-        choices=("layered", "unsplit", "piecewise"),
-        help="what the decode graphs record: one Inductor graph per layer with attention inside, one unsplit "
-             "Inductor graph, or the split pieces (default: the pieces with prefill graphs, else layered)")),
     "--decode-gemv": _set("decode_gemv", True, "batch-1 decode matmuls on the Triton GEMV where measured faster "
                           "than cuBLAS (custom_ops/gemv_table.py; the default)"),
     "--no-decode-gemv": _set("decode_gemv", False, "every matmul on cuBLAS / Inductor's choice"),

@@ -4,11 +4,12 @@ The backend's capture sizes are the engine's prefill graph sizes, so the dispatc
 and the graphs the pieces hold are the same list. With prefill graphs off the backend never captures
 (cudagraphs=False): NONE steps run the compiled pieces, FULL steps pass through to the decode graphs.
 
-Under EngineConfig.full_graph_compile "layered" or "unsplit" (with decode graphs) the backend also
-compiles the same trace for FULL steps with the attention op inside Inductor's graphs (one per
-decoder layer, identical layers compiled once; or the whole forward as one), and the decode capture
-records that. One Dynamo trace serves both (tracing is most of a warm start-up), and the pieces
-keep NONE and PIECEWISE steps.
+FULL steps (decode and mixed graphs) run the same pieces straight through, attention between them,
+and the engine's capture records the whole forward: one Dynamo trace and one compile serve every
+mode. (A second compile for FULL steps, one Inductor graph per decoder layer or of the whole forward,
+recorded the same kernels: decode replays within 1% of the pieces' on an H100,
+bench/results/h100-2026-11-23/layered and h100-2026-11-26/startup-compile/decode-piecewise-vs-layered;
+it cost start-up time and was removed.)
 
 Warm start: when the compile cache holds the compiled graph of this model and configuration
 (engine/worker/warm_start.py), nothing is traced or compiled: the backend loads the graph and the
@@ -143,7 +144,6 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
         piece_compiler=config.piece_compiler,
         capture_sizes=tuple(config.prefill_graph_sizes),
         cudagraphs=bool(config.prefill_graphs),
-        full_graph_compile=config.full_graph_compile if config.cuda_graphs else "piecewise",
     )
     binder = warm_start.InputBinder(model)
     writing = None

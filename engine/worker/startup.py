@@ -174,7 +174,7 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
 
 def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline,
            min_over_ranks: Callable[[int], int] | None) -> None:
-    runner, kv_cache, sampler, backend = rt.runner, rt.kv_cache, rt.sampler, rt.backend
+    runner, kv_cache, sampler = rt.runner, rt.kv_cache, rt.sampler
     device = runner.device
     min_blocks = -(-config.max_model_len // config.block_size) + 1  # one full-length request + scratch
     if device.type != "cuda":
@@ -189,7 +189,7 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
             allocate_pool(rt, num_blocks, config)
         # compiles now (with compile), and makes the kernels' lazy set-up: not in the first request's step
         # (the default model's first TTFT on a 2-core CPU read 2.4 s without it, the next 0.6-0.9 s)
-        _warm_up(runner, sampler, config, False, timeline)
+        _warm_up(runner, sampler, config, timeline)
         if config.compile:
             from compile_backend.pool import gc_frozen  # lazy: compile_backend is slow to import
             with timeline.phase("gc freeze"):
@@ -198,8 +198,7 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
 
     kv_cache.allocate(1)  # scratch block only: every dummy step reads and writes just block 0
     memory = rt.memory
-    full_own_code = backend is not None and backend.config.full_graph_compile != "piecewise"
-    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, full_own_code, timeline)
+    memory["activation_peak_bytes"] = _warm_up(runner, sampler, config, timeline)
     from compile_backend.pool import gc_frozen  # lazy: compile_backend is slow to import
     # One full collection for all the capture phases below: each phase's own freeze then only visits
     # what was made since (compile_backend.pool.gc_frozen). The freeze lasts until Runtime.close, so
@@ -209,7 +208,7 @@ def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: 
     capture_and_size(rt, config, timeline, min_over_ranks, min_blocks)
 
 
-def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_own_code: bool,
+def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig,
              timeline: StartupTimeline | None = None) -> int:
     """Run the largest steps once (compiling if needed); the activation peak in bytes (0 on CPU).
 
@@ -225,16 +224,13 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig, full_o
     num_seqs = min(config.max_num_seqs, max_tokens)
     if not cuda:  # no memory to measure: small steps do the lazy set-up (the full budget took 12 s)
         max_tokens, num_seqs = min(max_tokens, 16), min(num_seqs, 2)
-    # The decode dummy runs as FULL when FULL steps have their own code (layered / unsplit), so its
-    # activation peak is counted as the first run counts the pieces'.
     steps = ((max_tokens, _dummy_seqs(max_tokens, config), False), (num_seqs, num_seqs, True))
     traces = config.compile and getattr(runner.forward, "cache_status", None) != "hit"
     for i, (tokens, seqs, uniform) in enumerate(steps):
         phase = "compile" if i == 0 and traces else "warm-up"
         with timeline.phase(phase):
             meta = runner.load_dummy(tokens, seqs, uniform)
-            mode = RuntimeMode.FULL if uniform and full_own_code else RuntimeMode.NONE
-            hidden = runner.run_forward(meta, mode, tokens)
+            hidden = runner.run_forward(meta, RuntimeMode.NONE, tokens)
             rows = runner.buffers.logits_indices[:seqs]
             logits = runner.model.compute_logits(hidden[rows])
             del hidden
