@@ -36,17 +36,28 @@ def _warm_compile_workers() -> None:
     maybe_warm_pool()
 
 
+# The checks Inductor writes into its generated code: each input's and each custom op result's size
+# and stride, 16-byte alignment, scalar ranges: ~17 a piece, ~0.4 us each on the host (CPU box), so
+# ~0.2 ms a step of a 28-layer model that runs the pieces without a graph (and at captures; never at
+# replay).
+# Dynamo's guards check the model's inputs and the ops' fakes are opchecked in the tests, so they are
+# off unless BackendConfig.debug_checks (torch's own "reduce-overhead" mode turns size asserts off too).
+_ASSERT_OPTIONS = ("size_asserts", "alignment_asserts", "scalar_asserts")
+
+
 def _inductor_options(config: BackendConfig) -> contextlib.AbstractContextManager:
     """Inductor settings for this backend's compiles: programmatic dependent launch (its kernels on
     Hopper and newer launch while the previous one finishes and wait for its results in-kernel), unless
-    BackendConfig.pdl or INFER_GRAPHS_PDL=0 turns it off. Inductor only emits it for sm_90+ CUDA
-    devices; its FX-graph cache key covers the setting. A torch without the option compiles as before."""
+    BackendConfig.pdl or INFER_GRAPHS_PDL=0 turns it off (Inductor only emits it for sm_90+ CUDA
+    devices), and the generated code's runtime asserts only under BackendConfig.debug_checks. Inductor's
+    FX-graph cache key covers these settings; a torch without one of them compiles as before."""
     if config.piece_compiler != "inductor":
         return contextlib.nullcontext()
     from torch._inductor import config as inductor_config
-    if not hasattr(inductor_config.triton, "enable_pdl"):
-        return contextlib.nullcontext()
-    return inductor_config.patch({"triton.enable_pdl": config.pdl and pdl_wanted()})
+    patches = {name: config.debug_checks for name in _ASSERT_OPTIONS if hasattr(inductor_config, name)}
+    if hasattr(inductor_config.triton, "enable_pdl"):
+        patches["triton.enable_pdl"] = config.pdl and pdl_wanted()
+    return inductor_config.patch(patches)
 
 
 def _num_outputs(gm: torch.fx.GraphModule) -> int | None:

@@ -40,7 +40,10 @@ class BackendConfig:
     capture_sizes:    token counts that get a CUDA graph per piece; None -> default_capture_sizes.
     max_capture_size: largest captured token count; must equal max(capture_sizes) if both are given.
     cudagraphs:       False runs PIECEWISE steps through the compiled pieces without graphs.
-    debug_checks:     on every replay, check that each piece input lives at its captured address.
+    debug_checks:     on every replay, check that each piece input lives at its captured address; and
+                      keep Inductor's runtime asserts (sizes, strides, alignment of each piece's inputs
+                      and of each custom op's results) in the compiled code, which is otherwise
+                      compiled without them (compile_backend/backend.py says why).
     pdl:              Inductor's kernels use programmatic dependent launch on Hopper and newer GPUs
                       (custom_ops/pdl.py says why; INFER_GRAPHS_PDL=0 also turns it off).
     warm_up_every_size: run each piece once outside the capture before every size's capture, not only

@@ -266,3 +266,21 @@ def test_a_compute_piece_with_one_output_feeds_the_splitting_op_after_it():
     x = torch.randn(5)
     assert torch.equal(torch.compile(f, backend=backend, fullgraph=True)(x), f(x))
     assert backend.stats.compute_pieces == 2
+
+
+@pytest.mark.parametrize("debug_checks", [False, True])
+def test_inductor_pieces_carry_runtime_asserts_only_under_debug_checks(debug_checks):
+    """Each size / stride / alignment assert of Inductor's code costs host time on every step without a
+    graph and at every capture; they are compiled in only when BackendConfig.debug_checks asks."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    model = models.from_config(hf_config("llama", num_hidden_layers=2), dtype=torch.float32)
+    backend = InferGraphsBackend(BackendConfig(debug_checks=debug_checks))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids, positions = random_inputs(5, 96)
+    with torch.no_grad():
+        got, sources = run_and_get_code(run_marked, compiled, ids, positions)
+        torch.testing.assert_close(got, model(ids, positions), rtol=1e-5, atol=1e-5)
+    assert len(sources) == backend.stats.piece_compilations == 3
+    asserting = ["assert_size_stride(" in code for code in sources]
+    assert asserting == [debug_checks] * 3

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from engine.config import EngineConfig
+from engine.kv.block_pool import debug_checks_from_env
 
 logger = logging.getLogger("engine")
 
@@ -144,6 +145,7 @@ def compile_model(model: torch.nn.Module, config: EngineConfig, pool: Any = None
         piece_compiler=config.piece_compiler,
         capture_sizes=tuple(config.prefill_graph_sizes),
         cudagraphs=bool(config.prefill_graphs),
+        debug_checks=debug_checks_from_env(),  # INFER_GRAPHS_DEBUG_CHECKS=1: replay and Inductor checks
     )
     binder = warm_start.InputBinder(model)
     writing = None

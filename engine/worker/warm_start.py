@@ -57,7 +57,7 @@ NOT_IN_KEY = frozenset({"model", "tokenizer", "seed", "show_progress", "max_wait
                         "num_gpu_blocks", "async_scheduling", "frontend_process"})
 _SOURCE_PACKAGES = ("compile_backend", "custom_ops", "models", "engine")
 # Environment variables that change generated code; cache locations do not.
-_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_", "INFER_GRAPHS_PDL")
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_", "INFER_GRAPHS_PDL", "INFER_GRAPHS_DEBUG_CHECKS")
 _ENV_IGNORED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR",
                           "TRITON_OVERRIDE_DIR"})
 
