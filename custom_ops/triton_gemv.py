@@ -276,12 +276,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     tiles_n = cdiv(n, cfg.block_n)
     parts, arrivals = split_workspaces(x.device, cfg.split_k, m, n, tiles_n, out)
     pdl = launch_with_pdl(x.device)
-    _gemv_kernel[(tiles_n, cfg.split_k)](
+    launch(_gemv_kernel, (tiles_n, cfg.split_k), (
         x, weight, out if scale is None else scale, out, parts, arrivals, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0),
+    ), dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         USE_DOT=block_m >= 16, DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, GATE=GATES[gate],
         SCALED=scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_options(pdl),
-    )
+    ))
     return out

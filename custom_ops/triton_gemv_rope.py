@@ -24,6 +24,7 @@ import triton.language as tl
 from custom_ops.gemv_table import GemvConfig
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv
+from custom_ops.triton_launch import launch
 
 
 @triton.jit
@@ -120,10 +121,11 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     rotated_programs = heads * (head_dim // 2) // half_n
     grid = (rotated_programs + cdiv(n - heads * head_dim, config.block_n),)
     pdl = launch_with_pdl(x.device)
-    _gemv_rope_kernel[grid](
+    launch(_gemv_rope_kernel, grid, (
         x, weight, qkv if scale is None else scale, cos, sin, qkv, q, k, n, k_dim, weight.stride(0),
+    ), dict(
         NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_N=half_n,
         BLOCK_K=config.block_k, PDL=pdl, SCALED=scale is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(pdl),
-    )
+    ))
     return qkv, q, k

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.triton_common import next_power_of_2
+from custom_ops.triton_launch import launch
 
 
 @triton.jit
@@ -59,11 +60,12 @@ def store_kv(
         raise ValueError("kv_cache's last dimension must be contiguous")
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _store_kv_kernel[(num_tokens,)](
+    launch(_store_kv_kernel, (num_tokens,), (
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    ), dict(
         PAGE_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
-    )
+    ))

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import next_power_of_2
+from custom_ops.triton_launch import launch
 
 
 @triton.jit
@@ -77,13 +78,14 @@ def add_rms_norm_triton(
         return total, out
     block = next_power_of_2(hidden)
     pdl = launch_with_pdl(h.device)
-    _add_rms_norm_kernel[(rows,)](
+    launch(_add_rms_norm_kernel, (rows,), (
         h, delta, weight, weight if delta_weight is None else delta_weight, total, out,
         h.stride(0), delta.stride(0), total.stride(0), out.stride(0),
         hidden, eps,
+    ), dict(
         UNIT_OFFSET=unit_offset, DELTA_NORM=delta_weight is not None, BLOCK=block, PDL=pdl,
         # One row is a few KB: enough warps to issue its loads at once, few enough that the
         # cross-warp sum stays short.
         num_warps=8 if block >= 4096 else 4, **pdl_launch_options(pdl),
-    )
+    ))
     return total, out

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_common import cdiv, next_power_of_2
+from custom_ops.triton_launch import launch
 from custom_ops.triton_rms_norm import scale_normed
 
 
@@ -85,12 +86,13 @@ def qk_norm_rope_triton(
     block_h = min(next_power_of_2(heads), max(1, 512 // head_dim))  # ~512 elements a program
     norm = q_weight is not None
     pdl = launch_with_pdl(q_in.device)
-    _qk_norm_rope_kernel[(tokens, cdiv(heads, block_h))](
+    launch(_qk_norm_rope_kernel, (tokens, cdiv(heads, block_h)), (
         q_in, k_in, cos, sin, q_weight if norm else q_in, k_weight if norm else q_in, q, k,
         q_in.stride(0), k_in.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0), eps,
+    ), dict(
         NUM_Q_HEADS=num_heads, NUM_HEADS=heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=block_h, BLOCK_HALF=next_power_of_2(half),
         NORM=norm, UNIT_OFFSET=unit_offset, PDL=pdl,
         num_warps=4, **pdl_launch_options(pdl),
-    )
+    ))
     return q, k

@@ -29,6 +29,7 @@ from custom_ops.pdl import launch_with_pdl, pdl_launch_options
 from custom_ops.triton_argmax import argmax_tile_keys
 from custom_ops.triton_common import cdiv, next_power_of_2
 from custom_ops.triton_gemv import check_operands, output_for, split_workspaces
+from custom_ops.triton_launch import launch
 from custom_ops.triton_prefill import dot_precision
 
 # From 2 rows: below 16 the MMA's x side is padded to 16 rows (masked loads), and the kernel still
@@ -160,12 +161,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     even_k = k % config.block_k == 0 and k_tiles % config.split_k == 0
     parts, arrivals = split_workspaces(x.device, config.split_k, m, n, tiles_n, out)
     pdl = launch_with_pdl(x.device)
-    _skinny_kernel[(tiles_n, config.split_k)](
+    launch(_skinny_kernel, (tiles_n, config.split_k), (
         x, weight, out if scale is None else scale, out, parts, arrivals, out if keys is None else keys, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
+    ), dict(
         BLOCK_M=max(MMA_MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS,
         DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, KEYS=keys is not None, SCALED=scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
-    )
+    ))
     return out

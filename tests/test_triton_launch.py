@@ -145,6 +145,7 @@ def test_tail_refuses_a_constexpr_bound_positionally():
     """Its value would have to be in the key: such a call keeps the plain launch."""
     from triton.runtime.jit import JITFunction
     from custom_ops.triton_launch import _tail
+    from tests.test_qkv_rope import rope_tables
     kernel = _axpy_kernel if isinstance(_axpy_kernel, JITFunction) else JITFunction(_axpy_kernel.fn)
     x = torch.empty(4)
     assert _tail(kernel, (x, x, x, 4, 1.0, 8), {}) is None
@@ -155,6 +156,7 @@ def test_tail_lists_the_later_parameters_in_signature_order():
     keywords or its default, in the kernel's order; None (the plain launch) where that is not known."""
     from triton.runtime.jit import JITFunction
     from custom_ops.triton_launch import _tail
+    from tests.test_qkv_rope import rope_tables
     kernel = _axpy_kernel if isinstance(_axpy_kernel, JITFunction) else JITFunction(_axpy_kernel.fn)
     x = torch.empty(4)
     assert _tail(kernel, (x, x, x, 4, 1.0), {"BLOCK": 8}) == (8, False)               # SQUARE's default
@@ -333,3 +335,61 @@ def test_gpu_prefill_steps_of_new_token_counts_hit_after_one_per_class():
             first = dict(triton_launch.stats)
     assert triton_launch.stats["misses"] == first["misses"], "a new token count of a seen class missed"
     assert triton_launch.stats["hits"] - first["hits"] == len(cases) - 2
+
+
+def _op_launches(monkeypatch):
+    """Every launch the ops' Triton kernels make, recorded (kernel, grid, args, options) and then made."""
+    import importlib
+    calls = []
+    real = triton_launch.launch
+    for name in ("triton_rms_norm", "triton_rope", "triton_gemv", "triton_gemv_rope", "triton_skinny",
+                 "triton_kv_store"):
+        module = importlib.import_module(f"custom_ops.{name}")
+        monkeypatch.setattr(module, "launch", lambda k, g, a, o: calls.append((k, g, a, o)) or real(k, g, a, o))
+    return calls
+
+
+def test_the_ops_kernels_launch_through_the_cache_with_arguments_the_compiled_launcher_takes(monkeypatch):
+    """On a GPU a launch skips JITFunction.run only where its arguments bind positionally and its
+    constexprs by keyword (`_tail`); steps without a graph (and eager models) launch these kernels
+    once or more per layer. Each op runs here in the interpreter, and its result is checked."""
+    from triton.runtime.jit import JITFunction
+    from custom_ops.gemv_table import GemvConfig
+    from custom_ops.triton_gemv import gemv
+    from custom_ops.triton_gemv_rope import gemv_rope
+    from custom_ops.triton_kv_store import store_kv
+    from custom_ops.triton_rms_norm import add_rms_norm_triton
+    from custom_ops.triton_rope import qk_norm_rope_triton
+    from custom_ops.triton_skinny import skinny_gemm
+    from custom_ops.triton_launch import _tail
+    from tests.test_qkv_rope import rope_tables
+
+    calls = _op_launches(monkeypatch)
+    torch.manual_seed(0)
+    h, delta, weight = torch.randn(3, 40), torch.randn(3, 40), torch.randn(40)
+    total, _ = add_rms_norm_triton(h, delta, weight, 1e-6, False)
+    torch.testing.assert_close(total, h + delta)
+    cos, sin = rope_tables(16, 7, torch.float32)  # [head_dim / 2] of one position
+    q_in, k_in = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    q, _ = qk_norm_rope_triton(q_in, k_in, cos.expand(5, -1), sin.expand(5, -1), None, None, 1e-6, False)
+    assert q.shape == q_in.shape and not torch.equal(q, q_in)
+    x, w = torch.randn(1, 48), torch.randn(24, 48)
+    torch.testing.assert_close(gemv(x, w, GemvConfig(block_n=16, block_k=16, num_warps=1)), x @ w.t(),
+                               rtol=1e-4, atol=1e-4)
+    x2 = torch.randn(3, 48)
+    torch.testing.assert_close(skinny_gemm(x2, w, GemvConfig(block_n=16, block_k=16, num_warps=1)), x2 @ w.t(),
+                               rtol=1e-4, atol=1e-4)
+    w_qkv = torch.randn((4 + 2 * 2) * 16, 48)
+    qkv, _, _ = gemv_rope(x, w_qkv, cos, sin, GemvConfig(block_n=4, block_k=16, num_warps=1), 4, 2)
+    torch.testing.assert_close(qkv, x @ w_qkv.t(), rtol=1e-4, atol=1e-4)
+    cache = torch.zeros(2, 3, 4, 2, 16)
+    k, v, slots = torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.tensor([5, 0, 11])
+    store_kv(k, v, cache, slots, 3)
+    assert torch.equal(cache[0].reshape(12, 2, 16)[slots], k) and torch.equal(cache[1].reshape(12, 2, 16)[slots], v)
+
+    launched = {k.fn.__name__ for k, *_ in calls}
+    assert launched == {"_add_rms_norm_kernel", "_qk_norm_rope_kernel", "_gemv_kernel", "_skinny_kernel",
+                        "_gemv_rope_kernel", "_store_kv_kernel"}
+    for kernel, _, args, options in calls:
+        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # the interpreter wraps it
+        assert _tail(jit, args, options) is not None, kernel.fn.__name__
