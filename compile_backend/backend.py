@@ -96,6 +96,11 @@ class InferGraphsBackend:
             _warm_compile_workers()
 
     @property
+    def handles(self) -> list[GraphHandle]:
+        """What each compiled or loaded graph was handed back as, in order (callable without Dynamo)."""
+        return list(self._handles)
+
+    @property
     def pool(self) -> Any:
         """The allocator handle of this backend's pool."""
         if self._pool is None:

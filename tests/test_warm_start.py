@@ -125,6 +125,39 @@ def test_the_switch_turns_the_store_off(cache_dir, monkeypatch):
     assert not _entries(cache_dir)
 
 
+def _refuse_dynamo(*args):
+    raise AssertionError("Dynamo's compiled code was called after the trace")
+
+
+@pytest.mark.parametrize("store", ["0", "1"])
+def test_after_the_trace_the_engine_calls_its_graph_without_dynamo(cache_dir, monkeypatch, store):
+    """Dynamo's guards cost host time on every step outside a CUDA graph: once the one graph is traced,
+    the engine calls it as a warm start does, with the store on or off, and generates what eager does."""
+    monkeypatch.setenv("INFER_GRAPHS_COMPILE_CACHE", store)
+    with LLM(_model(), **{**ENGINE, "piece_compiler": "eager"}) as llm:
+        compiled = llm.runtime.compiled
+        assert compiled.dynamo_traced and compiled.direct is not None
+        compiled.forward = _refuse_dynamo
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    with LLM(_model(), **{**ENGINE, "compile": False}) as eager:
+        assert tokens == [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+
+
+def test_a_graph_whose_inputs_cannot_be_found_again_stays_behind_dynamo(cache_dir, monkeypatch, caplog):
+    from engine.worker import warm_start
+    monkeypatch.setenv("INFER_GRAPHS_COMPILE_CACHE", "0")
+
+    def refuse(self, example_inputs):
+        raise ValueError("graph input 3 is a stand-in the engine cannot find")
+    monkeypatch.setattr(warm_start.InputBinder, "describe", refuse)
+    with caplog.at_level("INFO", logger="engine"), LLM(_model(), **{**ENGINE, "piece_compiler": "eager"}) as llm:
+        assert llm.runtime.compiled.direct is None
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert "Dynamo keeps calling the traced graph (graph input 3 is a stand-in" in caplog.text
+    with LLM(_model(), **{**ENGINE, "compile": False}) as eager:
+        assert tokens == [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+
+
 def test_an_unreadable_graph_file_with_a_matching_manifest_is_a_miss_too(cache_dir):
     _, expected = _run(cache_dir, piece_compiler="eager")
     (entry,) = _entries(cache_dir)

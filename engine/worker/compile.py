@@ -17,6 +17,12 @@ engine calls it with the model's parameters (warm_start.CachedForward). Otherwis
 the first forward, the backend writes what it compiled into a temporary entry, and `finish_cache`
 keeps it once the start-up has succeeded.
 
+After the first trace, the same: Dynamo's compiled code evaluates its guards on every call (a few
+hundred tensors: ~1 ms a step of a 28-layer model on the CPU box, bench/results/cpu-2026-12-07/
+dynamo-bypass/), for every step that runs the model outside a CUDA graph (piecewise and graphless
+steps, captures). Once the one graph is traced, the engine calls it directly as a warm start does
+(`CompiledModel.direct`), its inputs found again by the binder and checked on each call.
+
 Per-engine compiled code: Dynamo keeps its compiled entries on the CODE OBJECT of the frame it
 compiles. Compiling the model itself puts every engine's entry on the model class's `forward`
 code, shared by all engines: closed engines stay referenced from it and the 9th engine in a process
@@ -61,13 +67,41 @@ class CompiledModel:
     binder: Any = None           # warm_start.InputBinder while an entry is being written
     pending: Any = None          # (store, temporary entry, key fields, artifact sink) until finish_cache
     cache_saved: str | None = None  # what finish_cache did, for the log and stats
+    traced: Any = None           # the traced graph's input specs (InputBinder.describe), once traced
+    direct: Any = None           # warm_start.CachedForward of the traced graph: calls skip Dynamo
+    compiler: Any = None         # what torch.compile was given (forgotten with the backend)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        direct = self.direct
+        if direct is not None:
+            return direct(input_ids, positions)
         if self.forward is None:
             raise RuntimeError("this engine's compiled model was released (LLM.close)")
         if self.binder is not None:  # Dynamo may trace in this call: the binder names its arguments
             self.binder.call_args = (input_ids, positions)
-        return self.forward(input_ids, positions)
+        out = self.forward(input_ids, positions)
+        if self.traced is not None:
+            self._go_direct()
+        return out
+
+    def mark(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """The token-dim marks Dynamo reads when it traces; nothing once the graph is called directly."""
+        if self.direct is None and self.code is not None:
+            from compile_backend import mark_token_dim
+            mark_token_dim(input_ids, positions)
+
+    def _go_direct(self) -> None:
+        """Call the traced graph directly from now on, where it is the only one and its inputs are found
+        again; otherwise Dynamo keeps calling it (said once in the log)."""
+        from engine.worker import warm_start
+        specs, self.traced = self.traced, None
+        handles = self.backend.handles if self.backend is not None else []
+        try:
+            if len(handles) != 1 or isinstance(specs, str):
+                raise ValueError(specs if isinstance(specs, str) else f"{len(handles)} graphs traced")
+            self.direct = warm_start.CachedForward(handles[0], *self.binder.bind(specs))
+        except ValueError as exc:
+            logger.info("compiled model: Dynamo keeps calling the traced graph (%s)", exc)
 
     @property
     def dynamo_traced(self) -> bool:
@@ -100,6 +134,7 @@ class CompiledModel:
             from compile_backend.artifacts import remove_tree
             remove_tree(self.pending[1])
             self.pending = self.binder = None
+        self.direct = self.traced = None
         if self.code is not None:
             from torch._dynamo.eval_frame import remove_from_cache
             remove_from_cache(self.code)  # this engine's cache entries only: nobody else has this code
@@ -107,10 +142,11 @@ class CompiledModel:
         backend, self.backend = self.backend, None
         if backend is not None:
             backend.release()
-            _forget_backend(backend)
+            _forget_backend(backend, self.compiler)
+        self.compiler = None
 
 
-def _forget_backend(backend: Any) -> None:
+def _forget_backend(backend: Any, compiler: Any = None) -> None:
     """Dynamo remembers every backend it was given (for `torch._dynamo.reset()`), wrapped by
     torch.compile; drop ours so the (already emptied) backend object itself can go too. Best effort:
     a torch without that registry just keeps a small empty object."""
@@ -119,7 +155,7 @@ def _forget_backend(backend: Any) -> None:
     if not isinstance(registry, dict):
         return
     for key, value in list(registry.items()):
-        if value is backend or getattr(value, "compiler_fn", None) is backend:
+        if any(value is c or getattr(value, "compiler_fn", None) is c for c in (backend, compiler) if c is not None):
             del registry[key]
 
 
@@ -196,7 +232,7 @@ def _traced(model: torch.nn.Module, backend_config: Any, pool: Any, binder: Any,
             writing: tuple | None) -> tuple[CompiledModel, Callable[..., None], Any]:
     """The model under torch.compile: Dynamo traces it at the first forward; with `writing` (store,
     temporary entry, key fields), the backend writes what it compiled there for finish_cache."""
-    from compile_backend import InferGraphsBackend, mark_token_dim
+    from compile_backend import InferGraphsBackend
     from compile_backend.artifacts import ArtifactSink
 
     sink = ArtifactSink(writing[1], binder.describe) if writing is not None else None
@@ -205,7 +241,20 @@ def _traced(model: torch.nn.Module, backend_config: Any, pool: Any, binder: Any,
     code = template.__code__.replace()  # a new code object: this engine's Dynamo entries live on it
     forward = types.FunctionType(code, template.__globals__, template.__name__, template.__defaults__,
                                  template.__closure__)
-    compiled = torch.compile(forward, backend=backend, fullgraph=True)
-    pending = (*writing, sink) if writing is not None else None
-    return (CompiledModel(compiled, backend, code, cache_status=status, binder=binder if pending else None,
-                          pending=pending), mark_token_dim, backend)
+    result = CompiledModel(None, backend, code, cache_status=status, binder=binder,
+                           pending=(*writing, sink) if writing is not None else None)
+
+    def describing(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        compiled_graph = backend(gm, example_inputs)
+        try:  # what the engine needs to call this graph without Dynamo (CompiledModel._go_direct)
+            output = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+            if not isinstance(output, (tuple, list)) or len(output) != 1:
+                raise ValueError("the traced graph does not return one value")
+            result.traced = binder.describe(example_inputs)
+        except ValueError as exc:
+            result.traced = str(exc)
+        return compiled_graph
+
+    result.forward = torch.compile(forward, backend=describing, fullgraph=True)
+    result.compiler = describing
+    return result, result.mark, backend
