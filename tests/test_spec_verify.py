@@ -3,10 +3,12 @@ verification (the target's own tokens), and rejection sampling whose output is d
 the target's (a frequency test over many draws on a tiny vocabulary, with a stated tolerance)."""
 from __future__ import annotations
 
+import array
+
 import pytest
 import torch
 
-from engine.spec.ngram import ngram_propose
+from engine.spec.ngram import TokenBytes, ngram_propose
 from engine.spec.verify import verify_greedy, verify_sampled
 
 
@@ -34,6 +36,25 @@ def test_ngram_on_a_long_context_finds_a_copied_span():
     prompt = torch.randint(0, 50_000, (4096,), generator=g).tolist()
     copied = prompt[1000:1010]
     assert ngram_propose(prompt + copied, 4, 2, 4) == prompt[1010:1014]
+
+
+def test_a_request_s_token_bytes_grow_with_it_and_propose_what_a_fresh_conversion_does():
+    """Prompt lookup keeps each request's tokens as int32 bytes and appends only the new ones: the
+    proposals at every step equal those of a conversion of the whole list, and a list that is not the
+    one it followed (shorter, or another token where it ended) is converted again."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 40, (300,), generator=g).tolist()
+    kept = TokenBytes()
+    for end in range(2, len(tokens), 7):
+        seen = tokens[:end]
+        data = kept.update(seen)
+        assert bytes(data) == array.array("i", seen).tobytes()
+        assert ngram_propose(seen, 4, 1, 3, data) == ngram_propose(seen, 4, 1, 3)
+    other = [99, 98, 97, 96, 99, 98]
+    assert kept.update(other) == array.array("i", other).tobytes()   # shorter: another list
+    longer = other[:-1] + [5, 99, 98]
+    assert kept.update(longer) == array.array("i", longer).tobytes()  # its 6th token differs
+    assert ngram_propose(longer, 2, 1, 2, kept.data) == [97, 96]
 
 
 def test_greedy_accepts_the_prefix_equal_to_the_target_and_adds_its_next_token():

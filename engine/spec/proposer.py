@@ -22,7 +22,7 @@ import torch
 
 from engine.request import Request
 from engine.spec.config import SpeculativeConfig
-from engine.spec.ngram import ngram_propose
+from engine.spec.ngram import TokenBytes, ngram_propose
 
 MAX_BACKOFF_STEPS = 64
 MISSES_BEFORE_BACKOFF = 1
@@ -69,6 +69,7 @@ class Proposer:
         self.stats = SpecStats()
         self.backoff = True  # False: propose on every step whatever is rejected (benchmarks' cost rows)
         self._backoff: dict[Request, _Backoff] = {}
+        self._bytes: dict[Request, TokenBytes] = {}  # prompt lookup's copy of each request's tokens
 
     def eligible(self, request: Request, now: int) -> bool:
         if request.params.adjusts_logits:
@@ -91,7 +92,12 @@ class Proposer:
     def lookup(self, request: Request, num_tokens: int) -> list[int]:
         """The proposals themselves: prompt lookup (a benchmark's replay overrides this)."""
         config = self.config
-        return ngram_propose(request.token_ids, num_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        data = self._bytes.get(request)
+        if data is None:
+            data = self._bytes[request] = TokenBytes()
+        tokens = request.token_ids
+        return ngram_propose(tokens, num_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                             data.update(tokens))
 
     def verified(self, request: Request, proposed: int, accepted: int, now: int) -> None:
         stats = self.stats
@@ -107,8 +113,9 @@ class Proposer:
         self.stats.dropped += num_tokens
 
     def forget(self, request: Request) -> None:
-        """A finished request leaves the back-off table."""
+        """A finished request leaves the back-off table and prompt lookup's copy of its tokens."""
         self._backoff.pop(request, None)
+        self._bytes.pop(request, None)
 
     def preempted(self, request: Request) -> None:
         """The scheduler preempted the request (its KV blocks are gone; it recomputes when readmitted)."""
