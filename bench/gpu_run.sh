@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
 #   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
-#   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend  -> GPU test logs in $OUT (each plan fits one 10-minute call)
+#   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend|compile-path  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
 #   bash bench/gpu_run.sh host-check  -> the engine's GPU parity tests, host-profile and warm-profile (profiles in $OUT/prof.tgz)
@@ -120,6 +120,15 @@ case "${1:-smoke}" in
     gpu_tests fused-ops 150 tests/test_add_rms_norm.py tests/test_qk_norm_rope.py tests/test_decode_gemv_gpu.py \
       tests/test_triton_gemv.py
     gpu_tests engine 200 -m gpu tests/test_engine_gpu.py
+    ;;
+  compile-path)  # 2026-12-07's compile-path changes, none yet run on a GPU: FULL steps on the pieces only (no layered
+    # / unsplit), a traced engine calling its graph without Dynamo, pieces without Inductor's asserts, the norm / rotary /
+    # GEMV / skinny / KV-store kernels through the launch cache; then prefill's host_us_per_layer and compiled vs eager; ~9.5 min
+    gpu_tests launches 150 tests/test_triton_launch.py tests/test_add_rms_norm.py tests/test_qk_norm_rope.py \
+      tests/test_qkv_rope.py tests/test_triton_gemv.py tests/test_triton_skinny.py tests/test_decode_gemv_gpu.py
+    gpu_tests engine 240 -m gpu tests/test_engine_gpu.py tests/test_engine_overlap.py tests/test_warm_start.py \
+      -k "identical or full_mixed or async or warm_start"
+    suite 170 prefill --model llama-3.2-3b --tokens 64,128,512
     ;;
   tests-tp)  # 2 GPUs (nvidia-h100-x2 / h200-x2): tensor parallelism with both graph kinds, three TP engines in
     # one process (each close must leave the NCCL group), and the graph release after close; ~2 min. The
