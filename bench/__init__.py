@@ -7,7 +7,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def repo_env() -> dict[str, str]:
-    """This environment with the repository first on PYTHONPATH: a child process (a server, a probe)
-    imports this tree's packages, installed or not."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+def repo_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment (or `env`) with the repository first on PYTHONPATH: a child process (a server,
+    a probe) imports this tree's packages, installed or not."""
+    env = os.environ if env is None else env
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))}

@@ -8,7 +8,9 @@ the engine's start-up order itself. "cold" runs with an empty cache root (INFER_
 engine's graph store and argmax choices; Inductor and Triton caches), "warm" again with what the cold
 run filled: the warm engine loads its compiled graph (`compile_cache` "hit", `dynamo_traced` False:
 engine/worker/warm_start.py). Each run's process time, from its start to the JSON written, is
-`process_s`.
+`process_s`. Then the server's start-up, cold and warm over the same caches: `serve` (bench.serving
+--serve: the model with random weights, serve's defaults, its engine in a process of its own) from its
+process start to its "ready: serving" line, the "serve to ready" rows.
 
 Both runs see Python bytecode as an installed torch has it (pip writes .pyc files at install). An
 image whose site-packages hold no .pyc and that forbids writing them (PYTHONDONTWRITEBYTECODE, as the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -133,18 +136,44 @@ def bytecode_env(env: dict, cache_dir: str) -> tuple[dict, bool, str]:
                        "install would have)")
 
 
+def _cache_env(env: dict, cache_dir: str) -> dict:
+    """`env` with every cache a start-up reads or writes in cache_dir (its graph store, argmax choices,
+    Inductor's and Triton's caches)."""
+    env = dict(env)
+    env["INFER_GRAPHS_CACHE"] = os.path.join(cache_dir, "root")
+    env.pop("INFER_GRAPHS_CACHE_DIR", None)
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
+    env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+    return env
+
+
+def _server_start(model: str, cache_dir: str, env: dict, timeout_s: float, flags: tuple[str, ...] = ()) -> dict:
+    """`serve` from its process start to its ready line (bench.serving --serve: the model with random
+    weights, serve's defaults, the engine in a process of its own, the benchmarks' tokenizer where
+    bench/.tokenizer holds it; `flags`: more of serve's options) over cache_dir's caches; then its drain."""
+    from bench.frontend import TokenizerMissing, tokenizer_dir
+    from bench.serving import ServerProcess
+    try:
+        tokenizer = ["--tokenizer", str(tokenizer_dir(None))]
+    except TokenizerMissing:
+        tokenizer = []
+    server = ServerProcess(model, [*tokenizer, *flags], env=_cache_env(env, cache_dir), poll_s=0.05,
+                           timeout_s=timeout_s)
+    log = server.log.read_text()
+    server.stop()
+    found = re.search(r"compile cache: (hit|miss[^\n(]*|off[^\n]*)", log)
+    return {"ready_s": server.ready_s, "tokenizer": bool(tokenizer),
+            "compile_cache": found.group(1).strip()[:100] if found else "?"}
+
+
 def _child(model: str, cache_dir: str, timeout_s: float, env: dict | None = None,
            profile_to: str | None = None) -> dict:
     """One start-up in a fresh process; `profile_to`: a path prefix for its cProfile (.prof, and .txt,
     the top functions by cumulative time)."""
-    env = dict(os.environ if env is None else env)
+    env = _cache_env(os.environ if env is None else env, cache_dir)
     env.pop(PROFILE_CHILD_ENV, None)
     if profile_to:
         env[PROFILE_CHILD_ENV] = profile_to
-    env["INFER_GRAPHS_CACHE"] = os.path.join(cache_dir, "root")  # the graph store and argmax choices too
-    env.pop("INFER_GRAPHS_CACHE_DIR", None)
-    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
-    env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "bench.capture", model, out.name]
         start = time.perf_counter()
@@ -157,9 +186,10 @@ def _child(model: str, cache_dir: str, timeout_s: float, env: dict | None = None
 
 
 def run(model: str, timeout_s: float = 400, **_: object) -> Report:
-    """Cold then warm start-up of `model`, each in a fresh process over one cache directory."""
+    """Cold then warm start-up of `model`, each in a fresh process over one cache directory; then the
+    server's (`serve` to ready), cold then warm, over the same caches."""
     _require_cuda()
-    runs = {}
+    runs, servers = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as cache_dir:
         env, prime, bytecode_note = bytecode_env(dict(os.environ), cache_dir)
         if prime:
@@ -171,13 +201,16 @@ def run(model: str, timeout_s: float = 400, **_: object) -> Report:
         for cache in ("cold", "warm"):
             runs[cache] = _child(model, cache_dir, timeout_s, env,
                                  profile and os.path.join(profile, f"startup-{cache}"))
-    report = build_report(model, runs)
+        for cache in ("cold", "warm"):  # the server's engine options differ: its own key in the store
+            servers[cache] = _server_start(model, cache_dir, env, timeout_s)
+    report = build_report(model, runs, servers)
     report.notes.append(bytecode_note)
     return report
 
 
-def build_report(model: str, runs: dict[str, dict]) -> Report:
-    """The capture report from the child runs' `measure` results, by cache state."""
+def build_report(model: str, runs: dict[str, dict], servers: dict[str, dict] | None = None) -> Report:
+    """The capture report from the child runs' `measure` results, by cache state, and the server's
+    start-ups (`_server_start`) where given."""
     any_run = next(iter(runs.values()))
     report = Report("capture", model, any_run["device"], COLUMNS + ["note"])
     report.meta["runs"] = runs
@@ -208,6 +241,11 @@ def build_report(model: str, runs: dict[str, dict]) -> Report:
                         f"compile cache {startup.get('compile_cache', '?')}, dynamo traced {startup.get('dynamo_traced', '?')}")
         report.add(cache=cache, kind="process", size="-", capture_s=data["process_s"], graph_mib=None,
                    note="the child process from its start to its result (imports, model build, engine, close)")
+    for cache, server in (servers or {}).items():
+        tokenizer = "the benchmarks' tokenizer" if server["tokenizer"] else "no tokenizer"
+        report.add(cache=cache, kind="serve to ready", size="-", capture_s=server["ready_s"], graph_mib=None,
+                   note=f"python -m bench.serving --serve: process start to its ready line, serve's defaults, the "
+                        f"engine in its own process, {tokenizer}; compile cache {server['compile_cache']}")
     warm = runs.get("warm", any_run)
     report.notes.append(f"engine defaults: max_num_seqs=32 (decode batches {warm['decode_sizes']}), "
                         f"max_num_batched_tokens=1024 (piecewise sizes {warm['prefill_sizes'][0]}.."

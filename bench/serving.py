@@ -217,19 +217,25 @@ def _metric(url: str, name: str) -> float:
 
 
 class ServerProcess:
-    """`python -m bench.serving --serve MODEL` on 127.0.0.1, a free port; stopped with SIGTERM."""
+    """`python -m bench.serving --serve MODEL` on 127.0.0.1, a free port; stopped with SIGTERM.
+    `env`: the server's environment (default: this one, the repository on PYTHONPATH); `poll_s`: how
+    often its log is read for the ready line (`ready_s`: seconds from the start to that line, to
+    within it)."""
 
-    def __init__(self, model: str, flags: list[str]) -> None:
+    def __init__(self, model: str, flags: list[str], env: dict | None = None, poll_s: float = 0.5,
+                 timeout_s: float = READY_TIMEOUT_S) -> None:
         self.log = Path(tempfile.mkstemp(prefix="bench-serving-", suffix=".log")[1])
+        start = time.monotonic()
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "bench.serving", "--serve", "--model", model,
-                                          "--port", "0", *flags], stdout=log, stderr=subprocess.STDOUT, env=repo_env())
-        deadline = time.monotonic() + READY_TIMEOUT_S
+                                          "--port", "0", *flags], stdout=log, stderr=subprocess.STDOUT,
+                                         env=repo_env(env))
         while not (match := re.search(r"ready: .* at (http://[\d.]+:\d+)/v1", self.log.read_text())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if self.proc.poll() is not None or time.monotonic() - start > timeout_s:
                 self.stop()
                 raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
+            time.sleep(poll_s)
+        self.ready_s = time.monotonic() - start
         self.url = match.group(1)
 
     def stop(self) -> None:

@@ -491,8 +491,13 @@ def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
                               {"size": 1, "capture_s": 0.1}],
                 "compile_s": 5.0, "piecewise_total_s": 0.6, "piecewise_pool_bytes": 100 * 2**20,
                 "decode_total_s": 0.4, "decode_graph_bytes": 10 * 2**20, "kv_pool_bytes": 2**30}
-    report = build_report("m", {"cold": child(None), "warm": child([{"name": "load", "seconds": 0.5}])})
+    servers = {"cold": {"ready_s": 30.5, "tokenizer": True, "compile_cache": "miss: no entry in the cache"},
+               "warm": {"ready_s": 7.25, "tokenizer": False, "compile_cache": "hit"}}
+    report = build_report("m", {"cold": child(None), "warm": child([{"name": "load", "seconds": 0.5}])}, servers)
     rows = {(r["cache"], r["kind"]): r for r in report.rows}
+    assert rows[("cold", "serve to ready")]["capture_s"] == 30.5 and rows[("warm", "serve to ready")]["capture_s"] == 7.25
+    assert rows[("warm", "serve to ready")]["note"].endswith("no tokenizer; compile cache hit")
+    assert "the benchmarks' tokenizer; compile cache miss: no entry" in rows[("cold", "serve to ready")]["note"]
     assert ("cold", "startup: load") not in rows and rows[("warm", "startup: load")]["capture_s"] == 0.5
     assert [r["size"] for r in report.rows if r["kind"] == "piecewise" and r["cache"] == "warm"] == [4, 2, 1]
     total = rows[("warm", "all graphs")]
@@ -507,6 +512,17 @@ def test_capture_report_from_engine_stats_with_and_without_a_startup_timeline():
         [ready] = goal_rows(out, [Goal("ready, warm", "capture", "capture_s", at_most=12.0,
                                        where={"cache": "warm", "kind": "ready"})])
     assert ready[3:] == ("capture_s 12.000", "met")
+
+
+def test_capture_times_a_real_server_start_to_its_ready_line_and_reads_its_compile_cache(tmp_path):
+    """The server rows of `bench capture` come from a real `serve` process over the run's caches: the
+    first start misses the graph store (its own engine options), the second, over the same caches, hits."""
+    import os
+    from bench.capture import _server_start
+    env = {**os.environ, "INFER_GRAPHS_COMPILE_CACHE": "1"}
+    cold, warm = (_server_start("tiny-llama", str(tmp_path), env, 300, ("--compile",)) for _ in range(2))
+    assert cold["compile_cache"].startswith("miss") and warm["compile_cache"] == "hit", (cold, warm)
+    assert 0 < cold["ready_s"] < 300 and 0 < warm["ready_s"] < 300
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")

@@ -65,6 +65,8 @@ ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "graphs, piecewise graphs for prefill / mixed steps. FULL: full graphs for mixed steps too")),
     "--decode-graph-sizes": ("decode_graph_sizes", dict(type=_sizes, help="e.g. 1,2,4,8,16")),
     "--prefill-graph-sizes": ("prefill_graph_sizes", dict(type=_sizes, help="e.g. 16,64,256")),
+    "--compile": _set("compile", True, "torch.compile the model with the infer_graphs backend on any device "
+                      "(the default on CUDA; on the CPU, eager unless asked)"),
     "--no-compile": _set("compile", False, "eager model (implies no prefill graphs)"),
     "--piece-compiler": ("piece_compiler", dict(choices=("inductor", "eager"))),
     "--enable-prefix-caching": _set("enable_prefix_caching", True, "share the KV blocks of common prompt "
