@@ -30,6 +30,11 @@ Engine row: what users run, through the public API only (engine.LLM, SamplingPar
                                  asleep (schedule, staging, every launch of the forward and of
                                  sampling): under gpu_ms, the step can run at the GPU's speed;
                                  host_us_per_layer is it over the decoder layers
+                    pieces_host_us_per_layer  (engine row, where engine_full has host_ms too) the
+                                 engine row's host_ms less engine_full's, over the layers: the host
+                                 work between two pieces (a piece's replay and the attention call
+                                 after it), the engine's own per-step work (schedule, staging,
+                                 sampling), the same in both, left out
   engine_full       the same with cudagraph_mode FULL: the prefill replays one graph of the whole
                     forward (engine.worker.mixed_graphs), no launch between pieces
   engine_fp8        (--quantization fp8) the engine row over the same model with FP8 weights
@@ -60,8 +65,8 @@ from bench.measure import Report, gpu_ms_host_ahead, measure_ceilings, median_ms
 from bench.paged import PagedKV, blocks_per_seq, step_inputs, step_metadata
 
 TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-COLUMNS = ["variant", "tokens", "median_ms", "gpu_ms", "host_ms", "host_us_per_layer", "ttft_ms", "floor_ms",
-           "x_floor", "x_full_graph", "tokens_per_s", "engine_steps"]
+COLUMNS = ["variant", "tokens", "median_ms", "gpu_ms", "host_ms", "host_us_per_layer", "pieces_host_us_per_layer",
+           "ttft_ms", "floor_ms", "x_floor", "x_full_graph", "tokens_per_s", "engine_steps"]
 HARNESS_VARIANTS = ("eager", "compiled", "piecewise", "full_graph", "full_graph_eager")
 # engine rows: the engine's default graph mode (FULL_AND_PIECEWISE on CUDA), and FULL (mixed-step graphs)
 ENGINE_VARIANTS = {"engine": None, "engine_full": "FULL"}
@@ -193,6 +198,7 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, quan
             add(variant, t, m["step_ms"])
             report.rows[-1].update({k: m[k] for k in ("gpu_ms", "ttft_ms", "engine_steps", "host_ms",
                                                       "host_us_per_layer") if m.get(k) is not None})
+    pieces_host_per_layer(report.rows, len(net.model.layers))
     del net
     torch._dynamo.reset()
     free_device_memory()
@@ -206,6 +212,16 @@ def run(model: str, tokens=None, peers: str | None = None, iters: int = 20, quan
     report.rows.sort(key=lambda r: (r["tokens"], r["variant"]))
     report.plots.append(("latency", plot_prefill))
     return report
+
+
+def pieces_host_per_layer(rows: list[dict], layers: int) -> None:
+    """Set `pieces_host_us_per_layer` on each engine row whose token count has an engine_full row,
+    both with host_ms: the piecewise step's host time less the FULL step's (one graph launch), over the
+    layers."""
+    full = {r["tokens"]: r.get("host_ms") for r in rows if r["variant"] == "engine_full"}
+    for row in rows:
+        if row["variant"] == "engine" and row.get("host_ms") is not None and full.get(row["tokens"]) is not None:
+            row["pieces_host_us_per_layer"] = (row["host_ms"] - full[row["tokens"]]) * 1e3 / layers
 
 
 @contextlib.contextmanager

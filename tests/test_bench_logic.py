@@ -207,6 +207,17 @@ def test_gpu_time_with_the_host_ahead_leaves_out_the_host_time_a_caller_waits_fo
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run of the suite")
+def test_prefill_pieces_host_time_is_the_piecewise_step_less_the_full_step_over_the_layers():
+    """What lies between two pieces, without the engine's own per-step work that both steps pay."""
+    from bench.prefill import pieces_host_per_layer
+    rows = [{"variant": "engine", "tokens": 64, "host_ms": 1.9}, {"variant": "engine_full", "tokens": 64, "host_ms": 0.5},
+            {"variant": "engine", "tokens": 128, "host_ms": 2.0}, {"variant": "engine_full", "tokens": 128, "host_ms": None},
+            {"variant": "engine", "tokens": 512, "host_ms": None}, {"variant": "piecewise", "tokens": 64, "host_ms": 3.0}]
+    pieces_host_per_layer(rows, 28)
+    assert rows[0]["pieces_host_us_per_layer"] == pytest.approx(50.0)
+    assert all("pieces_host_us_per_layer" not in r for r in rows[1:])
+
+
 def test_prefill_report_on_cpu_has_no_graph_rows_and_an_engine_row():
     from bench import prefill
     report = prefill.run("tiny-llama", tokens="16,24", peers="none", iters=2, quantization="fp8")
