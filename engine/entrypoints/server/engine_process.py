@@ -180,16 +180,16 @@ class EngineInfo:
 class EngineProcess(Admission):
     """EngineLoop's interface (engine_loop.py) over an engine built by `build()` in a child process.
     `build` must pickle (a module-level function, or functools.partial of one). Construction waits
-    until the child's engine is ready and raises what its start-up raised.
+    until the child's engine is ready and raises what its start-up raised (or what `meanwhile()`, called
+    once the child is spawned, raised); whatever ends a start-up early stops the child.
 
     `tokenizer_source` (name, required), where the caller knows what the engine's tokenizer is loaded
     from (EngineConfig.tokenizer, or a model directory's own: engine.entrypoints.server.tokenizer_source):
     this process loads its copy on a thread while the child starts, instead of receiving the child's
-    pickled."""
+    pickled. That copy, or the received one, is this process's alone: the engine detokenizes with its own."""
 
     def __init__(self, build: Callable[[], Any], ready_timeout_s: float = READY_TIMEOUT_S,
-                 tokenizer_source: tuple[str, bool] | None = None) -> None:
-        pending = PendingTokenizer(*tokenizer_source, background=True) if tokenizer_source else None
+                 tokenizer_source: tuple[str, bool] | None = None, meanwhile: Callable[[], Any] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._commands_recv, commands_send = ctx.Pipe(duplex=False)
         outputs_recv, self._outputs_send = ctx.Pipe(duplex=False)
@@ -197,18 +197,28 @@ class EngineProcess(Admission):
         # it exits when this process goes, as its command pipe then reads EOF
         self._proc = ctx.Process(target=_child_main, name="engine",
                                  args=(build, self._commands_recv, self._outputs_send, _logging_setup(),
-                                       pending is None))
+                                       tokenizer_source is None))
         self._proc.start()
         self._commands_recv.close()
         self._outputs_send.close()
         self._conn_out, self._conn_in = commands_send, outputs_recv
-        kind, payload = self._receive_ready(ready_timeout_s)
-        if kind == "failed":
-            self._proc.join(30)
-            raise payload
-        config, tokenizer, snapshot = payload
-        if pending is not None:
-            tokenizer = self._own_tokenizer(pending, tokenizer)
+        try:
+            # the child's interpreter, imports and engine take seconds to minutes: what this process loads
+            # (its tokenizer, the caller's `meanwhile`) overlaps them instead of following them
+            pending = PendingTokenizer(*tokenizer_source, background=True) if tokenizer_source else None
+            if meanwhile is not None:
+                meanwhile()
+            kind, payload = self._receive_ready(ready_timeout_s)
+            if kind == "failed":
+                raise payload
+            config, tokenizer, snapshot = payload
+            if pending is not None:
+                tokenizer = self._own_tokenizer(pending, tokenizer)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                logger.warning("interrupted: stopping the engine process once it has started (a 2nd Ctrl-C kills it)")
+            self._abandon()
+            raise
         super().__init__(config.max_waiting_requests)
         self.llm = EngineInfo(config, tokenizer)
         self.snapshot: dict[str, Any] = snapshot
@@ -221,20 +231,28 @@ class EngineProcess(Admission):
         self._stopping = False
         self._join_lock = threading.Lock()
 
-    def _own_tokenizer(self, pending: PendingTokenizer, child_fingerprint: Any) -> Any:
-        """This process's copy, checked against the child's; a mismatch stops the child and raises."""
+    @staticmethod
+    def _own_tokenizer(pending: PendingTokenizer, child_fingerprint: Any) -> Any:
+        """This process's copy, checked against the child's."""
+        tokenizer = pending.result()
+        if tokenizer_fingerprint(tokenizer) != child_fingerprint:
+            raise RuntimeError(f"the server loaded tokenizer {tokenizer_fingerprint(tokenizer)} from "
+                               f"{pending.name!r}, but the engine process holds {child_fingerprint}")
+        return tokenizer
+
+    def _abandon(self) -> None:
+        """A start-up this process gives up on (the child's failed, the tokenizers differ, an interrupt): the
+        child closes its engine and exits once it has started, or is killed; it never outlives the server."""
         try:
-            tokenizer = pending.result()
-            if tokenizer_fingerprint(tokenizer) != child_fingerprint:
-                raise RuntimeError(f"the server loaded tokenizer {tokenizer_fingerprint(tokenizer)} from "
-                                   f"{pending.name!r}, but the engine process holds {child_fingerprint}")
-        except BaseException:
-            self._conn_out.send(None)  # the child closes its engine and exits
+            self._conn_out.send(None)
+        except OSError:  # it is gone already
+            pass
+        try:
             self._proc.join(STOP_TIMEOUT_S)
+        finally:
             if self._proc.exitcode is None:
                 self._proc.kill()
-            raise
-        return tokenizer
+                self._proc.join()
 
     def _receive_ready(self, timeout_s: float) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout_s
