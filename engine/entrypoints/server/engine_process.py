@@ -21,6 +21,7 @@ as a dead tensor-parallel rank does; every request in flight ends with EngineUna
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -180,8 +181,8 @@ class EngineInfo:
 class EngineProcess(Admission):
     """EngineLoop's interface (engine_loop.py) over an engine built by `build()` in a child process.
     `build` must pickle (a module-level function, or functools.partial of one). Construction waits
-    until the child's engine is ready and raises what its start-up raised (or what `meanwhile()`, called
-    once the child is spawned, raised); whatever ends a start-up early stops the child.
+    until the child's engine is ready and raises what its start-up raised (or what `meanwhile()`, run on
+    a thread once the child is spawned, raised); whatever ends a start-up early stops the child.
 
     `tokenizer_source` (name, required), where the caller knows what the engine's tokenizer is loaded
     from (EngineConfig.tokenizer, or a model directory's own: engine.entrypoints.server.tokenizer_source):
@@ -204,13 +205,17 @@ class EngineProcess(Admission):
         self._conn_out, self._conn_in = commands_send, outputs_recv
         try:
             # the child's interpreter, imports and engine take seconds to minutes: what this process loads
-            # (its tokenizer, the caller's `meanwhile`) overlaps them instead of following them
+            # (its tokenizer, the caller's `meanwhile`) overlaps them instead of following them. On threads:
+            # the main thread imports nothing meanwhile, as a Ctrl-C inside an import can leave CPython's
+            # import lock held (the signal lost, every other thread's import stuck for good)
             pending = PendingTokenizer(*tokenizer_source, background=True) if tokenizer_source else None
-            if meanwhile is not None:
-                meanwhile()
+            loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="server-start-up")
+            meanwhile_done = loading.submit(meanwhile or (lambda: None))
+            loading.shutdown(wait=False)
             kind, payload = self._receive_ready(ready_timeout_s)
             if kind == "failed":
                 raise payload
+            meanwhile_done.result()
             config, tokenizer, snapshot = payload
             if pending is not None:
                 tokenizer = self._own_tokenizer(pending, tokenizer)
