@@ -3,15 +3,19 @@
 Start-up order: build the engine (load, compile, capture every graph), bind the socket, start the
 engine loop thread, log "ready" with the URL, then let uvicorn accept. Connections made before
 uvicorn accepts wait in the socket's backlog, so "ready" is true when it is logged and /health
-answers 200 from then on. SIGINT / SIGTERM drain the server (engine.entrypoints.server.shutdown):
-new requests get 503, those in flight finish within --shutdown-timeout or are aborted, then the
-engine is closed and "server stopped" logged; a second signal stops at once.
+answers 200 from then on. With the engine in a process of its own the socket is bound first, and the
+server loads what it needs of its own (its tokenizer, uvicorn, the app's modules) while that process
+starts: after it is ready only the app is built. SIGINT / SIGTERM drain the server
+(engine.entrypoints.server.shutdown): new requests get 503, those in flight finish within
+--shutdown-timeout or are aborted, then the engine is closed and "server stopped" logged; a second
+signal stops at once.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import functools
+import importlib
 import logging
 import os
 import socket
@@ -93,7 +97,7 @@ def serve_engine_process(build: Any, name: str, host: str = "127.0.0.1", port: i
     _check_shutdown_timeout(shutdown_timeout_s)
     sock = _listen(host, port)  # before the start-up: a port in use fails at once
     try:
-        engine = EngineProcess(build, tokenizer_source=tokenizer_source)
+        engine = EngineProcess(build, tokenizer_source=tokenizer_source, meanwhile=_import_http_side)
     except BaseException:
         sock.close()
         raise
@@ -109,9 +113,17 @@ def serve_engine_process(build: Any, name: str, host: str = "127.0.0.1", port: i
         return 0 if engine.failure is None else 1
     try:
         return _serve(engine, engine.llm, engine.snapshot.get("decode_graphs", 0), sock, name, close, api_key,
-                      max_request_bytes, chat_template, shutdown_timeout_s, ", the engine in a process of its own")
+                      max_request_bytes, chat_template, shutdown_timeout_s, ", the engine in a process of its own",
+                      copy_tokenizer=False)
     finally:
         engine.stop()  # whatever ended the server: the engine process must not outlive it
+
+
+def _import_http_side() -> None:
+    """What _serve imports (uvicorn, FastAPI, the app), imported while the engine process starts rather
+    than after it is ready."""
+    for module in ("uvicorn", "engine.entrypoints.server.app", "engine.entrypoints.server.shutdown"):
+        importlib.import_module(module)
 
 
 def _check_chat_template(llm: Any, name: str, chat_template: str | None) -> None:
@@ -123,9 +135,9 @@ def _check_chat_template(llm: Any, name: str, chat_template: str | None) -> None
 
 def _serve(engine: Any, llm: Any, num_decode_graphs: int, sock: socket.socket, name: str, close: Any,
            api_key: str | None, max_request_bytes: int, chat_template: str | None, shutdown_timeout_s: float,
-           where: str) -> int:
+           where: str, copy_tokenizer: bool = True) -> int:
     """The HTTP server over `engine` (EngineLoop or EngineProcess) until it stops; `close()` stops the
-    engine and returns its part of the exit status."""
+    engine and returns its part of the exit status. `copy_tokenizer`: build_app's."""
     import uvicorn
 
     from engine.entrypoints.server.app import build_app
@@ -133,7 +145,7 @@ def _serve(engine: Any, llm: Any, num_decode_graphs: int, sock: socket.socket, n
 
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     app = build_app(engine, name, tokenize_pool, api_key=api_key, max_request_bytes=max_request_bytes,
-                    chat_template=chat_template)
+                    chat_template=chat_template, copy_tokenizer=copy_tokenizer)
     # no lifespan: the app has no start-up or shutdown hooks, and a forced exit (which skips the
     # lifespan's shutdown) would leave its task to be cancelled with a traceback
     # keep-alive outlasts the clients' own (httpx and the openai client: 5 s, aiohttp: 15 s), so the

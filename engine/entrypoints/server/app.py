@@ -65,15 +65,17 @@ def _format_all(formatters: list[LogprobsFormatter], outs: list[Any]) -> list[di
 
 def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.futures.ThreadPoolExecutor,
               api_key: str | None = None, max_request_bytes: int = 1 << 20,
-              chat_template: str | None = None) -> Guard:
+              chat_template: str | None = None, copy_tokenizer: bool = True) -> Guard:
     """The app behind its Guard. `tokenize_pool`: one thread (requests are tokenized in arrival order,
     and the tokenizer is never entered by two encoders at once: a fast tokenizer borrows its Rust
     state per call); its owner shuts it down. `chat_template`: replaces the tokenizer's own (a Jinja
-    string, already checked by load_chat_template)."""
+    string, already checked by load_chat_template). `copy_tokenizer=False`: the tokenizer thread takes
+    engine.llm.tokenizer itself, for an engine that does not use it (EngineProcess's)."""
     llm = engine.llm
     # The tokenizer thread's own copy: the engine thread detokenizes with llm.tokenizer meanwhile
-    # (LLM.encode says why two threads must not share one).
-    tokenizer = copy.deepcopy(llm.tokenizer)
+    # (LLM.encode says why two threads must not share one). Copying a large vocabulary's tokenizer takes
+    # seconds of start-up, which an engine process, detokenizing in its own process, is spared.
+    tokenizer = copy.deepcopy(llm.tokenizer) if copy_tokenizer else llm.tokenizer
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     encode = functools.partial(llm.encode, tokenizer=tokenizer)

@@ -9,11 +9,10 @@ EngineProcess, which has EngineLoop's interface, so the app, Choices and the dra
 Over two pipes:
 - parent -> child: commands (add, abort, stop accepting, shutdown, stop), sent by a sender thread from
   a SimpleQueue, so that a signal handler on the main thread can put one (as with EngineLoop);
-- child -> parent: per step, the outputs as deltas (`_encode`: a RequestOutput reads its cumulative
-  fields through cursors into the request's own lists, which stay in the child; the parent keeps a
-  mirror of each request's lists, `_Mirror`, appended from the deltas, and builds RequestOutputs over
-  it), and the counters EngineLoop publishes (queue depth, submissions processed, the stats snapshot,
-  the tensor-parallel failure).
+- child -> parent: per step, the outputs as deltas (output_deltas.py: only the new entries of each
+  request's lists cross, and the parent's mirror of those lists backs its RequestOutputs), and the
+  counters EngineLoop publishes (queue depth, submissions processed, the stats snapshot, the
+  tensor-parallel failure).
 
 The child ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): the parent drains and
 then stops it. A child that exits on its own is an engine failure (`failure`), which stops the server
@@ -22,6 +21,7 @@ as a dead tensor-parallel rank does; every request in flight ends with EngineUna
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -35,7 +35,7 @@ from typing import Any, Callable
 from engine.core.llm import LLM
 from engine.core.tokenizer_load import PendingTokenizer
 from engine.entrypoints.server.engine_loop import ACCEPTED, Admission, EngineLoop, EngineUnavailable, Stream, deliver
-from engine.outputs import RequestOutput, TextHistory
+from engine.entrypoints.server.output_deltas import ChildStream, Mirror, encode_output
 from engine.params import SamplingParams
 
 logger = logging.getLogger("engine.server")
@@ -45,35 +45,6 @@ STOP_TIMEOUT_S = 30.0
 
 
 # -- the child ------------------------------------------------------------------------------------
-
-class _ChildStream:
-    """The child's side of a request's stream: what of its lists the parent has already been sent."""
-
-    __slots__ = ("request_id", "every_step", "sent_first", "tokens", "pieces", "times", "logprobs")
-
-    def __init__(self, request_id: str, every_step: bool) -> None:
-        self.request_id, self.every_step = request_id, every_step
-        self.sent_first = False
-        self.tokens = self.pieces = self.times = self.logprobs = 0
-
-
-def _encode(stream: _ChildStream, out: RequestOutput) -> tuple:
-    """A RequestOutput as what the parent has not seen of it: the new entries of the request's lists
-    (the prompt with the first), the cursors, and the delta fields."""
-    h = out.history
-    if h is None:
-        history = None
-    else:
-        end = h.num_prompt_tokens + h.num_output_tokens
-        logprobs = None if h.token_logprobs is None else h.token_logprobs[stream.logprobs:h.num_output_tokens]
-        history = (h.num_prompt_tokens, h.all_token_ids[stream.tokens:end], h.text_pieces[stream.pieces:h.num_text_pieces],
-                   h.token_times[stream.times:h.num_output_tokens], logprobs, h.num_output_tokens, h.num_text_pieces)
-        stream.tokens, stream.pieces, stream.times = end, h.num_text_pieces, h.num_output_tokens
-        if logprobs is not None:
-            stream.logprobs = h.num_output_tokens
-    return (out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.ttft_s,
-            out.num_preemptions, out.new_logprobs, history)
-
 
 class _ChildLoop(EngineLoop):
     """EngineLoop whose deliveries and published counters go down a pipe instead of to an event loop."""
@@ -94,7 +65,7 @@ class _ChildLoop(EngineLoop):
             elif isinstance(item, BaseException):
                 items.append((stream.request_id, "error", item))
             else:
-                items.append((stream.request_id, "output", _encode(stream, item)))
+                items.append((stream.request_id, "output", encode_output(stream, item)))
         self._send(("outputs", items))
 
     def _publish(self) -> None:  # engine thread
@@ -123,7 +94,7 @@ class _ChildLoop(EngineLoop):
         if kind == "add":
             prompt, params, request_id, every_step, bounded = args
             self._num_submitted += 1
-            self._commands.put((self._add, (prompt, params, _ChildStream(request_id, every_step), bounded)))
+            self._commands.put((self._add, (prompt, params, ChildStream(request_id, every_step), bounded)))
         elif kind == "abort":
             self.abort(*args)
         elif kind == "stop_accepting":
@@ -198,39 +169,6 @@ def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup
 
 # -- the parent -----------------------------------------------------------------------------------
 
-class _Mirror:
-    """The parent's copy of one request's lists, grown from the deltas; RequestOutputs read it as the
-    child's read the request's own."""
-
-    __slots__ = ("prompt", "all_token_ids", "text_pieces", "token_times", "token_logprobs")
-
-    def __init__(self) -> None:
-        self.prompt: list[int] = []
-        self.all_token_ids: list[int] = []
-        self.text_pieces: list[str] = []
-        self.token_times: list[float] = []
-        self.token_logprobs: list | None = None
-
-    def output(self, fields: tuple) -> RequestOutput:
-        request_id, new_ids, new_text, finished, reason, ttft, preemptions, new_logprobs, history = fields
-        h = None
-        if history is not None:
-            num_prompt, tokens, pieces, times, logprobs, num_out, num_pieces = history
-            if not self.all_token_ids:
-                self.prompt = tokens[:num_prompt]
-            self.all_token_ids.extend(tokens)
-            self.text_pieces.extend(pieces)
-            self.token_times.extend(times)
-            if logprobs is not None:
-                if self.token_logprobs is None:
-                    self.token_logprobs = []
-                self.token_logprobs.extend(logprobs)
-            h = TextHistory(self.all_token_ids, num_prompt, num_out, self.text_pieces, num_pieces, self.token_times,
-                            self.token_logprobs)
-        return RequestOutput(request_id, self.prompt, new_ids, new_text, finished, reason, ttft, preemptions,
-                             history=h, new_logprobs=new_logprobs)
-
-
 class EngineInfo:
     """What the app reads of the LLM in the parent: its configuration and tokenizer."""
 
@@ -243,16 +181,16 @@ class EngineInfo:
 class EngineProcess(Admission):
     """EngineLoop's interface (engine_loop.py) over an engine built by `build()` in a child process.
     `build` must pickle (a module-level function, or functools.partial of one). Construction waits
-    until the child's engine is ready and raises what its start-up raised.
+    until the child's engine is ready and raises what its start-up raised (or what `meanwhile()`, run on
+    a thread once the child is spawned, raised); whatever ends a start-up early stops the child.
 
     `tokenizer_source` (name, required), where the caller knows what the engine's tokenizer is loaded
     from (EngineConfig.tokenizer, or a model directory's own: engine.entrypoints.server.tokenizer_source):
     this process loads its copy on a thread while the child starts, instead of receiving the child's
-    pickled."""
+    pickled. That copy, or the received one, is this process's alone: the engine detokenizes with its own."""
 
     def __init__(self, build: Callable[[], Any], ready_timeout_s: float = READY_TIMEOUT_S,
-                 tokenizer_source: tuple[str, bool] | None = None) -> None:
-        pending = PendingTokenizer(*tokenizer_source, background=True) if tokenizer_source else None
+                 tokenizer_source: tuple[str, bool] | None = None, meanwhile: Callable[[], Any] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._commands_recv, commands_send = ctx.Pipe(duplex=False)
         outputs_recv, self._outputs_send = ctx.Pipe(duplex=False)
@@ -260,44 +198,66 @@ class EngineProcess(Admission):
         # it exits when this process goes, as its command pipe then reads EOF
         self._proc = ctx.Process(target=_child_main, name="engine",
                                  args=(build, self._commands_recv, self._outputs_send, _logging_setup(),
-                                       pending is None))
+                                       tokenizer_source is None))
         self._proc.start()
         self._commands_recv.close()
         self._outputs_send.close()
         self._conn_out, self._conn_in = commands_send, outputs_recv
-        kind, payload = self._receive_ready(ready_timeout_s)
-        if kind == "failed":
-            self._proc.join(30)
-            raise payload
-        config, tokenizer, snapshot = payload
-        if pending is not None:
-            tokenizer = self._own_tokenizer(pending, tokenizer)
+        try:
+            # the child's interpreter, imports and engine take seconds to minutes: what this process loads
+            # (its tokenizer, the caller's `meanwhile`) overlaps them instead of following them. On threads:
+            # the main thread imports nothing meanwhile, as a Ctrl-C inside an import can leave CPython's
+            # import lock held (the signal lost, every other thread's import stuck for good)
+            pending = PendingTokenizer(*tokenizer_source, background=True) if tokenizer_source else None
+            loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="server-start-up")
+            meanwhile_done = loading.submit(meanwhile or (lambda: None))
+            loading.shutdown(wait=False)
+            kind, payload = self._receive_ready(ready_timeout_s)
+            if kind == "failed":
+                raise payload
+            meanwhile_done.result()
+            config, tokenizer, snapshot = payload
+            if pending is not None:
+                tokenizer = self._own_tokenizer(pending, tokenizer)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                logger.warning("interrupted: stopping the engine process once it has started (a 2nd Ctrl-C kills it)")
+            self._abandon()
+            raise
         super().__init__(config.max_waiting_requests)
         self.llm = EngineInfo(config, tokenizer)
         self.snapshot: dict[str, Any] = snapshot
         self._child_failure: str | None = None
         self._exited: str | None = None  # why the child is gone, when it went without being stopped
-        self._streams: dict[str, tuple[Stream, _Mirror]] = {}
+        self._streams: dict[str, tuple[Stream, Mirror]] = {}
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a signal handler
         self._sender = threading.Thread(target=self._send_commands, name="engine-commands", daemon=True)
         self._reader = threading.Thread(target=self._read_outputs, name="engine-outputs", daemon=True)
         self._stopping = False
         self._join_lock = threading.Lock()
 
-    def _own_tokenizer(self, pending: PendingTokenizer, child_fingerprint: Any) -> Any:
-        """This process's copy, checked against the child's; a mismatch stops the child and raises."""
+    @staticmethod
+    def _own_tokenizer(pending: PendingTokenizer, child_fingerprint: Any) -> Any:
+        """This process's copy, checked against the child's."""
+        tokenizer = pending.result()
+        if tokenizer_fingerprint(tokenizer) != child_fingerprint:
+            raise RuntimeError(f"the server loaded tokenizer {tokenizer_fingerprint(tokenizer)} from "
+                               f"{pending.name!r}, but the engine process holds {child_fingerprint}")
+        return tokenizer
+
+    def _abandon(self) -> None:
+        """A start-up this process gives up on (the child's failed, the tokenizers differ, an interrupt): the
+        child closes its engine and exits once it has started, or is killed; it never outlives the server."""
         try:
-            tokenizer = pending.result()
-            if tokenizer_fingerprint(tokenizer) != child_fingerprint:
-                raise RuntimeError(f"the server loaded tokenizer {tokenizer_fingerprint(tokenizer)} from "
-                                   f"{pending.name!r}, but the engine process holds {child_fingerprint}")
-        except BaseException:
-            self._conn_out.send(None)  # the child closes its engine and exits
+            self._conn_out.send(None)
+        except OSError:  # it is gone already
+            pass
+        try:
             self._proc.join(STOP_TIMEOUT_S)
+        finally:
             if self._proc.exitcode is None:
                 self._proc.kill()
-            raise
-        return tokenizer
+                self._proc.join()
 
     def _receive_ready(self, timeout_s: float) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -331,7 +291,7 @@ class EngineProcess(Admission):
             stream.put(EngineUnavailable("the server is shutting down" if self._stopped
                                          else "the engine process is not running"))
             return stream
-        self._streams[request_id] = (stream, _Mirror())
+        self._streams[request_id] = (stream, Mirror())
         self._num_submitted += 1
         self._send_queue.put(("add", prompt, params, request_id, every_step, index == 0))
         return stream
