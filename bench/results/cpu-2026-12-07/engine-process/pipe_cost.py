@@ -4,9 +4,9 @@ the step's message (the child's engine thread), and unpickling it into the mirro
 import pickle, sys, time, timeit
 sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else "/work/main")
 from engine.outputs import RequestOutput, TextHistory
-from engine.entrypoints.server.engine_process import _ChildStream, _Mirror, _encode
+from engine.entrypoints.server.output_deltas import ChildStream as _ChildStream, Mirror as _Mirror, encode_output as _encode
 
-streams = [_ChildStream(f"cmpl-{i:032x}-0", 0, True) for i in range(64)]
+streams = [_ChildStream(f"cmpl-{i:032x}-0", True) for i in range(64)]
 prompts = {s.request_id: list(range(512)) for s in streams}
 hist = {s.request_id: TextHistory(prompts[s.request_id], 512, 0, [], 0, []) for s in streams}
 
