@@ -23,9 +23,14 @@ from compile_backend.pool import GraphPool, gc_frozen, pool_handle
 from compile_backend.split import SplitSummary, split_graph
 from compile_backend.stats import BackendStats
 from custom_ops.forward_context import RuntimeMode, forward_context
+from custom_ops.gemv_table import mark_trace_constants
 from custom_ops.pdl import pdl_wanted
 
 logger = logging.getLogger(__name__)
+
+# Before any trace this backend serves (`backend="infer_graphs"` imports this module when torch.compile
+# looks the name up): the ops' configuration functions Dynamo must read as constants.
+mark_trace_constants()
 
 
 def _warm_compile_workers() -> None:

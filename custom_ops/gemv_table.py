@@ -210,9 +210,6 @@ FP8_LARGE_DEFAULT = DEQUANT
 FP8_LARGE_ENV = "INFER_GRAPHS_FP8_LARGE"
 
 
-# A constant of the trace where Dynamo meets it (an FP8 layer traced without the op): configuration,
-# read once per compile, never a guard or a graph break.
-@torch.compiler.assume_constant_result
 def fp8_large_method(n: int, k: int, dtype: torch.dtype, device_type: str, device_index: int | None = None,
                      capability: tuple[int, int] | None = None) -> str:
     """DEQUANT or SCALED_MM for an FP8 weight [N, K] above the Triton kernels' rows. SCALED_MM only where
@@ -226,6 +223,14 @@ def fp8_large_method(n: int, k: int, dtype: torch.dtype, device_type: str, devic
                                 or (capability or device_capability(device_index)) < (9, 0)):
         return DEQUANT
     return method
+
+
+def mark_trace_constants() -> None:
+    """Mark fp8_large_method a constant of the trace where Dynamo meets it (an FP8 layer traced without
+    the op): configuration, read once per compile, never a guard or a graph break. The compile backend
+    calls this before anything is traced; marking at import would import torch._dynamo (~1.1 s on the
+    CPU box) into every process that only runs eagerly or parses arguments."""
+    torch.compiler.assume_constant_result(fp8_large_method)  # marks the function object itself
 
 
 def fp8_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str, device_index: int | None = None,

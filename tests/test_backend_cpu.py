@@ -198,6 +198,25 @@ def test_backend_by_name_works_in_a_fresh_process():
     assert "BY-NAME-OK" in result.stdout, result.stderr[-3000:]
 
 
+def test_an_eager_process_never_imports_dynamo_and_a_compile_marks_the_trace_constants_first():
+    """torch._dynamo costs over a second to import: the packages a server, the CLIs' argument checks
+    and eager engines import leave it out; the compile backend brings it, and marks the ops'
+    configuration functions constant before anything is traced, whichever way it is named."""
+    script = textwrap.dedent("""
+        import sys
+        import engine, models, custom_ops
+        from engine.entrypoints import cli_args
+        assert "torch._dynamo" not in sys.modules, "an eager import pulled in torch._dynamo"
+        import torch
+        torch.compile(torch.nn.Linear(2, 2), backend="infer_graphs")  # looks the name up, traces nothing
+        from custom_ops.gemv_table import fp8_large_method
+        assert getattr(fp8_large_method, "_dynamo_marked_constant", False)
+        print("LAZY-DYNAMO-OK")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert "LAZY-DYNAMO-OK" in result.stdout, result.stderr[-3000:]
+
+
 def test_structural_key_tells_pieces_apart_by_constants_and_input_layout():
     from compile_backend.compile_pieces import structural_key
 
