@@ -152,7 +152,7 @@ def _server_start(model: str, cache_dir: str, env: dict, timeout_s: float, flags
     weights, serve's defaults, the engine in a process of its own, the benchmarks' tokenizer where
     bench/.tokenizer holds it; `flags`: more of serve's options) over cache_dir's caches; then its drain."""
     from bench.frontend import TokenizerMissing, tokenizer_dir
-    from bench.serving import ServerProcess
+    from bench.server_process import ServerProcess
     try:
         tokenizer = ["--tokenizer", str(tokenizer_dir(None))]
     except TokenizerMissing:

@@ -29,10 +29,7 @@ import asyncio
 import json
 import random
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench import repo_env
+from bench.server_process import ServerProcess
 from bench.e2e import _graph_replays
 from bench.frontend import STOP_STRINGS, load_tokenizer, tokenizer_dir
 from bench.measure import Report, ratio
@@ -60,7 +57,6 @@ BATCH_PREFIX = "batch_"
 BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 1024  # passed to every server, so the report's note states what ran
 COLUMNS = ["config", "workload", "sent", "completed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "graph_mib", "makespan_s", "graph_replay_ms", "itl_x_replay"]
-READY_TIMEOUT_S = 1800
 REPLAY_ITERS = 30  # replays timed for an in-process batch row's graph_replay_ms (as bench e2e's default)
 STOP_SHARE = 0.5  # of each workload's requests, with the stop strings (when the server has a tokenizer)
 
@@ -214,38 +210,6 @@ def _metric(url: str, name: str) -> float:
     import httpx
     match = re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics", timeout=60).text, re.M)
     return float(match.group(1)) if match else 0.0
-
-
-class ServerProcess:
-    """`python -m bench.serving --serve MODEL` on 127.0.0.1, a free port; stopped with SIGTERM.
-    `env`: the server's environment (default: this one, the repository on PYTHONPATH); `poll_s`: how
-    often its log is read for the ready line (`ready_s`: seconds from the start to that line, to
-    within it)."""
-
-    def __init__(self, model: str, flags: list[str], env: dict | None = None, poll_s: float = 0.5,
-                 timeout_s: float = READY_TIMEOUT_S) -> None:
-        self.log = Path(tempfile.mkstemp(prefix="bench-serving-", suffix=".log")[1])
-        start = time.monotonic()
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "bench.serving", "--serve", "--model", model,
-                                          "--port", "0", *flags], stdout=log, stderr=subprocess.STDOUT,
-                                         env=repo_env(env))
-        while not (match := re.search(r"ready: .* at (http://[\d.]+:\d+)/v1", self.log.read_text())):
-            if self.proc.poll() is not None or time.monotonic() - start > timeout_s:
-                self.stop()
-                raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(poll_s)
-        self.ready_s = time.monotonic() - start
-        self.url = match.group(1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def run(model: str, requests: int | None = None, rate: float | None = None, configs=None, workloads=None,

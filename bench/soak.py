@@ -16,18 +16,16 @@ import asyncio
 import json
 import os
 import random
-import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from bench import REPO_ROOT, repo_env
+from bench.server_process import ServerProcess
 from bench.soak_requests import REQUEST_TIMEOUT_S, Outcome, Target, send
 from bench.workload import percentile
 
@@ -36,7 +34,6 @@ FINISH_SLACK_S = 10.0          # past a request's own timeout, before a task sti
 WARMUP_MIX_S = 30.0           # the whole mix runs this long (at most duration / 20) before memory's baseline
 MEMORY_PERIOD_S = 30.0
 IDLE_TIMEOUT_S = 60.0
-READY_TIMEOUT_S = 1800.0       # a GPU server compiles and captures before it is ready
 MAX_REQUESTS_PER_CLIENT = 100_000
 OVERLOAD_FACTOR = 3.0
 TTFT_GROWTH_LIMIT = 1.25
@@ -361,40 +358,6 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
     return {**found, "health_p99_ms_max": health, "met": all(v is not False for v in found.values())}
 
 
-class ServerProcess:
-    """The server `--model` asks for, on 127.0.0.1 and a free port; `stop` sends SIGTERM (a drain)."""
-
-    def __init__(self, model: str, flags: list[str], tokenizer: str | None) -> None:
-        self.log = Path(tempfile.mkstemp(prefix="bench-soak-", suffix=".log")[1])
-        if os.path.isdir(model) or model.endswith(".gguf"):
-            cmd = ["-m", "engine", "serve", "--model", model]
-        else:  # a benchmark config: random weights, the benchmarks' tokenizer
-            from bench.frontend import tokenizer_dir
-            path = tokenizer_dir(tokenizer)
-            cmd = ["-m", "bench.serving", "--serve", "--model", model, *(["--tokenizer", str(path)] if path else [])]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, *cmd, "--port", "0", *flags], stdout=log,
-                                         stderr=subprocess.STDOUT, env=repo_env(), cwd=REPO_ROOT)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not (match := re.search(r"ready: serving .* at (http://[\d.]+:\d+)/v1", self.log.read_text())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        self.url = match.group(1)
-
-    def stop(self) -> dict[str, Any]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return {"exit_status": self.proc.returncode, "stopped_line": "server stopped" in self.log.read_text(),
-                "log": str(self.log)}
-
-
 def main(args: Any) -> int:
     """`python -m bench soak` with the shared parser's arguments (bench/__main__.py, which also gives
     `out` its default directory); --out names the JSON file, or a directory to write soak.json in."""
@@ -408,7 +371,11 @@ def main(args: Any) -> int:
         flags = shlex.split(args.server_args or "")
         if "--max-waiting-requests" not in flags:
             flags += ["--max-waiting-requests", str(args.max_waiting_requests or clients)]
-        server = ServerProcess(args.model, flags, args.tokenizer)
+        if not (os.path.isdir(args.model) or args.model.endswith(".gguf")):  # random weights: the benchmarks' tokenizer
+            from bench.frontend import tokenizer_dir
+            path = tokenizer_dir(args.tokenizer)
+            flags = [*(["--tokenizer", str(path)] if path else []), *flags]
+        server = ServerProcess(args.model, flags)
     api_key = args.api_key or os.environ.get("INFER_GRAPHS_API_KEY")
     try:
         result = asyncio.run(soak(args.url or server.url, duration, clients, seed, api_key))
