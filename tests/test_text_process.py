@@ -159,6 +159,27 @@ def test_the_choice_of_front_end(model_dir):
     assert TextProcess.can_run(tokenizer)
 
 
+def test_a_thread_server_copies_the_tokenizer_only_where_the_step_thread_decodes_with_it(model_dir, monkeypatch):
+    """The server's tokenizer thread must not share a tokenizer with a step thread that decodes (a fast
+    tokenizer is not thread-safe); with the front end in its process nothing else in this process uses
+    it, and the copy (seconds for a large vocabulary) is skipped."""
+    import engine.entrypoints.server as server
+    seen = {}
+
+    def serve(*args, copy_tokenizer: bool, **kwargs) -> int:  # the HTTP side, not started here
+        seen["copy"] = copy_tokenizer
+        return 0
+    monkeypatch.setattr(server, "_serve", serve)
+    monkeypatch.setattr(server, "_listen", lambda host, port: None)
+    monkeypatch.setattr("engine.entrypoints.server.engine_loop.EngineLoop.__init__", lambda self, llm: None)
+    for frontend_process in (False, True):
+        seen.clear()
+        with LLM(str(model_dir), frontend_process=frontend_process, **SMALL) as llm:
+            assert llm.decodes_on_step_thread is (not frontend_process)
+            server.serve_llm(llm, "tiny")
+        assert seen["copy"] is (not frontend_process)
+
+
 def test_frontend_process_must_be_a_bool_and_defaults_to_on_with_cuda_only():
     with pytest.raises(ConfigError, match="frontend_process"):
         EngineConfig(frontend_process="yes")

@@ -212,6 +212,12 @@ class LLM:
                                       "are matched on the text); use stop_token_ids", param="stop")
         return Request(request_id, ids, params)
 
+    @property
+    def decodes_on_step_thread(self) -> bool:
+        """Whether the step thread uses `tokenizer` (detokenization and stop strings in this process);
+        False with the front end in its own process, which decodes with its own copy."""
+        return self.tokenizer is not None and not self._front.process
+
     def encode(self, text: str, tokenizer: Any = None) -> list[int]:
         """A text prompt's token ids, as `add_request` encodes it. Callers that tokenize on another
         thread than the engine's (the server) pass their own copy of the tokenizer: a fast tokenizer

@@ -82,8 +82,9 @@ def serve_llm(llm: Any, name: str, host: str = "127.0.0.1", port: int = 8000, ap
             return 1
         llm.close()
         return 0
+    # the tokenizer thread needs a copy only where the step thread decodes with the tokenizer too
     return _serve(engine, llm, stats["decode_graphs"], sock, name, close, api_key, max_request_bytes, chat_template,
-                  shutdown_timeout_s, "")
+                  shutdown_timeout_s, "", copy_tokenizer=llm.decodes_on_step_thread)
 
 
 def serve_engine_process(build: Any, name: str, host: str = "127.0.0.1", port: int = 8000,

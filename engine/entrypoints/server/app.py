@@ -70,11 +70,12 @@ def build_app(engine: EngineLoop, model_name: str, tokenize_pool: concurrent.fut
     and the tokenizer is never entered by two encoders at once: a fast tokenizer borrows its Rust
     state per call); its owner shuts it down. `chat_template`: replaces the tokenizer's own (a Jinja
     string, already checked by load_chat_template). `copy_tokenizer=False`: the tokenizer thread takes
-    engine.llm.tokenizer itself, for an engine that does not use it (EngineProcess's)."""
+    engine.llm.tokenizer itself, for an engine that does not use it (EngineProcess's, or one whose front
+    end decodes in a process of its own)."""
     llm = engine.llm
-    # The tokenizer thread's own copy: the engine thread detokenizes with llm.tokenizer meanwhile
+    # The tokenizer thread's own copy where the engine thread detokenizes with llm.tokenizer meanwhile
     # (LLM.encode says why two threads must not share one). Copying a large vocabulary's tokenizer takes
-    # seconds of start-up, which an engine process, detokenizing in its own process, is spared.
+    # seconds of start-up, which an engine whose decoding runs in another process is spared.
     tokenizer = copy.deepcopy(llm.tokenizer) if copy_tokenizer else llm.tokenizer
     if chat_template is not None:
         tokenizer.chat_template = chat_template
