@@ -87,3 +87,21 @@ def test_sigint_while_the_engine_process_starts_stops_it_and_the_server_exits(mo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_child_whose_server_is_gone_before_ready_closes_its_engine_and_exits_without_a_traceback(model_dir):
+    """SIGTERM before `ready` ends the server at once; its child finds the pipe closed when it reports
+    ready, and ends cleanly (exit 0) instead of dying on a BrokenPipeError."""
+    import logging
+    from engine.entrypoints.server.engine_process import _child_main
+    ctx = multiprocessing.get_context("spawn")
+    commands_r, commands_w = ctx.Pipe(duplex=False)
+    outputs_r, outputs_w = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, name="engine", args=(
+        functools.partial(build_llm, str(model_dir), FIELDS), commands_r, outputs_w, (logging.INFO, None)))
+    child.start()
+    commands_r.close()
+    outputs_w.close()
+    outputs_r.close()  # the server is gone
+    child.join(120)
+    assert child.exitcode == 0

@@ -144,14 +144,16 @@ def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup
     try:
         llm = build()
     except BaseException as exc:  # the parent raises it: start-up errors read as in one process
-        outputs.send(("failed", exc))
+        _send_or_log(outputs, ("failed", exc))
         return
     loop = _ChildLoop(llm, outputs)
     loop.snapshot = {**loop.snapshot, **_memory(llm.config.device)}
     # the parent loads its own copy where it knows the source (EngineProcess's tokenizer_source): pickling
     # a 262k-token tokenizer here and parsing it there costs ~3 s of serve's start-up on the CPU box
     tokenizer = llm.tokenizer if send_tokenizer else tokenizer_fingerprint(llm.tokenizer)
-    outputs.send(("ready", (llm.config, tokenizer, loop.snapshot)))
+    if not _send_or_log(outputs, ("ready", (llm.config, tokenizer, loop.snapshot))):
+        llm.close()  # its tensor-parallel ranks and front-end process with it
+        return
     loop.start()
     while True:
         try:
@@ -164,7 +166,19 @@ def _child_main(build: Callable[[], Any], commands: Any, outputs: Any, log_setup
     loop.stop(STOP_TIMEOUT_S)
     if not loop.is_alive():
         llm.close()
-    outputs.send(("stopped", None))
+    _send_or_log(outputs, ("stopped", None))
+
+
+def _send_or_log(outputs: Any, message: tuple) -> bool:
+    """Send to the server; False, and one log line instead of a traceback, where the server is gone (a
+    SIGTERM before `ready` ends it at once: the child finds out when it has something to say)."""
+    try:
+        outputs.send(message)
+        return True
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        logging.getLogger("engine.server").warning("engine process: the server is gone (its %r message was "
+                                                   "not delivered); the engine process ends", message[0])
+        return False
 
 
 # -- the parent -----------------------------------------------------------------------------------
