@@ -64,7 +64,7 @@ class CompiledModel:
     backend: Any
     code: types.CodeType | None  # the fresh code object Dynamo keys this engine's entries on
     cache_status: str = "off: not asked"
-    binder: Any = None           # warm_start.InputBinder while an entry is being written
+    binder: Any = None           # warm_start.InputBinder: describes a traced graph's inputs, finds them again
     pending: Any = None          # (store, temporary entry, key fields, artifact sink) until finish_cache
     cache_saved: str | None = None  # what finish_cache did, for the log and stats
     traced: Any = None           # the traced graph's input specs (InputBinder.describe), once traced
