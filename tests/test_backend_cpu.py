@@ -198,15 +198,17 @@ def test_backend_by_name_works_in_a_fresh_process():
     assert "BY-NAME-OK" in result.stdout, result.stderr[-3000:]
 
 
-def test_an_eager_process_never_imports_dynamo_and_a_compile_marks_the_trace_constants_first():
-    """torch._dynamo costs over a second to import: the packages a server, the CLIs' argument checks
-    and eager engines import leave it out; the compile backend brings it, and marks the ops'
-    configuration functions constant before anything is traced, whichever way it is named."""
+def test_an_eager_process_never_imports_dynamo_or_triton_and_a_compile_marks_the_trace_constants_first():
+    """torch._dynamo costs over a second to import, Triton ~0.2 s: the packages a server, the CLIs'
+    argument checks and eager engines import leave them out; the compile backend brings Dynamo, and
+    marks the ops' configuration functions constant before anything is traced, whichever way it is
+    named."""
     script = textwrap.dedent("""
         import sys
         import engine, models, custom_ops
         from engine.entrypoints import cli_args
         assert "torch._dynamo" not in sys.modules, "an eager import pulled in torch._dynamo"
+        assert "triton" not in sys.modules, "an eager import pulled in triton"
         import torch
         torch.compile(torch.nn.Linear(2, 2), backend="infer_graphs")  # looks the name up, traces nothing
         from custom_ops.gemv_table import fp8_large_method

@@ -136,12 +136,13 @@ def test_row_argmax_names_what_it_cannot_read(bad, match):
 def test_row_argmax_keeps_torchs_argmax_for_cpu_tensors(monkeypatch):
     """The Triton kernel is only a CUDA candidate: on CPU nothing is timed and nothing reaches it,
     even for a (vocabulary, dtype) whose method was chosen on a GPU."""
+    import custom_ops.triton_argmax
     import engine.sample.argmax as engine_argmax
 
     def refuse(x):
         raise AssertionError("the Triton argmax ran on a CPU tensor")
 
-    monkeypatch.setattr(engine_argmax, "row_argmax", refuse)
+    monkeypatch.setattr(custom_ops.triton_argmax, "row_argmax", refuse)  # the candidate engine.sample.argmax takes
     argmax = engine_argmax.RowArgmax()
     x = torch.randn(3, 4096)
     assert argmax.choose(x) is False

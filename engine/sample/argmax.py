@@ -27,7 +27,6 @@ from typing import Callable
 
 import torch
 
-from custom_ops.triton_argmax import ROW_ARGMAX_DTYPES, row_argmax
 
 logger = logging.getLogger("engine")
 
@@ -72,6 +71,7 @@ def _gpu_us_per_call(fn, x: torch.Tensor) -> float:
 
 
 def _candidates(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    from custom_ops.triton_argmax import ROW_ARGMAX_DTYPES, row_argmax  # Triton: imported on CUDA only
     methods = {"torch's": _plain_argmax, "chunked": chunked_argmax}
     if dtype in ROW_ARGMAX_DTYPES:
         methods["triton"] = row_argmax

@@ -23,10 +23,16 @@ from pathlib import Path
 
 import torch
 
-from custom_ops.triton_argmax import argmax_of_keys
 from engine.request import Request, TokenLogprobs
 from engine.sample.argmax import RowArgmax
 from engine.sample.staging import host_to_device
+
+
+def argmax_of_keys(keys: torch.Tensor, scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """custom_ops.triton_argmax.argmax_of_keys, imported at the first call: keys exist on CUDA only, and
+    an engine on the CPU (or a process that only parses arguments) never pays Triton's import."""
+    from custom_ops.triton_argmax import argmax_of_keys as reduce_keys
+    return reduce_keys(keys, scatter)
 
 
 class Sampler:
