@@ -65,7 +65,7 @@ def _inductor_options(config: BackendConfig) -> contextlib.AbstractContextManage
     return inductor_config.patch(patches)
 
 
-def _num_outputs(gm: torch.fx.GraphModule) -> int | None:
+def num_outputs(gm: torch.fx.GraphModule) -> int | None:
     """How many values the traced graph returns (a tuple), or None for another output structure."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     value = output.args[0]
@@ -135,7 +135,7 @@ class InferGraphsBackend:
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode, fake_inputs = graph_fake_inputs(example_inputs)
         keep = self.artifacts is not None
-        num_outputs = _num_outputs(gm)
+        outputs = num_outputs(gm)  # before the split, which rewrites gm
         layer_names = _splitting_strings(gm, self.config.splitting_ops)
         split = split_graph(gm, self.config.splitting_ops)
         if self.config.splitting_ops and not split.summary.num_splitting_pieces:
@@ -145,7 +145,7 @@ class InferGraphsBackend:
         step_inputs = step_inputs_of(fake_inputs, input_names)
         if keep:
             self._save(split, runners, example_inputs, {
-                "input_names": input_names, "step_inputs": step_inputs, "num_outputs": num_outputs,
+                "input_names": input_names, "step_inputs": step_inputs, "num_outputs": outputs,
                 "layer_names": layer_names})
         pool = self.pool if torch.cuda.is_available() and self.config.cudagraphs else None
         graph = CompiledGraph(split, runners, step_inputs, self.config, self.stats, pool)

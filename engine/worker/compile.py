@@ -234,6 +234,7 @@ def _traced(model: torch.nn.Module, backend_config: Any, pool: Any, binder: Any,
     temporary entry, key fields), the backend writes what it compiled there for finish_cache."""
     from compile_backend import InferGraphsBackend
     from compile_backend.artifacts import ArtifactSink
+    from compile_backend.backend import num_outputs
 
     sink = ArtifactSink(writing[1], binder.describe) if writing is not None else None
     backend = InferGraphsBackend(backend_config, pool=pool, artifacts=sink)
@@ -245,15 +246,15 @@ def _traced(model: torch.nn.Module, backend_config: Any, pool: Any, binder: Any,
                            pending=(*writing, sink) if writing is not None else None)
 
     def describing(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        compiled_graph = backend(gm, example_inputs)
-        try:  # what the engine needs to call this graph without Dynamo (CompiledModel._go_direct)
-            output = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-            if not isinstance(output, (tuple, list)) or len(output) != 1:
+        # what the engine needs to call this graph without Dynamo (CompiledModel._go_direct); read
+        # before the backend runs, as its split rewrites gm
+        try:
+            if num_outputs(gm) != 1:
                 raise ValueError("the traced graph does not return one value")
             result.traced = binder.describe(example_inputs)
         except ValueError as exc:
             result.traced = str(exc)
-        return compiled_graph
+        return backend(gm, example_inputs)
 
     result.forward = torch.compile(forward, backend=describing, fullgraph=True)
     result.compiler = describing
