@@ -130,6 +130,11 @@ case "${1:-smoke}" in
       -k "identical or full_mixed or async or warm_start"
     suite 170 prefill --model llama-3.2-3b --tokens 64,128,512
     ;;
+  spec-profile)  # issue 40: the verify step's exposed host work at batch 1 (none and every-step-rejected k = 4 under
+    # torch.profiler, $OUT/prof/spec-*.txt and the traces), then speculative decoding's and the memory GPU tests; ~5 min
+    BENCH_SPEC_PROFILE=$OUT/prof suite 200 spec --model llama-3.2-3b --batches 1,8 --ks 4 --variants rejected
+    gpu_tests spec 200 -m gpu tests/test_spec_decode_gpu.py tests/test_memory_gpu.py
+    ;;
   tests-tp)  # 2 GPUs (nvidia-h100-x2 / h200-x2): tensor parallelism with both graph kinds, three TP engines in
     # one process (each close must leave the NCCL group), and the graph release after close; ~2 min. The
     # fifty-engine memory test needs one GPU only (tests-overlap's machine), not two at twice the cost.

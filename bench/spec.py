@@ -34,10 +34,16 @@ Per batch B (B requests of prompt_len random tokens, output_len tokens out, gree
   ms_per_token the median request's decode time / (output_len - 1)
   speedup      tok_per_s over the `none` row's of the same batch
   acceptance, accepted_len  from the proposer's counts over the row's generate calls
+
+BENCH_SPEC_PROFILE=DIR: after the rows, one more generate at the smallest batch of `none` and of
+`rejected` at the largest k, each under torch.profiler with the engine's stages marked
+(bench/step_timeline.py): DIR/spec-<model>-<variant>.txt (stage times, the GPU's idle gaps, the host
+work between reading a step and launching the next) and .json.gz (the trace).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import statistics
 
@@ -50,6 +56,7 @@ from engine.request import Request
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import Proposer
 
+PROFILE_ENV = "BENCH_SPEC_PROFILE"
 BATCHES = (1, 8, 32)
 KS = (2, 4)
 PROMPT_LEN = 256
@@ -119,6 +126,8 @@ def run(model: str, batches=None, ks=None, prompt_len: int | None = None, output
                            acceptance=stats["acceptance_rate"], accepted_len=stats["mean_accepted_length"],
                            verify_chunks=stats["verify_chunks"], draft_ms=stats.get("draft_ms_per_round"),
                            derived_ceiling_x=derived, diverges_at=_first_difference(got["outputs"], base["outputs"]))
+    if profile_dir := os.environ.get(PROFILE_ENV):
+        _profile(llm, model, profile_dir, min(batches), max_k, prompt_len, output_len, vocab)
     stats = llm.stats()
     report.notes.append(f"{repeats} measured generate calls per row (median of their medians) after one warm-up; "
                         f"prompts of {prompt_len} random tokens, {output_len} out, greedy; engine defaults "
@@ -132,6 +141,31 @@ def run(model: str, batches=None, ks=None, prompt_len: int | None = None, output
         proposer.close()
     llm.close()
     return report
+
+
+def _profile(llm, model: str, directory: str, batch: int, k: int, prompt_len: int, output_len: int,
+             vocab: int) -> None:
+    """One generate of `none` and of `rejected` (every step a verify step) under torch.profiler."""
+    import engine.core.step_loop as step_loop_module
+    from bench.step_timeline import profile_stages
+    from engine import SamplingParams
+    os.makedirs(directory, exist_ok=True)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=min(output_len, 48), ignore_eos=True)
+    loop, scheduler = llm._loop, llm.scheduler
+    stages = [(loop, "step", "step"), (loop, "wait_for", "wait"), (loop, "_resolve", "resolve"),
+              (scheduler, "schedule", "schedule"), (loop, "_launch", "launch"),
+              (llm.runtime.runner, "execute", "execute"), (step_loop_module, "sample_verify", "sample_verify")]
+    scheduler.proposer = None
+    greedy = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, llm.generate(prompts, params))}
+    for variant in ("none", "rejected"):
+        if variant == "rejected":
+            scheduler.proposer = ReplayProposer(SpeculativeConfig(k, 1, 3), greedy, vocab, 1.0, backoff=False)
+        llm.generate(prompts, params)  # warm: the same shapes as the profiled call
+        profile_stages(lambda: llm.generate(prompts, params), os.path.join(directory, f"spec-{model}-{variant}"),
+                       stages)
+    scheduler.proposer = None
 
 
 def _variants(value: str | None) -> tuple[str, ...]:
