@@ -130,6 +130,18 @@ case "${1:-smoke}" in
       -k "identical or full_mixed or async or warm_start"
     suite 170 prefill --model llama-3.2-3b --tokens 64,128,512
     ;;
+  validate)  # one call when device time is scarce: compile-path's GPU tests, then spec-profile's timeline at batch 1; ~9.5 min
+    gpu_tests launches 150 tests/test_triton_launch.py tests/test_add_rms_norm.py tests/test_qk_norm_rope.py \
+      tests/test_qkv_rope.py tests/test_triton_gemv.py tests/test_triton_skinny.py tests/test_decode_gemv_gpu.py
+    gpu_tests engine 240 -m gpu tests/test_engine_gpu.py tests/test_engine_overlap.py tests/test_warm_start.py \
+      -k "identical or full_mixed or async or warm_start"
+    BENCH_SPEC_PROFILE=$OUT/prof suite 150 spec --model llama-3.2-3b --batches 1 --ks 4 --variants rejected
+    ;;
+  measure)  # validate's other half: prefill's host per layer (compiled vs eager), speculative decoding's and the
+    # memory GPU tests; ~6.5 min
+    suite 170 prefill --model llama-3.2-3b --tokens 64,128,512
+    gpu_tests spec 200 -m gpu tests/test_spec_decode_gpu.py tests/test_memory_gpu.py
+    ;;
   spec-profile)  # issue 40: the verify step's exposed host work at batch 1 (none and every-step-rejected k = 4 under
     # torch.profiler, $OUT/prof/spec-*.txt and the traces), then speculative decoding's and the memory GPU tests; ~5 min
     BENCH_SPEC_PROFILE=$OUT/prof suite 200 spec --model llama-3.2-3b --batches 1,8 --ks 4 --variants rejected
