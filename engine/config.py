@@ -218,6 +218,14 @@ class EngineConfig:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     @property
+    def max_seq_rows(self) -> int:
+        """Sequence rows a step's buffers hold: every running request's, and at least one request's verify
+        step of 1 + k tokens as rows of their own (a verify graph, engine.worker.graphs_and_pool), so a
+        small max_num_seqs (1 for one user at a time) still verifies under a graph of decode rows."""
+        k = self.num_speculative_tokens
+        return max(self.max_num_seqs, 1 + k) if k else self.max_num_seqs
+
+    @property
     def max_logits_rows(self) -> int:
         """Rows a step computes logits for at most: a sequence verifying k proposals has 1 + k."""
         return self.max_num_seqs * (1 + self.num_speculative_tokens)

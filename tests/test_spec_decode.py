@@ -302,8 +302,28 @@ def test_verify_graph_sizes_follow_the_decode_buckets():
     config = dataclasses.replace(config.resolve(64), cuda_graphs=True, cudagraph_mode="FULL_DECODE_ONLY")
     assert config.decode_graph_sizes == (1, 2, 4, 8)
     assert mixed_graph_sizes(config) == (10, 20, 40)  # up to 8 tokens: the verify graphs' rows
-    assert verify_graph_sizes(config) == (2, 4, 8)
+    assert verify_graph_sizes(config) == (2, 4, 5, 8)  # 5: batch 1's 1 + k tokens, no padding row
     assert config.max_logits_rows == 8 * 5
+    assert config.max_seq_rows == 8
+
+
+def test_one_request_at_a_time_still_verifies_under_a_graph_of_its_1_plus_k_rows():
+    """max_num_seqs 1 (one user at a time, where speculation pays most): the decode buckets stop at 1,
+    but the step's buffers hold 1 + k sequence rows, so batch 1's verify step has a graph of decode rows
+    instead of the mixed-step graph (prefill attention and the skinny GEMMs: 1.8x a decode step on an
+    H100, bench/results/h100-2026-12-08/validate/)."""
+    import dataclasses
+
+    from engine import EngineConfig
+    from engine.worker.graphs_and_pool import mixed_graph_sizes, verify_graph_sizes
+    config = EngineConfig(device="cpu", max_num_seqs=1, speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    config = dataclasses.replace(config.resolve(64), cuda_graphs=True, cudagraph_mode="FULL_DECODE_ONLY")
+    assert config.decode_graph_sizes == (1,)
+    assert config.max_seq_rows == 5
+    assert verify_graph_sizes(config) == (5,)
+    assert mixed_graph_sizes(config) == ()
+    plain = dataclasses.replace(config, speculative_config=None)
+    assert plain.max_seq_rows == 1 and verify_graph_sizes(plain) == ()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -49,6 +49,24 @@ def test_greedy_identical_and_verify_steps_replay_graphs(model_dirs, arch):
         assert stats["steps"] < plain_steps
 
 
+def test_one_request_at_a_time_verifies_under_its_own_verify_graph(model_dirs):
+    """max_num_seqs 1: each verify step of 1 + 4 tokens replays the verify graph of exactly 5 decode
+    rows (no mixed-step graph, none padded), and the tokens are those of decoding without speculation."""
+    path = model_dirs["llama"]
+    with _engine(path, max_num_seqs=1) as llm:
+        expected = _run_workload(llm)
+    with _engine(path, max_num_seqs=1, speculative_config=SPEC) as llm:
+        continuations = {tuple(p): list(p) + expected[str(i)] for i, (_, p, _) in enumerate(WORKLOAD)}
+        replay(llm, continuations, wrong=0.2)
+        got = _run_workload(llm)
+        stats = llm.stats()
+        by_size = dict(llm.runtime.runner.verify_graphs.replays_by_size)
+    assert got == expected
+    assert stats["spec_decode"]["accepted_tokens"] > 0 and stats["spec_decode"]["verify_graph_fallbacks"] == 0
+    assert set(by_size) == {5} and by_size[5] > 0, by_size
+    assert stats["mixed_graph_replays"] == 0
+
+
 def test_prompt_lookup_greedy_identical(model_dirs):
     """The real proposer on prompts that repeat themselves: the same tokens as without it."""
     path = model_dirs["llama"]

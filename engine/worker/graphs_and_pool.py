@@ -107,17 +107,20 @@ def capture_and_size(rt: Runtime, config: EngineConfig, timeline: StartupTimelin
 
 def verify_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
     """The decode-row graphs of speculative decoding's verify steps (DecodeGraphs(store_first=True)):
-    the decode buckets from 2 rows, where a verify step's tokens are rows of their own."""
-    if not (config.cuda_graphs and config.num_speculative_tokens):
+    the decode buckets from 2 rows, where a verify step's tokens are rows of their own, and one request's
+    1 + k tokens exactly (batch 1's verify step: no padding rows, and a graph even where max_num_seqs is
+    below 1 + k; EngineConfig.max_seq_rows)."""
+    k = config.num_speculative_tokens
+    if not (config.cuda_graphs and k):
         return ()
-    return tuple(b for b in config.decode_graph_sizes if b >= 2)
+    return tuple(sorted({b for b in config.decode_graph_sizes if b >= 2} | {1 + k}))
 
 
 def mixed_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
     """The token buckets of the mixed-step graphs: under cudagraph_mode FULL the prefill graph sizes
     from 2 tokens (a one-token step is a uniform decode, a decode graph's); with decode graphs and
     speculative decoding, the verify steps too large for a verify graph (decode-row graphs up to the
-    largest decode bucket, verify_graph_sizes): one per decode bucket B of B verify
+    largest decode bucket or 1 + k, verify_graph_sizes): one per decode bucket B of B verify
     chunks of 1 + k tokens (the seeds' uniform batches of query length 1 + k). Under FULL those sizes
     join the prefill ones."""
     k = config.num_speculative_tokens
@@ -125,9 +128,9 @@ def mixed_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
     if config.mixed_graphs:
         sizes.update(n for n in config.prefill_graph_sizes if n >= 2)
     if config.cuda_graphs and k:
-        largest_decode = max(config.decode_graph_sizes)
+        largest_verify = max(verify_graph_sizes(config))
         sizes.update(n for n in (b * (1 + k) for b in config.decode_graph_sizes)
-                     if largest_decode < n <= config.max_num_batched_tokens)
+                     if largest_verify < n <= config.max_num_batched_tokens)
     return tuple(sorted(sizes))
 
 

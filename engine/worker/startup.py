@@ -140,9 +140,9 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
             forward = compiled
         timeline.notes["compile_cache"] = compiled.cache_status
     with timeline.phase("buffers"):
-        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        max_tokens = max(config.max_num_batched_tokens, config.max_seq_rows)
         runner = ModelRunner(model, forward, config.block_size, config.max_model_len, max_tokens,
-                             config.max_num_seqs, device, mark_dynamic, config.max_logits_rows)
+                             config.max_seq_rows, device, mark_dynamic, config.max_logits_rows)
         kv_cache = KVCache(model.attention_layer_names, config.block_size, config.torch_dtype, device,
                            by_kind=config.hybrid_kv_cache)
         runner.kv_caches = kv_cache.by_layer  # every step's forward context carries this engine's caches
