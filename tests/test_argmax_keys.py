@@ -177,3 +177,22 @@ def test_gpu_decode_graphs_store_keys_and_the_sampler_reads_their_argmax(monkeyp
     assert set(key_tiles) == {2, 4, 8}  # one row: the GEMV stores none
     assert {shape[0] for shape in checked} >= {8, 3}  # batch 8, and 3 real rows of the batch-4 graph
     assert all(shape[1] == key_tiles[8] for shape in checked)
+
+
+def test_a_greedy_verify_step_reads_its_tokens_from_the_keys_as_from_the_logits():
+    """A verify graph's LM head stores keys for every token row: a greedy verify takes each row's argmax
+    from them (not a pass over the vocabulary), and its tokens (accepted proposals, the target's next,
+    then -1) equal those from the logits themselves."""
+    from engine.spec.sampling import VerifyLayout, sample_verify
+    torch.manual_seed(0)
+    logits, keys = _logits_with_keys(10, 151, GemvConfig(block_n=16, block_k=16, num_warps=1), torch.float32)
+    best = logits.argmax(dim=-1).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    requests = [Request("a", [1], greedy), Request("b", [1], greedy)]
+    # a: rows 0-4, its first two proposals right; b: rows 5-9, four proposals, all right
+    proposals = [(best[0], best[1], (best[2] + 1) % 151, best[3]), tuple(best[5:9])]
+    layout = VerifyLayout(requests, proposals, 5)
+    sampler = Sampler(torch.device(DEVICE), seed=0)
+    with_keys = sample_verify(sampler, logits, layout, keys)
+    assert torch.equal(with_keys, sample_verify(sampler, logits, layout))
+    assert with_keys.tolist() == [[best[0], best[1], best[2], -1, -1], best[5:10]]

@@ -294,7 +294,7 @@ class StepLoop:
         result = runtime.runner.execute(out, runtime.block_pool, device_ids)
         chunks = [c for c in out.chunks if c.samples]
         layout = VerifyLayout(sampling, [c.proposals for c in chunks], self.width, self.scheduler.proposer.draft_probs)
-        tokens = sample_verify(runtime.sampler, result.logits, layout)
+        tokens = sample_verify(runtime.sampler, result.logits, layout, result.argmax_keys)
         keep, host_tokens, ready, logprob_rows, host_logprobs = [tokens], tokens.view(-1), None, [], None
         if any(r.params.logprobs is not None for r in sampling):
             cells = host_to_device(layout.row_cells(), torch.int64, tokens.device)

@@ -245,7 +245,8 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig,
     if not cuda:
         return 0
     with timeline.phase("sampling kernels"):
-        _compile_sampling_kernels(runner, sampler, num_seqs)
+        # up to max_seq_rows: a verify graph's rows reach 1 + k, and its greedy tokens come from the keys
+        _compile_sampling_kernels(runner, sampler, min(config.max_seq_rows, max_tokens))
     torch.cuda.synchronize(runner.device)
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
 
