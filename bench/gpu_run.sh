@@ -144,8 +144,8 @@ case "${1:-smoke}" in
     ;;
   spec-check)  # issue 40 after the batch-1 verify graph of 1 + k rows: bench spec at batch 1 (k = 1, 4; every step a
     # verify step, with its timeline), then speculative decoding's GPU tests on llama; ~6.5 min
-    BENCH_SPEC_PROFILE=$OUT/prof suite 150 spec --model llama-3.2-3b --batches 1 --ks 1,4 --variants rejected,ngram
-    gpu_tests spec 240 -m gpu tests/test_spec_decode_gpu.py -k "one_request or prompt_lookup or llama"
+    BENCH_SPEC_PROFILE=$OUT/prof suite 120 spec --model llama-3.2-3b --batches 1 --ks 1,4 --variants rejected,ngram
+    gpu_tests spec 200 -m gpu tests/test_spec_decode_gpu.py -k "one_request or prompt_lookup or llama"
     ;;
   spec-profile)  # issue 40: the verify step's exposed host work at batch 1 (none and every-step-rejected k = 4 under
     # torch.profiler, $OUT/prof/spec-*.txt and the traces), then speculative decoding's and the memory GPU tests; ~5 min
