@@ -83,6 +83,21 @@ def test_static_buffers_load_copies_the_values_and_keeps_block_table_rows_betwee
     assert buffers.tables.rows_moved == 1 and buffers.tables.entries_copied - copied == 2
 
 
+def test_static_buffers_refuse_a_list_longer_than_its_staging_region():
+    """The host lists land in the pinned slab by byte offset: one longer than its region would overwrite
+    the next region's values, so it is an error naming the list and the sizes, raised before anything
+    changes (the block tables' bookkeeping included): the next step loads as if it never came."""
+    buffers = StaticBuffers(max_tokens=8, max_seqs=3, max_blocks_per_seq=4, device=torch.device("cpu"))
+    buffers.load([5, 6, 7], [0, 1, 9], [4, 5, 39], [0, 2, 3], [2, 10], [[1], [7]], [1, 2])
+    with pytest.raises(ValueError, match="got 4 logits_indices; the buffers hold 3"):
+        buffers.load([1], [2], [3], [0, 1], [3], [[1, 2, 3]], [0, 1, 2, 3])  # 4 logits rows, room for 3
+    with pytest.raises(ValueError, match="got 9 input_ids; the buffers hold 8"):
+        buffers.load([1] * 9, [2] * 9, [3] * 9, [0, 9], [9], [[1, 2, 3]], [8])
+    buffers.load([9, 8], [4, 5], [6, 7], [0, 1, 2], [5, 6], [[1, 4], [7]], [0, 1])
+    assert buffers.positions[:2].tolist() == [4, 5] and buffers.logits_indices[:2].tolist() == [0, 1]
+    assert buffers.block_tables[:2].tolist() == [[1, 4, 0, 0], [7, 0, 0, 0]]
+
+
 def test_static_buffers_send_a_steps_values_in_one_copy_and_keep_their_addresses():
     from torch.utils._python_dispatch import TorchDispatchMode
 
