@@ -185,7 +185,8 @@ class StaticBuffers:
             upload_step(self._host[:end], self._slab[:end],
                         None if device_ids is None else (ids_at, ids_at + len(ids)),
                         None if device_ids is None else device_ids.tokens, self._all_tables,
-                        (self._offsets["table_index"], 2 * self._offsets["table_value"], entries))
+                        (self._offsets["table_index"], 2 * self._offsets["table_value"], entries),
+                        check=False)  # the slabs are this object's own, pinned and on the device since _lay_out
             self._copied.record()
             return
         self._slab[:end].copy_(self._host[:end])
