@@ -38,7 +38,8 @@ Per batch B (B requests of prompt_len random tokens, output_len tokens out, gree
 BENCH_SPEC_PROFILE=DIR: after the rows, one more generate at the smallest batch of `none` and of
 `rejected` at the largest k, each under torch.profiler with the engine's stages marked
 (bench/step_timeline.py): DIR/spec-<model>-<variant>.txt (stage times, the GPU's idle gaps, the host
-work between reading a step and launching the next) and .json.gz (the trace).
+work between reading a step and launching the next) and .json.gz (the trace); then, without the profiler,
+DIR/graph-launch-<model>.txt: the host time of one replay of each decode and verify graph.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ import dataclasses
 import os
 import random
 import statistics
+import time
 
 import torch
 
@@ -166,6 +168,28 @@ def _profile(llm, model: str, directory: str, batch: int, k: int, prompt_len: in
         profile_stages(lambda: llm.generate(prompts, params), os.path.join(directory, f"spec-{model}-{variant}"),
                        stages)
     scheduler.proposer = None
+    if torch.cuda.is_available():
+        with open(os.path.join(directory, f"graph-launch-{model}.txt"), "w") as f:
+            f.write(_graph_launch_us(llm.runtime.runner))
+
+
+def _graph_launch_us(runner, launches: int = 40) -> str:
+    """Host time of one `graph.replay()` (cudaGraphLaunch) per decode and verify graph size, without a
+    profiler (CUPTI's tracing of every kernel node inflates it): launches queued back to back, the GPU
+    busy with the ones before, so the host never waits. Each replay rewrites what the last step wrote
+    (its inputs are still in the static buffers): run it only when the engine is about to close."""
+    lines = ["graph   rows  host us per replay (median, min)"]
+    for kind, graphs in (("decode", runner.decode_graphs), ("verify", runner.verify_graphs)):
+        for size, graph in sorted((graphs.graphs if graphs is not None else {}).items()):
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(launches):
+                start = time.perf_counter()
+                graph.replay()
+                times.append((time.perf_counter() - start) * 1e6)
+            torch.cuda.synchronize()
+            lines.append(f"{kind:7} {size:4}  {statistics.median(times):8.1f} {min(times):8.1f}")
+    return "\n".join(lines) + "\n"
 
 
 def _variants(value: str | None) -> tuple[str, ...]:
