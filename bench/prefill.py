@@ -35,6 +35,8 @@ Engine row: what users run, through the public API only (engine.LLM, SamplingPar
                                  work between two pieces (a piece's replay and the attention call
                                  after it), the engine's own per-step work (schedule, staging,
                                  sampling), the same in both, left out
+                    BENCH_PREFILL_PROFILE=DIR: one more such step per engine row at the largest T under
+                    torch.profiler, the engine's stages marked: DIR/prefill-host-<mode>-<T>.txt / .json.gz
   engine_full       the same with cudagraph_mode FULL: the prefill replays one graph of the whole
                     forward (engine.worker.mixed_graphs), no launch between pieces
   engine_fp8        (--quantization fp8) the engine row over the same model with FP8 weights
@@ -72,7 +74,8 @@ HARNESS_VARIANTS = ("eager", "compiled", "piecewise", "full_graph", "full_graph_
 ENGINE_VARIANTS = {"engine": None, "engine_full": "FULL"}
 ENGINE_WARMUP = 3     # LLM.generate calls per T before the engine row's timed ones
 ENGINE_PROFILED = 5   # prefills per T in the torch.profiler trace that gives the engine row's gpu_ms
-ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len is min(the model's limit, this)
+ENGINE_MAX_MODEL_LEN = 4096
+PROFILE_ENV = "BENCH_PREFILL_PROFILE"  # a directory: one engine prefill step per engine row under torch.profiler  # the engine's default max_model_len is min(the model's limit, this)
 logger = logging.getLogger("bench")
 
 
@@ -308,6 +311,10 @@ def engine_prefill(net, tokens, iters: int, report: Report, mode: str | None = N
                 host = _engine_host_ms(llm, lambda: llm.add_request(prompt(t), params))
                 results[t]["host_ms"] = host
                 results[t]["host_us_per_layer"] = None if host is None else host * 1e3 / layers
+            if profile_dir := os.environ.get(PROFILE_ENV):
+                t = max(results)
+                _profile_host_step(llm, lambda: llm.add_request(prompt(t), params),
+                                   os.path.join(profile_dir, f"prefill-host-{mode or 'default'}-{t}"))
             # after every timed call: the profiler must not sit under another measurement
             for t in results:
                 results[t]["gpu_ms"] = _engine_gpu_ms(lambda: one_prefill(prompt(t)))
@@ -341,6 +348,24 @@ def engine_prefill(net, tokens, iters: int, report: Report, mode: str | None = N
     if skipped:
         report.notes.append("engine rows skipped: " + "; ".join(skipped))
     return results
+
+
+def _profile_host_step(llm, add, prefix: str, sleep_cycles: int = 200_000_000) -> None:
+    """The step() that launches a prefill, with the GPU asleep, under torch.profiler with the engine's
+    stages marked (bench/step_timeline.py): where the engine row's host_ms goes."""
+    from bench.step_timeline import profile_stages
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    loop, runner = llm._loop, llm.runtime.runner
+    stages = [(loop, "step", "step"), (llm.scheduler, "schedule", "schedule"), (loop, "_launch", "launch"),
+              (runner, "execute", "execute"), (runner, "run_staged", "run_staged"),
+              (llm.runtime.sampler, "sample", "sample")]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    add()
+    profile_stages(llm.step, prefix, stages)
+    while llm.has_unfinished_requests():
+        llm.step()
+    torch.cuda.synchronize()
 
 
 def _engine_host_ms(llm, add, sleep_cycles: int = 200_000_000, tries: int = ENGINE_PROFILED) -> float | None:
