@@ -85,7 +85,11 @@ def run(model: str, batches=None, ks=None, prompt_len: int | None = None, output
     net = build_model(model)
     max_k = max(ks)
     drafting = [v for v in DRAFTS if v in wanted]
-    llm = LLM(net, max_num_seqs=max(batches), max_model_len=prompt_len + output_len + 16, show_progress=False,
+    # room for the largest batch's verify steps as rows of their own (B (1 + k) of them), as an engine
+    # sized for serving has: with max_num_seqs at the batch, batch 8's verify steps of 40 tokens found no
+    # verify graph and ran mixed-step graphs (bench/results/h200-2026-12-06/spec-draft/: 1.98x a decode step)
+    max_num_seqs = max(max(batches), min(256, max(batches) * (1 + max_k)))
+    llm = LLM(net, max_num_seqs=max_num_seqs, max_model_len=prompt_len + output_len + 16, show_progress=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": max_k,
                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3},
               # the drafts' weights and KV pools are built after the target's pool: leave them room
@@ -93,6 +97,7 @@ def run(model: str, batches=None, ks=None, prompt_len: int | None = None, output
     layers = int(draft_layers or max(1, config["num_hidden_layers"] // 4))
     drafts = {v: _draft_proposer(llm, model, config, max_k, None if v == "draft" else layers) for v in drafting}
     report.meta.update(batches=batches, ks=ks, prompt_len=prompt_len, output_len=output_len, repeats=repeats,
+                       max_num_seqs=max_num_seqs,
                        torch=torch.__version__, cudagraph_mode=llm.config.cudagraph_mode,
                        mixed_graphs=llm.stats()["mixed_graphs"], variants=list(wanted),
                        draft_small_layers=layers if "draft_small" in drafts else None)
