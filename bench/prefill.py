@@ -74,8 +74,8 @@ HARNESS_VARIANTS = ("eager", "compiled", "piecewise", "full_graph", "full_graph_
 ENGINE_VARIANTS = {"engine": None, "engine_full": "FULL"}
 ENGINE_WARMUP = 3     # LLM.generate calls per T before the engine row's timed ones
 ENGINE_PROFILED = 5   # prefills per T in the torch.profiler trace that gives the engine row's gpu_ms
-ENGINE_MAX_MODEL_LEN = 4096
-PROFILE_ENV = "BENCH_PREFILL_PROFILE"  # a directory: one engine prefill step per engine row under torch.profiler  # the engine's default max_model_len is min(the model's limit, this)
+ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len is min(the model's limit, this)
+PROFILE_ENV = "BENCH_PREFILL_PROFILE"  # a directory: one engine prefill step per engine row under torch.profiler
 logger = logging.getLogger("bench")
 
 
