@@ -107,14 +107,30 @@ def run_qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_
     return rotate_qk(q, k, QKRotary(cos, sin, q_weight, k_weight, eps, unit_offset))
 
 
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, rotary: QKRotary) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw q [T, Hq, D] and k [T, Hkv, D] (any layout) -> normed and rotated, as new contiguous tensors."""
-    tokens = q.shape[0]
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, rotary: QKRotary,
+              store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw q [T, Hq, D] and k [T, Hkv, D] (any layout) -> normed and rotated, as new contiguous tensors.
+    `store` (v, kv_cache, slot_mapping, n): also the rotated k and v of tokens 0..n-1 into the paged
+    cache (custom_ops.triton_kv_store.store_kv), on CUDA in the rotary's own launch."""
     cos, sin = rotary.rows()
     if q.is_cuda:
         from custom_ops.triton_rope import qk_norm_rope_triton  # lazy: Triton only where it runs
+        if store is not None:
+            store = (_rows_of_heads(store[0]), *store[1:])
         return qk_norm_rope_triton(_rows_of_heads(q), _rows_of_heads(k), cos, sin, rotary.q_weight,
-                                   rotary.k_weight, rotary.eps, rotary.unit_offset)
+                                   rotary.k_weight, rotary.eps, rotary.unit_offset, store)
+    q, k = _rotate_qk_torch(q, k, rotary, cos, sin)
+    if store is not None:
+        from custom_ops.triton_kv_store import store_kv  # the interpreter's tests of the Triton attention
+        v, kv_cache, slot_mapping, num_store = store
+        store_kv(k, v, kv_cache, slot_mapping, num_store)
+    return q, k
+
+
+def _rotate_qk_torch(q: torch.Tensor, k: torch.Tensor, rotary: QKRotary, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = q.shape[0]
     num_heads = q.shape[1]
     qk = torch.cat([q, k], dim=1)
     if rotary.q_weight is not None:  # q's weight on q's rows, k's on k's

@@ -110,9 +110,13 @@ def paged_attention(
     rotates them as it reads them; any other step runs the q/k norm + rotary kernel first.
     """
     fuse_store = fuse_store and not meta.store_first
+    n = meta.num_actual_tokens
+    stored = False
     if rotary is not None and not (meta.is_uniform_decode and fuse_store):
-        q, k = rotate_qk(q, k, rotary)
-        rotary = None
+        # a store before the attention (a verify step's, whose rows read each other's keys) rides the
+        # rotary's launch: one kernel a layer fewer
+        q, k = rotate_qk(q, k, rotary, None if fuse_store else (v, kv_cache, meta.slot_mapping, n))
+        rotary, stored = None, not fuse_store
     plan_key = None
     if not meta.is_uniform_decode and fuse_store and config is None and triton_launch.fast_path_open(_prefill_kernel):
         plan_key = _plan_key(q, k, v, out, layer, kv_cache, meta)
@@ -122,9 +126,8 @@ def paged_attention(
             return
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     _check_qkv(q, k, v, out, layer)
-    n = meta.num_actual_tokens
     new_kv = (k, v, meta.slot_mapping, n) if fuse_store else None
-    if not fuse_store:
+    if not fuse_store and not stored:
         store_kv(k, v, kv_cache, meta.slot_mapping, n)
     common = dict(
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,

@@ -68,6 +68,39 @@ def test_kernel_matches_float64_reference(tokens, hq, hkv, d, dtype, norm):
     assert rel_err(q, want_q) < TOL[dtype] and rel_err(k, want_k) < TOL[dtype]
 
 
+@pytest.mark.parametrize("norm", [None, "unit_offset"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hq, hkv, d, num_store", [(5, 4, 2, 16, 5), (8, 3, 1, 8, 6), (2, 6, 2, 32, 2)])
+def test_kernel_stores_the_rotated_k_and_v_as_the_store_kernel_would(tokens, hq, hkv, d, num_store, dtype, norm):
+    """With `store` the launch also writes the rotated k and v of the first num_store tokens into the paged
+    cache at their slots (a negative slot: none), exactly what rotating and then store_kv write; the
+    rest of the cache is untouched, and q / k are those of the launch without it."""
+    from custom_ops.triton_kv_store import store_kv
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype)
+    cos, sin = tables(tokens, d, dtype)
+    cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
+    q_weight = k_weight = None
+    if norm is not None:
+        q_weight, k_weight = torch.randn(d, device=DEVICE, dtype=dtype), torch.randn(d, device=DEVICE, dtype=dtype)
+    q_in = qkv[:, :hq * d].view(tokens, hq, d)
+    k_in = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+    block_size, blocks = 4, 6
+    slots = torch.randperm(blocks * block_size, device=DEVICE)[:tokens]
+    slots[tokens // 2] = -1  # no slot: nothing written for that token
+    noise = torch.randn(2, blocks, block_size, hkv, d, device=DEVICE, dtype=dtype)
+    cache, want_cache = noise.clone(), noise.clone()
+    q, k = qk_norm_rope_triton(q_in, k_in, cos, sin, q_weight, k_weight, EPS, norm == "unit_offset",
+                               store=(v, cache, slots, num_store))
+    want_q, want_k = qk_norm_rope_triton(q_in, k_in, cos, sin, q_weight, k_weight, EPS, norm == "unit_offset")
+    store_kv(want_k, v, want_cache, slots, num_store)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(cache, want_cache)
+    assert not torch.equal(cache, noise)  # something was stored
+    with pytest.raises(ValueError, match="qk_norm_rope_triton store"):
+        qk_norm_rope_triton(q_in, k_in, cos, sin, q_weight, k_weight, EPS, False, store=(v, cache[0], slots, 1))
+
+
 def test_cpu_op_is_the_unfused_model_code_and_matches_float64():
     tokens, hq, hkv, d = 3, 4, 2, 16
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d)
