@@ -140,6 +140,53 @@ def argmax_of_keys(keys: torch.Tensor, scatter: tuple[torch.Tensor, torch.Tensor
     return out
 
 
+# index / proposals are views into one staged tensor at offsets of n * width words: specialized on
+# alignment, a batch's parity would pick the compiled variant (one compiling inside a serving step)
+@triton.jit(do_not_specialize_on_alignment=["index_ptr", "proposals_ptr"])
+def _verify_keys_kernel(keys_ptr, index_ptr, proposals_ptr, out_ptr, num_tiles, stride_p,
+                        WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr):
+    chunk = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_W)
+    in_width = j < WIDTH
+    rows = tl.load(index_ptr + chunk * WIDTH + j, mask=in_width, other=0)
+    best = tl.full([BLOCK_W, BLOCK], _KEY_PAD, tl.int64)
+    for start in range(0, num_tiles, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        keys = tl.load(keys_ptr + rows[:, None] * num_tiles + t[None, :],
+                       mask=in_width[:, None] & (t < num_tiles)[None, :], other=_KEY_PAD)
+        best = tl.maximum(best, keys)
+    tokens = _key_index(tl.max(best, axis=1))
+    proposals = tl.load(proposals_ptr + chunk * stride_p + j, mask=j < WIDTH - 1, other=-1)
+    mismatch = (tokens != proposals).to(tl.int32)  # past the proposals: -1, never a token
+    before = tl.cumsum(mismatch, axis=0) - mismatch  # mismatches left of column j
+    tl.store(out_ptr + chunk * WIDTH + j, tl.where(before == 0, tokens, -1), mask=in_width)
+
+
+def verify_greedy_from_keys(keys: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+    """A greedy verify's tokens from the LM head's per-tile argmax keys, in one launch: keys [R, tiles]
+    (argmax_tile_keys), index [n, W] (the keys row of chunk i's column j), proposals [n, W - 1] (-1 past
+    a chunk's own; rows of any stride) -> int64 [n, W]: each row's argmax (torch's, as argmax_of_keys)
+    up to and including the first that differs from its proposal, then -1 (engine.spec.verify's
+    greedy_tokens, whose ten small kernels this replaces on a verify step's critical path)."""
+    if keys.dim() != 2 or keys.dtype != torch.int64 or not keys.is_contiguous():
+        raise ValueError(f"verify_greedy_from_keys needs contiguous int64 keys [R, tiles], got {tuple(keys.shape)} "
+                         f"{keys.dtype}")
+    n, width = index.shape
+    if (index.dtype != torch.int64 or not index.is_contiguous() or proposals.dtype != torch.int64
+            or proposals.shape != (n, width - 1) or (width > 1 and proposals.stride(1) != 1)):
+        raise ValueError(f"verify_greedy_from_keys: index {tuple(index.shape)} {index.dtype} (contiguous) and "
+                         f"proposals {tuple(proposals.shape)} {proposals.dtype} must be int64 [n, W] and [n, W - 1]")
+    out = torch.empty(n, width, dtype=torch.int64, device=keys.device)
+    tiles = keys.shape[1]
+    if n == 0:
+        return out
+    if tiles == 0:
+        raise ValueError("verify_greedy_from_keys needs at least one key a row")
+    launch(_verify_keys_kernel, (n,), (keys, index, proposals, out, tiles, proposals.stride(0)),
+           dict(WIDTH=width, BLOCK_W=next_power_of_2(width), BLOCK=min(256, next_power_of_2(tiles)), num_warps=4))
+    return out
+
+
 def argmax_chunk(num_rows: int, vocab: int, sm_count: int) -> int:
     """Elements per program: a power of two in [MIN_CHUNK, MAX_CHUNK] giving the grid about two
     programs per SM where the batch allows it.

@@ -196,3 +196,32 @@ def test_a_greedy_verify_step_reads_its_tokens_from_the_keys_as_from_the_logits(
     with_keys = sample_verify(sampler, logits, layout, keys)
     assert torch.equal(with_keys, sample_verify(sampler, logits, layout))
     assert with_keys.tolist() == [[best[0], best[1], best[2], -1, -1], best[5:10]]
+
+
+@pytest.mark.parametrize("width", [2, 5, 7])
+def test_one_launch_verifies_greedy_chunks_as_the_keys_argmax_and_the_accept_rule_do(width):
+    """verify_greedy_from_keys: per chunk, each column's row argmax from its keys, kept up to the first
+    column whose proposal differs (all of them where every proposal holds), then -1; proposals padded
+    with -1 (a chunk with fewer) and given as a view of a wider tensor, as engine.spec.sampling stages them."""
+    from custom_ops.triton_argmax import verify_greedy_from_keys
+    from engine.spec.verify import greedy_tokens
+    torch.manual_seed(width)
+    n = 4
+    logits, keys = _logits_with_keys(n * width, 300, GemvConfig(block_n=16, block_k=16, num_warps=1), torch.float32)
+    best = logits.argmax(dim=-1)
+    index = torch.arange(n * width, device=DEVICE).view(n, width)
+    index[3, -1] = index[3, 0]  # a padded column reads a row already used (the chunk's last, in the engine)
+    proposals = best[index[:, :-1]].clone()
+    proposals[0, 0] += 1                       # chunk 0: the first proposal wrong
+    if width > 2:
+        proposals[1, width // 2] = -1          # chunk 1: fewer proposals, the rest -1
+        proposals[1, width // 2:] = -1
+    # chunk 2: every proposal right; chunk 3: right up to its padded column
+    both = torch.cat([index, torch.cat([proposals, torch.full((n, 1), -1, device=DEVICE)], dim=1)])
+    got = verify_greedy_from_keys(keys, both[:n], both[n:, :width - 1])
+    want = greedy_tokens(best[index], proposals)
+    assert torch.equal(got, want)
+    assert got[0].tolist() == [int(best[index[0, 0]])] + [-1] * (width - 1)
+    assert (got[2] >= 0).all()
+    with pytest.raises(ValueError, match="verify_greedy_from_keys"):
+        verify_greedy_from_keys(keys, both[:n], both[n:, :width])

@@ -35,6 +35,12 @@ def argmax_of_keys(keys: torch.Tensor, scatter: tuple[torch.Tensor, torch.Tensor
     return reduce_keys(keys, scatter)
 
 
+def verify_greedy_from_keys(keys: torch.Tensor, index: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+    """custom_ops.triton_argmax.verify_greedy_from_keys, imported at the first call (as argmax_of_keys)."""
+    from custom_ops.triton_argmax import verify_greedy_from_keys as verify
+    return verify(keys, index, proposals)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = (),
                  argmax_choices: Path | None = None) -> None:

@@ -246,24 +246,32 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig,
         return 0
     with timeline.phase("sampling kernels"):
         # up to max_seq_rows: a verify graph's rows reach 1 + k, and its greedy tokens come from the keys
-        _compile_sampling_kernels(runner, sampler, min(config.max_seq_rows, max_tokens))
+        _compile_sampling_kernels(runner, sampler, min(config.max_seq_rows, max_tokens),
+                                  1 + config.num_speculative_tokens if config.num_speculative_tokens else 0)
     torch.cuda.synchronize(runner.device)
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
 
 
-def _compile_sampling_kernels(runner: ModelRunner, sampler: Sampler, num_seqs: int) -> None:
+def _compile_sampling_kernels(runner: ModelRunner, sampler: Sampler, num_seqs: int, verify_width: int = 0) -> None:
     """The LM head and the sampler outside any graph at every row count a step can sample (1..num_seqs),
     so each Triton variant they use compiles now: the LM head's kernel is chosen per row bucket
     (custom_ops.gemv_table) and the argmax's chunk per row count. Met first in serving, such a compile
     took 0.36 s of one step (gemma-3-1b at batch 64 on a fresh H100: TTFT median 98 -> 465 ms in that
     generate; bench/results/h100-2026-11-27/serving-compiles/). With warm Triton caches this costs
-    milliseconds. Every rank runs it (the LM head's collectives under tensor parallelism)."""
+    milliseconds. Every rank runs it (the LM head's collectives under tensor parallelism). `verify_width`
+    (1 + k with speculative decoding): a greedy verify's one kernel over the keys of each row count too."""
+    from engine.sample.sampler import verify_greedy_from_keys
     model = runner.model
     hidden = torch.randn(num_seqs, model.config.hidden_size, dtype=model.config.dtype, device=runner.device)
     key_tiles = getattr(model, "argmax_key_tiles", None)  # a models.base.CausalLM's
     for rows in range(1, num_seqs + 1):
         logits = model.compute_logits(hidden[:rows])
-        sampler.compile_kernels(logits, key_tiles(rows) if key_tiles is not None else None)
+        tiles = key_tiles(rows) if key_tiles is not None else None
+        sampler.compile_kernels(logits, tiles)
+        if tiles and verify_width and rows >= 2:  # laid out as engine.spec.sampling stages them
+            staged = torch.zeros(2, verify_width, dtype=torch.int64, device=runner.device)
+            verify_greedy_from_keys(torch.zeros(rows, tiles, dtype=torch.int64, device=runner.device), staged[:1],
+                                    staged[1:, :verify_width - 1])
 
 
 def check_built_model(weight: torch.Tensor, config: EngineConfig) -> None:
