@@ -343,7 +343,7 @@ def _op_launches(monkeypatch):
     calls = []
     real = triton_launch.launch
     for name in ("triton_rms_norm", "triton_rope", "triton_gemv", "triton_gemv_rope", "triton_skinny",
-                 "triton_kv_store"):
+                 "triton_kv_store", "triton_argmax"):
         module = importlib.import_module(f"custom_ops.{name}")
         monkeypatch.setattr(module, "launch", lambda k, g, a, o: calls.append((k, g, a, o)) or real(k, g, a, o))
     return calls
@@ -363,6 +363,7 @@ def test_the_ops_kernels_launch_through_the_cache_with_arguments_the_compiled_la
     from custom_ops.triton_rms_norm import add_rms_norm_triton
     from custom_ops.triton_rope import qk_norm_rope_triton
     from custom_ops.triton_skinny import skinny_gemm
+    from custom_ops.triton_argmax import verify_greedy_from_keys
     from custom_ops.triton_launch import _tail
     from tests.test_qkv_rope import rope_tables
 
@@ -388,10 +389,17 @@ def test_the_ops_kernels_launch_through_the_cache_with_arguments_the_compiled_la
     k, v, slots = torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.tensor([5, 0, 11])
     store_kv(k, v, cache, slots, 3)
     assert torch.equal(cache[0].reshape(12, 2, 16)[slots], k) and torch.equal(cache[1].reshape(12, 2, 16)[slots], v)
+    k_in3, v3 = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    _, k3 = qk_norm_rope_triton(torch.randn(3, 4, 16), k_in3, cos.expand(3, -1), sin.expand(3, -1), None, None, 1e-6,
+                                False, store=(v3, cache, slots, 3))
+    assert torch.equal(cache[0].reshape(12, 2, 16)[slots], k3) and torch.equal(cache[1].reshape(12, 2, 16)[slots], v3)
+    staged = torch.tensor([[0, 1, 2], [5, 8, -1]])
+    keys = torch.tensor([[9, 3], [1, 2], [4, 4]]) << 32 | (0x7FFFFFFF - torch.tensor([[5, 6], [7, 8], [9, 10]]))
+    assert verify_greedy_from_keys(keys, staged[:1], staged[1:, :2]).tolist() == [[5, 8, 9]]  # ties: lower index
 
     launched = {k.fn.__name__ for k, *_ in calls}
     assert launched == {"_add_rms_norm_kernel", "_qk_norm_rope_kernel", "_gemv_kernel", "_skinny_kernel",
-                        "_gemv_rope_kernel", "_store_kv_kernel"}
+                        "_gemv_rope_kernel", "_store_kv_kernel", "_verify_keys_kernel"}
     for kernel, _, args, options in calls:
         jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # the interpreter wraps it
         assert _tail(jit, args, options) is not None, kernel.fn.__name__
