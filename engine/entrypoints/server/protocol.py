@@ -27,9 +27,24 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "a
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
+# Line breaks that str.splitlines() honours beyond CR / LF, and with it clients that read a stream by it
+# (httpx's aiter_lines): raw inside an event's JSON (ensure_ascii=False leaves them), they cut the
+# event's data line in two and the client's JSON parse fails. JSON's own escapes carry them unchanged.
+_LINE_BREAKS = (("\u2028", "\\u2028"), ("\u2029", "\\u2029"), ("\x85", "\\u0085"))
+
+
+def _one_line(event: str) -> str:
+    if event.isascii():  # (O(1) in CPython: most events)
+        return event
+    for raw, escaped in _LINE_BREAKS:
+        if raw in event:
+            event = event.replace(raw, escaped)
+    return event
+
+
 def sse(obj: Any) -> str:
-    """One server-sent event carrying `obj` as compact JSON."""
-    return f"data: {_JSON.encode(obj)}\n\n"
+    """One server-sent event carrying `obj` as compact JSON, on one line for every client."""
+    return _one_line(f"data: {_JSON.encode(obj)}\n\n")
 
 
 class StreamOptions(BaseModel):
@@ -263,8 +278,8 @@ class ResponseBuilder:
         tail = (',"finish_reason":' + ("null" if reason is None else encode_basestring(reason)) +
                 (',"token_ids":[' + ",".join(map(str, token_ids)) + "]"
                  if self.return_token_ids and token_ids is not None else ""))
-        return (prefix + str(index) + body + ("null" if logprobs is None else _JSON.encode(logprobs)) + tail +
-                "}]}\n\n")
+        return _one_line(prefix + str(index) + body + ("null" if logprobs is None else _JSON.encode(logprobs))
+                         + tail + "}]}\n\n")
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [],
