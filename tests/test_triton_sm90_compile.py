@@ -104,11 +104,19 @@ try:
     out["add-rms-norm-branch-pdl"] = ptx(triton_rms_norm._add_rms_norm_kernel, NORM, dict(
         UNIT_OFFSET=True, DELTA_NORM=True, BLOCK=2048, PDL=True), num_warps=4, launch_pdl=True)
     ROPE = dict(q_in_ptr="*bf16", k_in_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_weight_ptr="*bf16",
-                k_weight_ptr="*bf16", q_ptr="*bf16", k_ptr="*bf16", eps="fp32", **{name: "i32" for name in (
-                    "stride_q_in", "stride_k_in", "stride_cos", "stride_sin", "stride_q", "stride_k")})
-    out["qk-norm-rope-pdl"] = ptx(triton_rope._qk_norm_rope_kernel, ROPE, dict(
-        NUM_Q_HEADS=32, NUM_HEADS=40, HEAD_DIM=128, HALF=64, BLOCK_H=4, BLOCK_HALF=64, NORM=True,
-        UNIT_OFFSET=False, PDL=True), num_warps=4, launch_pdl=True)
+                k_weight_ptr="*bf16", q_ptr="*bf16", k_ptr="*bf16", eps="fp32", v_ptr="*bf16", k_cache_ptr="*bf16",
+                v_cache_ptr="*bf16", slot_ptr="*i64", **{name: "i32" for name in (
+                    "stride_q_in", "stride_k_in", "stride_cos", "stride_sin", "stride_q", "stride_k", "stride_v",
+                    "stride_cb", "stride_co", "stride_ch", "num_store")})
+    for store in (False, True):  # with the verify step's K/V store in the same launch
+        out["qk-norm-rope-pdl" + ("-store" if store else "")] = ptx(triton_rope._qk_norm_rope_kernel, ROPE, dict(
+            NUM_Q_HEADS=32, NUM_HEADS=40, HEAD_DIM=128, HALF=64, BLOCK_H=4, BLOCK_HALF=64, NORM=True,
+            UNIT_OFFSET=False, PDL=True, STORE=store, PAGE_SIZE=16), num_warps=4, launch_pdl=True)
+    from custom_ops import triton_argmax
+    VERIFY = dict(keys_ptr="*i64", index_ptr="*i64", proposals_ptr="*i64", out_ptr="*i64", num_tiles="i32",
+                  stride_p="i32")
+    out["verify-keys"] = ptx(triton_argmax._verify_keys_kernel, VERIFY, dict(WIDTH=5, BLOCK_W=8, BLOCK=256),
+                             num_warps=4)
     ACT = dict(x_ptr="*bf16", out_ptr="*bf16", K="i32", stride_xm="i32", stride_om="i32")
     out["act-mul-pdl"] = ptx(triton_gemv._act_mul_kernel, ACT, dict(BLOCK=1024, GATE=2, PDL=True),
                              num_warps=4, launch_pdl=True)
@@ -166,7 +174,7 @@ def _first(ptx: str, needle: str) -> int:
 @pytest.mark.parametrize("name", ["gemv-m1-s1-pdl", "gemv-m1-s4-pdl", "decode-s8-pdl", "decode-s8-pdl-rope",
                                   "gemv-m1-s4-pdl-gate1",
                                   "gemv-m1-s1-pdl-gate2", "add-rms-norm-branch-pdl", "qk-norm-rope-pdl",
-                                  "act-mul-pdl"])
+                                  "qk-norm-rope-pdl-store", "act-mul-pdl"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_store(sm90_ptx, name):
     """Under programmatic dependent launch a kernel may run while the previous one still writes its
     input: every store (and every atomic) must come after the grid-dependency wait, and the kernel lets
@@ -187,6 +195,13 @@ def test_fp8_weight_gemv_builds_for_sm90_and_waits_before_storing(sm90_ptx, name
     ptx = sm90_ptx[name]
     assert "cvt" in ptx and "e4m3" in ptx
     assert _first(ptx, "st.global") > _first(ptx, "griddepcontrol.wait")
+
+
+def test_the_rotary_with_the_verify_steps_store_and_the_one_launch_greedy_verify_build_for_sm90(sm90_ptx):
+    """The q/k norm + rotary launch that also stores a verify step's K/V writes the cache (more stores
+    than without), and the greedy verify over the keys lowers with its scan, neither yet run on a GPU."""
+    assert sm90_ptx["qk-norm-rope-pdl-store"].count("st.global") > sm90_ptx["qk-norm-rope-pdl"].count("st.global")
+    assert "st.global" in sm90_ptx["verify-keys"] and "griddepcontrol" not in sm90_ptx["verify-keys"]
 
 
 def test_the_batch1_gemv_loads_its_first_weight_tile_before_the_wait(sm90_ptx):
