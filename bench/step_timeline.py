@@ -23,6 +23,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from bench.profiling import merge_intervals
+
 
 @contextlib.contextmanager
 def marked(stages: Iterable[tuple[object, str, str]]):
@@ -30,13 +32,13 @@ def marked(stages: Iterable[tuple[object, str, str]]):
     undo = []
     try:
         for owner, name, label in stages:
-            original = getattr(owner, name)
+            original, own = getattr(owner, name), name in vars(owner)  # before the wrapper shadows it
 
             def wrapper(*args, __original=original, __label=label, **kwargs):
                 with torch.profiler.record_function(__label):
                     return __original(*args, **kwargs)
             setattr(owner, name, wrapper)
-            undo.append((owner, name, original, name in vars(owner)))
+            undo.append((owner, name, original, own))
         yield
     finally:
         for owner, name, original, own in reversed(undo):
@@ -65,13 +67,8 @@ def summarize(events, labels: list[str]) -> str:
     for label in labels:
         lines.append(f"{label:>14}: {_quantiles([b - a for a, b in ranges[label]])}")
     steps = len(ranges.get("step", [])) or 1
-    gaps = []
-    end = None
-    for start, stop, _ in kernels:
-        if end is not None and start > end:
-            gaps.append(start - end)
-        end = stop if end is None else max(end, stop)
-    big = [g for g in gaps if g > 5.0]
+    busy = merge_intervals((start, stop) for start, stop, _ in kernels)
+    big = [b[0] - a[1] for a, b in zip(busy, busy[1:]) if b[0] - a[1] > 5.0]
     lines += ["", "## GPU idle gaps between kernels (> 5 us)", _quantiles(big),
               f"sum {sum(big) / steps:.1f} us per step over {steps} steps; kernels {len(kernels)} "
               f"({len(kernels) / steps:.1f} per step)"]

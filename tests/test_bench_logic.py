@@ -596,3 +596,22 @@ def test_a_profiled_call_keeps_its_result_and_writes_each_order(tmp_path):
     assert (tmp_path / "startup-warm.prof").stat().st_size > 0
     text = (tmp_path / "startup-warm.txt").read_text()
     assert "Ordered by: cumulative time" in text and "Ordered by: internal time" in text
+
+
+def test_step_timeline_marks_stages_and_leaves_the_objects_as_they_were():
+    """bench/step_timeline.marked wraps an instance's method, an instance attribute and a module function
+    for the block, and afterwards the instance has no attribute of its own where it had none."""
+    import types
+
+    from bench.step_timeline import marked
+
+    class Loop:
+        def step(self):
+            return "step"
+    loop, module = Loop(), types.ModuleType("m")
+    loop.wait_for = lambda: "wait"
+    module.sample = lambda: "sample"
+    originals = (loop.wait_for, module.sample)
+    with marked([(loop, "step", "step"), (loop, "wait_for", "wait"), (module, "sample", "sample")]):
+        assert "step" in vars(loop) and (loop.step(), loop.wait_for(), module.sample()) == ("step", "wait", "sample")
+    assert "step" not in vars(loop) and (loop.wait_for, module.sample) == originals

@@ -198,10 +198,8 @@ class StaticBuffers:
                                          staged_ids))
 
     def _stage(self, host_buf: torch.Tensor, at: int, values: array.array) -> None:
-        """values into host_buf[at:] (a view of the host slab, of the values' item size)."""
-        if at + len(values) > host_buf.numel() or values.itemsize != host_buf.element_size():
-            raise ValueError(f"StaticBuffers: {len(values)} values of {values.itemsize} bytes at {at} do not fit a "
-                             f"staging region of {host_buf.numel()} x {host_buf.element_size()} bytes")
+        """values into host_buf[at:] (a view of the host slab, of the values' item size). Unchecked: load
+        checked every list's length against its region first, and the table entries are in_slab's."""
         start = host_buf.data_ptr() - self._host.data_ptr() + at * values.itemsize
         self._host_bytes[start:start + len(values) * values.itemsize] = memoryview(values).cast("B")
 

@@ -46,7 +46,8 @@ from engine.kv.kv_cache import CPU_KV_BYTES, KVCache
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.sample.sampler import Sampler
-from engine.worker.graphs_and_pool import _dummy_seqs, allocate_pool, capture_and_size, check_blocks
+from engine.worker.graphs_and_pool import (_dummy_seqs, allocate_pool, capture_and_size, check_blocks,
+                                           verify_graph_sizes)
 from engine.worker.model_runner import ModelRunner
 from engine.worker.timeline import StartupTimeline
 
@@ -247,19 +248,21 @@ def _warm_up(runner: ModelRunner, sampler: Sampler, config: EngineConfig,
     with timeline.phase("sampling kernels"):
         # up to max_seq_rows: a verify graph's rows reach 1 + k, and its greedy tokens come from the keys
         _compile_sampling_kernels(runner, sampler, min(config.max_seq_rows, max_tokens),
-                                  1 + config.num_speculative_tokens if config.num_speculative_tokens else 0)
+                                  1 + config.num_speculative_tokens, verify_graph_sizes(config))
     torch.cuda.synchronize(runner.device)
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
 
 
-def _compile_sampling_kernels(runner: ModelRunner, sampler: Sampler, num_seqs: int, verify_width: int = 0) -> None:
+def _compile_sampling_kernels(runner: ModelRunner, sampler: Sampler, num_seqs: int, verify_width: int = 1,
+                              verify_sizes: tuple[int, ...] = ()) -> None:
     """The LM head and the sampler outside any graph at every row count a step can sample (1..num_seqs),
     so each Triton variant they use compiles now: the LM head's kernel is chosen per row bucket
     (custom_ops.gemv_table) and the argmax's chunk per row count. Met first in serving, such a compile
     took 0.36 s of one step (gemma-3-1b at batch 64 on a fresh H100: TTFT median 98 -> 465 ms in that
     generate; bench/results/h100-2026-11-27/serving-compiles/). With warm Triton caches this costs
-    milliseconds. Every rank runs it (the LM head's collectives under tensor parallelism). `verify_width`
-    (1 + k with speculative decoding): a greedy verify's one kernel over the keys of each row count too."""
+    milliseconds. Every rank runs it (the LM head's collectives under tensor parallelism). At each verify
+    graph's row count (`verify_sizes`, chunks of `verify_width` = 1 + k) the greedy verify's one kernel
+    over that graph's keys too."""
     from engine.sample.sampler import verify_greedy_from_keys
     model = runner.model
     hidden = torch.randn(num_seqs, model.config.hidden_size, dtype=model.config.dtype, device=runner.device)
@@ -268,7 +271,7 @@ def _compile_sampling_kernels(runner: ModelRunner, sampler: Sampler, num_seqs: i
         logits = model.compute_logits(hidden[:rows])
         tiles = key_tiles(rows) if key_tiles is not None else None
         sampler.compile_kernels(logits, tiles)
-        if tiles and verify_width and rows >= 2:  # laid out as engine.spec.sampling stages them
+        if tiles and rows in verify_sizes:  # laid out as engine.spec.sampling stages them
             staged = torch.zeros(2, verify_width, dtype=torch.int64, device=runner.device)
             verify_greedy_from_keys(torch.zeros(rows, tiles, dtype=torch.int64, device=runner.device), staged[:1],
                                     staged[1:, :verify_width - 1])
