@@ -250,12 +250,18 @@ class EngineConfig:
             return self.frontend_process
         return torch.device(self.device_and_dtype()[0]).type == "cuda"
 
+    def wants_compile(self) -> bool:
+        """compile, resolved for the device (the engine starts importing the compile stack before resolve)."""
+        if self.compile is not None:
+            return self.compile
+        return torch.device(self.device_and_dtype()[0]).type == "cuda"
+
     def resolve(self, model_max_len: int | None = None) -> EngineConfig:
         """A copy with every automatic value made concrete for the device (and the model's length limit)."""
         device, dtype = self.device_and_dtype()
         on_cuda = torch.device(device).type == "cuda"
         changes: dict[str, Any] = {"device": device, "dtype": dtype, "frontend_process": self.wants_frontend_process()}
-        changes["compile"] = on_cuda if self.compile is None else self.compile
+        changes["compile"] = self.wants_compile()
         mode = self.cudagraph_mode
         if mode is not None:
             cuda_graphs, prefill_graphs, _ = CUDAGRAPH_MODES[mode]

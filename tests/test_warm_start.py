@@ -211,6 +211,45 @@ def test_a_fresh_process_with_the_same_cache_skips_dynamo_and_inductor_and_gener
     assert warm["tokens"] == cold_tokens
 
 
+_IMPORT_THREAD_CHILD = """
+import sys, threading, torch, transformers, models
+from engine import LLM, SamplingParams
+torch.set_num_threads(1)
+first_import = {}
+
+class Watch:  # notes which thread imports torch._dynamo first
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo" and name not in first_import:
+            first_import[name] = threading.current_thread().name
+        return None
+
+sys.meta_path.insert(0, Watch())
+engine = dict(device="cpu", block_size=4, max_model_len=64, max_num_seqs=4, show_progress=False)
+model = models.from_config(transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), dtype=torch.float32, device="cpu", seed=3)
+with LLM(model, compile=False, **engine) as llm:
+    eager = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+assert "torch._dynamo" not in sys.modules, "an eager engine imported torch._dynamo"
+with LLM(model, compile=True, **engine) as llm:
+    compiled = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    wait = llm.stats()["startup"]["compile_imports_wait_s"]
+assert compiled == eager, (compiled, eager)
+assert first_import["torch._dynamo"] == "infer-graphs-compile-imports", first_import
+assert isinstance(wait, float) and wait >= 0
+print("IMPORT-THREAD-OK")
+"""
+
+
+def test_a_compiling_engine_imports_dynamo_on_its_own_thread_and_an_eager_one_never_does(cache_dir):
+    """Dynamo and Inductor (over a second of imports) load on a thread from the engine's start, beside the
+    weights and the tokenizer, not on the start-up's path; an engine that compiles nothing never
+    imports them."""
+    env = {**os.environ, **_inductor_dirs(), "PYTHONPATH": str(REPO), "INFER_GRAPHS_CACHE": str(cache_dir)}
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_THREAD_CHILD], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=240)
+    assert "IMPORT-THREAD-OK" in proc.stdout, proc.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_warm_start_with_graphs_loads_the_saved_graph_and_generates_the_same(tmp_path):

@@ -94,6 +94,9 @@ class LLM:
         if config.tensor_parallel_size > 1:
             from engine.distributed.tp import launch  # starts the other ranks (a torchrun rank > 0 never returns)
             self.tp, config = launch(config, model)
+        if config.wants_compile():  # Dynamo and Inductor import while the weights load (engine.worker.compile)
+            from engine.worker.compile import prefetch_compile_imports
+            prefetch_compile_imports(torch.device(config.device_and_dtype()[0]).type)
         # the front end's process imports its modules while the engine starts (engine/core/text_process.py)
         self._spawned_front = spawn_front_end(config.wants_frontend_process())
         try:

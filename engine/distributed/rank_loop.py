@@ -162,6 +162,9 @@ def _symmetric_all_reduce(config: EngineConfig, control: Any) -> tuple[Any, str]
 def follow(config: EngineConfig, model_path: str, rank: int, owns_group: bool, spawned: bool = False) -> None:
     """A rank other than 0: build the same runtime as rank 0, then run each step it sends."""
     from engine.worker.startup import build_runtime
+    if config.wants_compile():  # beside this rank's weight load, as on rank 0 (engine.core.llm)
+        from engine.worker.compile import prefetch_compile_imports
+        prefetch_compile_imports(torch.device(config.device).type)
     group = StepChannel(config)
     model = group.load_model(model_path)
     config = config.resolve(model.config.max_position_embeddings)

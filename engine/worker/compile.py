@@ -35,6 +35,9 @@ which no other engine shares) without touching any other compiled model in the p
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -45,6 +48,50 @@ from engine.config import EngineConfig
 from engine.kv.block_pool import debug_checks_from_env
 
 logger = logging.getLogger("engine")
+
+
+# What a compile, and a warm start's load of the cached graph alike, import before they do anything:
+# Dynamo, and Inductor's loader and the modules its generated code imports (~1.0-1.3 s on the CPU box,
+# all of it Python under the GIL). Imported on a thread from the start of an engine's start-up, they
+# overlap its weight load and tokenizer parse, whose file reads and copies release the GIL.
+_COMPILE_IMPORTS = ("torch._dynamo", "torch._inductor.standalone_compile", "torch._inductor.async_compile",
+                    "torch._inductor.select_algorithm")
+_prefetch: threading.Thread | None = None
+
+
+def prefetch_compile_imports(device_type: str) -> None:
+    """Import the compile stack on a daemon thread (once per process; nothing where it is imported).
+    On the CPU also Inductor's probe of the vector ISA, which compiles and runs test programs in
+    subprocesses (~1.2 s on the CPU box, waiting, not computing). `wait_for_compile_imports` joins it;
+    anything the thread failed to import is imported again, and fails, where it is needed."""
+    global _prefetch
+    if _prefetch is not None or all(name in sys.modules for name in _COMPILE_IMPORTS):
+        return
+
+    def run() -> None:
+        import importlib
+        try:
+            for name in _COMPILE_IMPORTS:
+                importlib.import_module(name)
+            if device_type == "cpu":
+                from torch._inductor.cpu_vec_isa import pick_vec_isa
+                pick_vec_isa()  # cached for the process
+        except Exception as exc:  # the main thread's own import says what is wrong
+            logger.debug("compile imports on a thread failed: %s", exc)
+
+    _prefetch = threading.Thread(target=run, name="infer-graphs-compile-imports", daemon=True)
+    _prefetch.start()
+
+
+def wait_for_compile_imports() -> float:
+    """Join the prefetch thread, if one runs; the seconds waited. Called before the engine imports any
+    of those modules itself: one thread importing them at a time keeps their circular imports safe."""
+    thread = _prefetch
+    if thread is None or not thread.is_alive():
+        return 0.0
+    start = time.perf_counter()
+    thread.join()
+    return time.perf_counter() - start
 
 
 def _call_model(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -134,7 +134,9 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         # The compiled graph from the compile cache (a warm start: no trace, no compile; its load is
         # this phase), or a forward Dynamo traces at the warm-up's first step ("compile").
         with timeline.phase("compile cache"):
-            from engine.worker.compile import compile_model
+            from engine.worker.compile import compile_model, wait_for_compile_imports
+            # the imports the thread started at the engine's start did not finish beside the load
+            timeline.notes["compile_imports_wait_s"] = round(wait_for_compile_imports(), 3)
             from engine.worker.compile_cache import configure_compile_cache
             configure_compile_cache()
             compiled, mark_dynamic, backend = compile_model(model, config, pool)
