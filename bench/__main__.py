@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode, e2e, prefill: rows from engines over the same model with FP8 weights "
                              "(EngineConfig.quantization), next to the model dtype's, with the FP8 floor")
     parser.add_argument("--tp-size", type=int, help="gemm: time the matmul shapes of one rank of N-way tensor "
-                        "parallelism (default 1)")
+                        "parallelism; gemv_graph: sweep the GEMV tiles in one rank's decode graph, on one GPU "
+                        "(default 1)")
     parser.add_argument("--tp-sizes", help="tp: tensor-parallel sizes to compare, comma-separated (default 1,2); "
                         "sizes past the visible GPUs are skipped and noted")
     parser.add_argument("--all-reduce", choices=("custom", "nccl", "both"),

@@ -58,22 +58,36 @@ def skinny_configs(n: int, k: int) -> tuple:
     return tuple(out)
 
 
+def rank_config(config: dict, tp_size: int) -> dict:
+    """A model config (HF fields) whose layers have the shapes of one rank of `tp_size`-way tensor
+    parallelism, by the models' own split rules: q heads and the intermediate size divided, KV heads
+    divided or replicated (HeadSplit.of), the vocabulary ceil(V / N) rows (vocab_range), head_dim kept.
+    Built on one GPU, such a model runs one rank's decode matmuls and attention without the collectives:
+    what the GEMV tables need measured for tensor parallelism (they are keyed by shape)."""
+    if tp_size == 1:
+        return dict(config)
+    from types import SimpleNamespace
+    from models.config import ModelConfig
+    from models.parallel import HeadSplit, check_divides, vocab_range
+    cfg = ModelConfig.from_hf(config, "bfloat16")
+    rank0 = SimpleNamespace(rank=0, world_size=tp_size)  # the split rules read only these two
+    heads = HeadSplit.of(cfg.num_heads, cfg.num_kv_heads, rank0)
+    check_divides(tp_size, cfg.intermediate_size, "intermediate_size")
+    return {**config, "num_attention_heads": heads.num_heads, "num_key_value_heads": heads.num_kv_heads,
+            "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size // tp_size,
+            "vocab_size": vocab_range(cfg.vocab_size, rank0)[2]}
+
+
 def model_gemm_shapes(model: str, tp_size: int = 1) -> list[tuple[str, int, int]]:
     """(name, N, K) of every decode matmul of a model on one rank of `tp_size`, as its layers run
     them: fused qkv and gate_up (column-parallel: heads and intermediate size split), o and down
     (row-parallel: their K split), and the vocab-parallel LM head."""
-    from types import SimpleNamespace
     from models.config import ModelConfig
-    from models.parallel import HeadSplit, check_divides, vocab_range
-    cfg = ModelConfig.from_hf(load_config(model), "bfloat16")
-    rank0 = SimpleNamespace(rank=0, world_size=tp_size)  # the split rules read only these two
-    heads = HeadSplit.of(cfg.num_heads, cfg.num_kv_heads, rank0)
-    check_divides(tp_size, cfg.intermediate_size, "intermediate_size")
-    q, kv = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
-    inter, vocab_rows = cfg.intermediate_size // tp_size, vocab_range(cfg.vocab_size, rank0)[2]
+    cfg = ModelConfig.from_hf(rank_config(load_config(model), tp_size), "bfloat16")
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return [("qkv", q + 2 * kv, cfg.hidden_size), ("o", cfg.hidden_size, q),
-            ("gate_up", 2 * inter, cfg.hidden_size), ("down", cfg.hidden_size, inter),
-            ("lm_head", vocab_rows, cfg.hidden_size)]
+            ("gate_up", 2 * cfg.intermediate_size, cfg.hidden_size), ("down", cfg.hidden_size, cfg.intermediate_size),
+            ("lm_head", cfg.vocab_size, cfg.hidden_size)]
 
 
 @contextlib.contextmanager

@@ -15,15 +15,24 @@ picks are what to write into the table (after the GEMV and engine GPU tests pass
 config changes the matmul's summation order). `--candidates neighbours` is the second pass: each
 entry's own tile with other pipeline stages and warp counts; `--candidates whole_k` tries tiles whose
 one K tile spans the weight's rows (all of a program's weight loaded before the PDL wait).
+
+`--tp-size N`: the graph of one rank of N-way tensor parallelism, on one GPU: a model of one rank's
+shapes (bench.gemm.rank_config: heads, intermediate size and vocabulary split), so without the
+collectives. None of those shapes is in the table (every one runs cuBLAS, and the GEMV + rotary and
+gated GEMV fusions are off for want of a GEMV entry), so every linear shape is swept against cuBLAS as
+its entry; a pick also turns those fusions on for its shape.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import torch
 
-from bench.common import build_model, parse_ints
+from bench.common import device_and_dtype, parse_ints
+from bench.configs import load_config
+from bench.gemm import rank_config
 from bench.measure import Report
 from custom_ops import gemv_table
 from custom_ops.gemv_table import GemvConfig
@@ -48,7 +57,7 @@ FP8_CANDIDATES = CANDIDATES + tuple(GemvConfig(block_n=n, block_k=k, split_k=s, 
     (8, 2048, 1, 8), (8, 1024, 1, 8), (32, 1024, 1, 8)))
 
 
-def candidates(shape: tuple[int, int], entry: GemvConfig, pool: tuple[GemvConfig, ...] = CANDIDATES
+def candidates(shape: tuple[int, int], entry: GemvConfig | None, pool: tuple[GemvConfig, ...] = CANDIDATES
                ) -> list[GemvConfig]:
     """The configs to try for `shape` (N, K): every candidate but the entry itself, without those whose
     splits would each get less than a quarter of one K tile's worth of work."""
@@ -111,16 +120,30 @@ def device_table() -> dict[tuple[int, int], gemv_table.GemvConfig]:
 
 def model_shapes(model: torch.nn.Module, table: dict | None = None) -> list[tuple[int, int]]:
     """The table's shapes (default: the sm_90 table) among the model's 2-D weights, in the order the
-    model holds them."""
+    model holds them; table=False: every matmul's shape (its linear layers' and the LM head's), in the
+    table or not."""
+    import models.layers
     table = gemv_table.GEMV_CONFIGS if table is None else table
+    if table is False:
+        weights = [m.weight for m in model.modules() if isinstance(m, models.layers.Linear)]
+        weights.append(model._logits_weight())  # noqa: SLF001 (the LM head, tied or not)
+    else:
+        weights = [getattr(m, "weight", None) for m in model.modules()]
     shapes: list[tuple[int, int]] = []
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
+    for weight in weights:
         if isinstance(weight, torch.Tensor) and weight.dim() == 2:
             shape = tuple(weight.shape)
-            if shape in table and shape not in shapes:
+            if (table is False or shape in table) and shape not in shapes:
                 shapes.append(shape)
     return shapes
+
+
+def set_entry(table: Any, shape: tuple[int, int], config: GemvConfig | None) -> None:
+    """table[shape] = config, or no entry (cuBLAS) for None."""
+    if config is None:
+        table.pop(shape, None)
+    else:
+        table[shape] = config
 
 
 def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]:
@@ -136,11 +159,12 @@ def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]
 
 
 def run(model: str, contexts=None, time_budget_s: float | None = None, candidate_set: str = "tiles",
-        quantization: str | None = None, **_: object) -> Report:
+        quantization: str | None = None, tp_size: int | None = None, **_: object) -> Report:
     """candidate_set: "tiles" (CANDIDATES, the tile shapes; FP8_CANDIDATES with FP8 weights),
     "neighbours" (each entry's tile with other stages and warps) or "whole_k" (whole_k).
     quantization "fp8": the engine's linears in FP8, and the sweep edits the FP8 GEMV entries
-    (custom_ops.gemv_table.FP8_GEMV_CONFIGS), starting from the configs the engine runs now."""
+    (custom_ops.gemv_table.FP8_GEMV_CONFIGS), starting from the configs the engine runs now.
+    tp_size N > 1: one rank's graph (the module docstring); bf16 only."""
     if not torch.cuda.is_available():
         raise RuntimeError("the gemv_graph suite needs a CUDA device: it times decode graph replays")
     from bench.decode import graph_replay_ms
@@ -148,12 +172,17 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
 
     if candidate_set not in CANDIDATE_SETS:
         raise ValueError(f"gemv_graph: candidate_set {candidate_set!r} is not one of {CANDIDATE_SETS}")
+    import models
     context = parse_ints(contexts, (CONTEXT,))[0]
     budget = TIME_BUDGET_S if time_budget_s is None else time_budget_s
-    table = device_table()  # before the engine: a GPU without a table has nothing to sweep
-    net = build_model(model)
+    tp_size = tp_size or 1
     fp8 = quantization == "fp8"
-    shapes = model_shapes(net, table)
+    if tp_size > 1 and fp8:
+        raise ValueError("gemv_graph: --tp-size sweeps the bf16 table's shapes of one rank; not with --quantization fp8")
+    table = device_table()  # before the engine: a GPU without a table has nothing to sweep
+    device, dtype = device_and_dtype()
+    net = models.from_config(rank_config(load_config(model), tp_size), dtype=dtype, device=device, seed=0)
+    shapes = model_shapes(net, table if tp_size == 1 else False)
     llm = LLM(net, max_num_seqs=1, max_model_len=context + 64, prefill_graphs=False, show_progress=False,
               decode_graph_sizes=(1,), quantization=quantization)
     if fp8:  # the FP8 layers' shapes (the LM head and the embedding keep their dtype and bf16 entries)
@@ -171,16 +200,19 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
 
     report = Report("gemv_graph", model, torch.cuda.get_device_name(), COLUMNS)
     report.meta.update(torch=torch.__version__, context=context, iters=ITERS, candidate_set=candidate_set,
-                       quantization=quantization)
+                       quantization=quantization, tp_size=tp_size)
     rows: list[dict] = []
     start = time.perf_counter()
     skipped = 0
     try:
         base_ms = [replay_ms()]
-        entries: dict[tuple[int, int], GemvConfig] = {}
+        entries: dict[tuple[int, int], GemvConfig | None] = {}  # None: no entry, cuBLAS
         for shape in shapes:
-            entry = entries[shape] = table[shape]
+            entry = entries[shape] = table[shape] if fp8 else table.get(shape)
             pool = FP8_CANDIDATES if fp8 else CANDIDATES
+            if candidate_set == "neighbours" and entry is None:
+                report.notes.append(f"{shape[0]}x{shape[1]}: no entry to take the neighbours of (cuBLAS); skipped")
+                continue
             tried = {"tiles": lambda: candidates(shape, entry, pool), "neighbours": lambda: neighbours(entry),
                      "whole_k": lambda: whole_k(shape, entry)}[candidate_set]()
             for config in tried:
@@ -194,9 +226,9 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
                     if fp8:
                         table.restore(shape)
                     else:
-                        table[shape] = entry
-                rows.append(dict(shape=shape, config=config.label(), replay_ms=ms, table_entry=entry.label(),
-                                 candidate=config))
+                        set_entry(table, shape, entry)
+                rows.append(dict(shape=shape, config=config.label(), replay_ms=ms,
+                                 table_entry=entry.label() if entry is not None else "cublas", candidate=config))
             base_ms.append(replay_ms())  # the entry restored: the run's drift and noise
         base = sorted(base_ms)[len(base_ms) // 2]
         for row in rows:
@@ -212,7 +244,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
                     if fp8:
                         table.restore(shape)
                     else:
-                        table[shape] = entries[shape]
+                        set_entry(table, shape, entries[shape])
     finally:
         llm.close()
     report.meta.update(base_ms=base_ms, picks={f"{n}x{k}": r["config"] for (n, k), r in chosen.items()},
@@ -225,6 +257,10 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
     if "all_picks_ms" in report.meta:
         report.notes.append(f"every pick at once: replays of {', '.join(f'{ms:.4f}' for ms in report.meta['all_picks_ms'])}"
                             f" ms against the base's median {base:.4f} ms")
+    if tp_size > 1:
+        report.notes.append(f"one rank of {tp_size}-way tensor parallelism on one GPU (bench.gemm.rank_config): its "
+                            "shapes, without the collectives; a shape with no entry runs cuBLAS, its row's "
+                            "table_entry says 'cublas'")
     report.notes.append(f"batch-1 decode graph at {context} cached tokens, re-captured per candidate; median of "
                         f"{ITERS} replays; delta against the median base replay {base:.4f} ms (base timed "
                         f"{len(base_ms)} times: {min(base_ms):.4f}-{max(base_ms):.4f} ms)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend|compile-path  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
@@ -110,6 +110,12 @@ case "${1:-smoke}" in
     suite 240 gemm --model llama-3.2-3b  # the first model also compiles the Triton configs
     suite 170 gemm --model qwen3-4b
     suite 170 gemm --model gemma-3-1b
+    ;;
+  tp-tiles)  # issue 41 on ONE GPU: a tensor-parallel rank's decode matmuls have no GEMV / skinny entries (its shapes are
+    # the split ones), so they run cuBLAS without the GEMV + rotary and gated-GEMV fusions. Sweep one rank's batch-1
+    # decode graph (MODEL, default qwen3-4b; TP, default 2), then time its 8- and 32-row shapes; ~9.5 min
+    suite 430 gemv_graph --model "${MODEL:-qwen3-4b}" --tp-size "${TP:-2}"
+    suite 130 gemm --model "${MODEL:-qwen3-4b}" --tp-size "${TP:-2}" --batches 8,32
     ;;
   knockout)  # what each kernel kind costs the batch-1 decode step: 6 engine start-ups a model, ~2.5-3 min
     suite 280 knockout --model llama-3.2-3b

@@ -83,3 +83,49 @@ def test_the_fp8_sweep_starts_from_what_the_engine_runs_and_restores_it(monkeypa
     assert table[shape] == wide and gemv_table.FP8_GEMV_CONFIGS == {shape: wide}
     table.restore(shape)
     assert gemv_table.FP8_GEMV_CONFIGS == {} and table[shape] == gemv_table.TABLES[(9, 0)].gemv[shape]
+
+
+_TINY = {  # small configs of the three architectures, heads and intermediate size divisible by 4
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=101, hidden_size=64,
+                  intermediate_size=80, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=128),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=101, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=16, max_position_embeddings=128),
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=101, hidden_size=64,
+                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=32, max_position_embeddings=128, query_pre_attn_scalar=32, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_TINY))
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_one_ranks_model_on_one_device_has_exactly_rank_0s_shapes(arch, tp_size):
+    """--tp-size: the model the sweep builds on one GPU holds every parameter in the shape rank 0 of a
+    real tensor-parallel model holds it (KV heads split, or replicated past their count; the vocabulary
+    ceil(V / N) rows), so the table entries it picks are those the TP engine looks up."""
+    import models
+    from bench.gemm import rank_config
+    from models.parallel import TensorParallel
+    config = _TINY[arch]
+    proxy = models.from_config(rank_config(config, tp_size), dtype=torch.float32, device="meta")
+    rank0 = models.from_config(config, dtype=torch.float32, device="meta",
+                               tp=TensorParallel(0, tp_size, group=object()))  # building reads no group
+    assert {n: tuple(p.shape) for n, p in proxy.named_parameters()} == \
+        {n: tuple(p.shape) for n, p in rank0.named_parameters()}
+    assert gemv_graph.model_shapes(proxy, False) == gemv_graph.model_shapes(rank0, False)
+    assert rank_config(config, 1) == config
+
+
+def test_every_linear_and_the_lm_head_are_swept_without_a_table_and_no_entry_means_cublas():
+    import models
+    model = models.from_config(_TINY["llama"], dtype=torch.float32, device="meta")
+    # qkv (8 + 2 * 2 heads of 16), o, gate_up, down, then the LM head; the embedding is no matmul of its own
+    assert gemv_graph.model_shapes(model, False) == [(192, 64), (64, 128), (160, 64), (64, 80), (101, 64)]
+    assert gemv_graph.model_shapes(model, {(64, 80): GemvConfig()}) == [(64, 80)]  # with a table: its shapes only
+    table = {(64, 80): GemvConfig()}
+    gemv_graph.set_entry(table, (64, 80), None)
+    assert table == {}
+    gemv_graph.set_entry(table, (192, 64), GemvConfig(block_n=8))
+    assert table == {(192, 64): GemvConfig(block_n=8)}
