@@ -177,6 +177,18 @@ def gemv_config(rows: int, n: int, k: int, dtype: torch.dtype, device_type: str,
     return tables.skinny.get((n, k), {}).get(bucket)
 
 
+def untuned_shapes(shapes: list[tuple[int, int]], dtype: torch.dtype, device_index: int | None = None,
+                   capability: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """The (N, K) of `shapes` that the GPU's table has no one-row GEMV entry for: they run cuBLAS at
+    batch 1, without the fusions that need a GEMV (the rotary in the qkv projection's epilogue, the
+    activation in the down projection's). Under tensor parallelism every split shape is one until a
+    rank's graph is swept (`python -m bench gemv_graph --tp-size N`)."""
+    if dtype not in GEMV_DTYPES:
+        return []
+    return [shape for shape in shapes
+            if gemv_config(1, *shape, dtype, "cuda", device_index, capability) is None]
+
+
 # FP8 weights (custom_ops.fp8: float8_e4m3fn matrices, a float32 scale per row, activations in bf16 /
 # fp16). Up to 64 rows the Triton GEMV / skinny GEMM read the FP8 bytes and widen them in registers;
 # their tiles come from FP8_GEMV_CONFIGS / FP8_SKINNY_CONFIGS (overrides: benchmarks write them), else

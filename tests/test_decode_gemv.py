@@ -54,6 +54,35 @@ def test_gemv_is_picked_only_for_the_measured_shapes_at_one_row_on_cuda_in_16_bi
     assert all(isinstance(c, GemvConfig) for c in GEMV_CONFIGS.values())
 
 
+def test_untuned_shapes_are_every_split_shape_of_a_tensor_parallel_rank_and_none_of_one_gpus():
+    """What start-up reports (stats()["startup"]["gemv_untuned"] and one log line): the shapes that run
+    cuBLAS at batch 1 for want of an entry; one GPU's llama / qwen3 / gemma have none, a rank of
+    2-way tensor parallelism has nothing but them until its graph is swept."""
+    from bench.gemm import model_gemm_shapes
+    from custom_ops.gemv_table import untuned_shapes
+    for model in ("llama-3.2-3b", "qwen3-4b", "gemma-3-1b"):
+        whole = [(n, k) for _, n, k in model_gemm_shapes(model)]
+        split = [(n, k) for _, n, k in model_gemm_shapes(model, tp_size=2)]
+        assert untuned_shapes(whole, torch.bfloat16, capability=SM90) == []
+        assert untuned_shapes(split, torch.bfloat16, capability=SM90) == split
+        assert untuned_shapes(split, torch.float32, capability=SM90) == []  # no GEMV in fp32 anyway
+
+
+def test_start_up_notes_and_logs_a_models_untuned_shapes_once(monkeypatch, caplog):
+    from custom_ops import gemv_table
+    from engine.worker import startup
+    from engine.worker.timeline import StartupTimeline
+    monkeypatch.setattr(gemv_table, "device_capability", lambda index=None: SM90)
+    model = models.from_config(TINY_LLAMA, dtype=torch.bfloat16, device="cpu")
+    monkeypatch.setitem(gemv_table.GEMV_CONFIGS, tuple(model.model.layers[0].mlp.down_proj.weight.shape), GemvConfig())
+    timeline = StartupTimeline()
+    with caplog.at_level("INFO", logger="engine"):
+        startup._note_untuned_matmuls(model, torch.device("cuda", 0), timeline)
+    # qkv, o, gate_up and the tied LM head (gate_up's shape here: listed once), the down projection tuned
+    assert timeline.notes["gemv_untuned"] == ["128x64", "64x64", "256x64"]
+    assert "3 of 4 shapes have no GEMV tuning on this GPU and run cuBLAS at batch 1 (128x64, 64x64, 256x64)" in caplog.text
+
+
 def test_a_gpu_without_tuning_for_its_compute_capability_runs_cublas_and_says_so_once(monkeypatch, caplog):
     import logging
 

@@ -129,6 +129,8 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         if set_decode_gemv(model, gemv) == 0 and gemv:  # the default: not a warning
             logger.info("EngineConfig.decode_gemv: %s has no models.layers.Linear, its matmuls stay as they are",
                         type(model).__name__)
+        elif gemv and cuda:
+            _note_untuned_matmuls(model, device, timeline)
     forward, mark_dynamic, backend, compiled = model, None, None, None
     if config.compile:
         # The compiled graph from the compile cache (a warm start: no trace, no compile; its load is
@@ -173,6 +175,23 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
         if compiled.cache_saved is not None:
             timeline.notes["compile_cache_saved"] = compiled.cache_saved
     return rt
+
+
+def _note_untuned_matmuls(model: torch.nn.Module, device: torch.device, timeline: StartupTimeline) -> None:
+    """Say once (log and stats()["startup"]["gemv_untuned"]) which of the model's matmul shapes run cuBLAS
+    at batch 1 for want of a GEMV table entry on this GPU: a model or tensor-parallel split not yet swept."""
+    import models.layers
+    from custom_ops.gemv_table import untuned_shapes
+    weights = [m.weight for m in model.modules() if isinstance(m, models.layers.Linear)]
+    if hasattr(model, "_logits_weight"):
+        weights.append(model._logits_weight())  # noqa: SLF001 (the LM head, tied or not)
+    shapes = list(dict.fromkeys(tuple(w.shape) for w in weights if w.dim() == 2 and w.dtype.is_floating_point
+                                and w.element_size() > 1))  # FP8 layers have tables of their own
+    untuned = untuned_shapes(shapes, next(model.parameters()).dtype, device.index)
+    timeline.notes["gemv_untuned"] = [f"{n}x{k}" for n, k in untuned]
+    if untuned:
+        logger.info("decode matmuls: %d of %d shapes have no GEMV tuning on this GPU and run cuBLAS at batch 1 "
+                    "(%s)", len(untuned), len(shapes), ", ".join(timeline.notes["gemv_untuned"]))
 
 
 def _build(rt: Runtime, model: torch.nn.Module, config: EngineConfig, timeline: StartupTimeline,
