@@ -159,7 +159,8 @@ case "${1:-smoke}" in
     # 2026-12-08's staging change and rotary + K/V store fusion, and the ones still owed; ~9.5 min
     BENCH_SPEC_PROFILE=$OUT/prof suite 120 spec --model llama-3.2-3b --batches 1 --ks 4 --variants rejected
     BENCH_PREFILL_PROFILE=$OUT/prof suite 200 prefill --model llama-3.2-3b --tokens 128,512
-    gpu_tests fused 150 tests/test_qk_norm_rope.py tests/test_attention_rotary.py tests/test_step_upload.py tests/test_argmax_keys.py
+    gpu_tests fused 150 tests/test_qk_norm_rope.py tests/test_attention_rotary.py tests/test_step_upload.py tests/test_argmax_keys.py \
+      tests/test_triton_skinny.py
     gpu_tests rest 200 -m gpu tests/test_memory_gpu.py tests/test_spec_decode_gpu.py
     ;;
   spec-profile)  # issue 40: the verify step's exposed host work at batch 1 (none and every-step-rejected k = 4 under

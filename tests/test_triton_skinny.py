@@ -36,6 +36,16 @@ def test_skinny_matches_torch_for_ragged_shapes(m, split_k, block_n):
     assert rel_err(out, reference(x, weight)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_a_split_past_the_last_k_tile_adds_nothing(block_n):
+    """Three K tiles over four splits: the last split's first tile, loaded ahead of the PDL wait like
+    every split's, lies past K and must count as zeros."""
+    x = torch.randn(5, 40, device=DEVICE)
+    weight = torch.randn(block_n + 3, 40, device=DEVICE)
+    out = skinny_gemm(x, weight, GemvConfig(block_n=block_n, block_k=16, split_k=4, num_warps=1))
+    assert rel_err(out, reference(x, weight)) < TOL[torch.float32]
+
+
 def test_skinny_even_k_split_and_strided_x_in_fp16():
     x = torch.randn(20, 96, device=DEVICE, dtype=torch.float16)[:, :64]  # row stride 96
     weight = torch.randn(48, 64, device=DEVICE, dtype=torch.float16)

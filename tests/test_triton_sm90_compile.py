@@ -69,6 +69,12 @@ try:
         out[f"skinny-fp8-n{block_n}-s{split_k}"] = ptx(triton_skinny._skinny_kernel, SKINNY, dict(
             BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k, EVEN_K=True, W_LEFT=block_n >= 64,
             DOT_PRECISION="tf32", PDL=True, KEYS=False, SCALED=True), num_warps=4, num_stages=4, launch_pdl=True)
+    for block_n, split_k, even_k in ((64, 1, True), (16, 4, False)):  # bf16, as decode batches and verify steps run it
+        out[f"skinny-n{block_n}-s{split_k}" + ("" if even_k else "-uneven")] = ptx(
+            triton_skinny._skinny_kernel, dict(SKINNY, w_ptr="*bf16"), dict(
+                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k, EVEN_K=even_k, W_LEFT=block_n >= 64,
+                DOT_PRECISION="tf32", PDL=True, KEYS=split_k == 1, SCALED=False),
+            num_warps=4, num_stages=4, launch_pdl=True)
     ROPE_GEMV = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
                  "qkv_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
     out["gemv-rope-fp8"] = ptx(triton_gemv_rope._gemv_rope_kernel, ROPE_GEMV, dict(
@@ -209,6 +215,18 @@ def test_the_batch1_gemv_loads_its_first_weight_tile_before_the_wait(sm90_ptx):
     issued before the wait, so the weight stream starts while the previous kernel finishes."""
     ptx = sm90_ptx["gemv-m1-s1-pdl"]
     assert 0 <= ptx.find("ld.global") < _first(ptx, "griddepcontrol.wait")
+
+
+@pytest.mark.parametrize("name", ["skinny-n64-s1", "skinny-n16-s4-uneven", "skinny-fp8-n64-s1", "skinny-fp8-n16-s4"])
+def test_the_skinny_gemm_loads_its_first_weight_tile_before_the_wait_and_stores_after_it(sm90_ptx, name):
+    """As the batch-1 GEMV: the first weight tile is loaded before the wait (the verify steps' and decode
+    batches' matmuls start streaming while the kernel before finishes), x and every store after it."""
+    ptx = sm90_ptx[name]
+    wait = _first(ptx, "griddepcontrol.wait")
+    assert 0 <= ptx.find("ld.global") < wait
+    assert _first(ptx, "st.global") > wait and "griddepcontrol.launch_dependents" in ptx
+    if "atom.global" in ptx:
+        assert _first(ptx, "atom.global") > wait
 
 
 @pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8"])
