@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", help="tokenizer: a tokenizer directory or .gguf file to read (default the "
                         "default model's GGUF)")
     parser.add_argument("--batches", help="decode: batch sizes, comma-separated (default 1,8,32,64,128); "
-                        "e2e: default 1,16,64; host: 64 (CPU: 4); kernels, gemm: 1,8")
+                        "e2e: default 1,16,64; host: 64 (CPU: 4); kernels, gemm: 1,8; gemv_graph: the decode graph's rows "
+                        "(one value, default 1; 2-64 sweeps that row bucket's table)")
     parser.add_argument("--contexts", help="decode: context lengths (default 512,4096); capacity: 4096,32768; "
                         "kernels: one context (default 512); knockout, gemv_graph: one context (default 576)")
     parser.add_argument("--ks", help="spec: numbers of speculative tokens, comma-separated (default 2,4); "

@@ -16,6 +16,11 @@ config changes the matmul's summation order). `--candidates neighbours` is the s
 entry's own tile with other pipeline stages and warp counts; `--candidates whole_k` tries tiles whose
 one K tile spans the weight's rows (all of a program's weight loaded before the PDL wait).
 
+`--batches B` (2-64): the decode graph of B rows, and the 2-64-row table's bucket for B rows (skinny
+GEMM tiles, cuBLASLt or cuBLAS's default per shape) over every matmul of the model: the bucket's
+entries were picked by timing each call alone (`bench gemm`), and a verify step of 1 + k tokens runs
+them (B = 5 for k = 4).
+
 `--tp-size N`: the graph of one rank of N-way tensor parallelism, on one GPU: a model of one rank's
 shapes (bench.gemm.rank_config: heads, intermediate size and vocabulary split), so without the
 collectives. None of those shapes is in the table (every one runs cuBLAS, and the GEMV + rotary and
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import torch
 
@@ -65,10 +69,59 @@ def candidates(shape: tuple[int, int], entry: GemvConfig | None, pool: tuple[Gem
     return [c for c in pool if c != entry and c.block_k * c.split_k <= 4 * k]
 
 
+def label(choice: GemvConfig | str | None) -> str:
+    """A table choice's name: a Triton config's label, "cublaslt", or "cublas" (None: cuBLAS's default)."""
+    return choice.label() if isinstance(choice, GemvConfig) else (choice or "cublas")
+
+
+class GemvTable:
+    """The one-row GEMV entries of a table (shape -> config; no entry: cuBLAS) as the sweep edits them."""
+
+    def __init__(self, table: dict) -> None:
+        self.table, self.saved = table, dict(table)
+
+    def entry(self, shape: tuple[int, int]) -> GemvConfig | None:
+        return self.table.get(shape)
+
+    def set(self, shape: tuple[int, int], choice: GemvConfig | None) -> None:
+        if choice is None:
+            self.table.pop(shape, None)
+        else:
+            self.table[shape] = choice
+
+    def restore(self, shape: tuple[int, int]) -> None:
+        self.set(shape, self.saved.get(shape))
+
+
+class SkinnyTable:
+    """One row bucket of the 2-64-row table (shape -> {bucket: config or CUBLASLT}; none: cuBLAS's default)
+    as the sweep edits it: the bucket a decode graph of `rows` rows reads (custom_ops.gemv_table.gemv_config)."""
+
+    def __init__(self, table: dict, rows: int) -> None:
+        self.table = table
+        self.bucket = next(b for b in gemv_table.ROW_BUCKETS if rows <= b)
+        self.saved = {shape: dict(choices) for shape, choices in table.items()}
+
+    def entry(self, shape: tuple[int, int]) -> GemvConfig | str | None:
+        return self.table.get(shape, {}).get(self.bucket)
+
+    def set(self, shape: tuple[int, int], choice: GemvConfig | str | None) -> None:
+        choices = self.table.setdefault(shape, {})
+        if choice is None:
+            choices.pop(self.bucket, None)
+        else:
+            choices[self.bucket] = choice
+        if not choices and shape not in self.saved:
+            del self.table[shape]
+
+    def restore(self, shape: tuple[int, int]) -> None:
+        self.set(shape, self.saved.get(shape, {}).get(self.bucket))
+
+
 class Fp8Table:
-    """The FP8 GEMV entries as the sweep edits them: reading a shape gives the config the engine runs
-    now (custom_ops.gemv_table.fp8_config: FP8_GEMV_CONFIGS, else the bf16 table's entry, else the
-    default); writing one sets FP8_GEMV_CONFIGS; restoring the entry puts back what was there."""
+    """The FP8 GEMV entries as the sweep edits them: a shape's entry is the config the engine runs now
+    (custom_ops.gemv_table.fp8_config: FP8_GEMV_CONFIGS, else the bf16 table's entry, else the
+    default); setting one sets FP8_GEMV_CONFIGS; restoring puts back what was there."""
 
     def __init__(self, shapes: list[tuple[int, int]], capability: tuple[int, int] | None = None) -> None:
         self.shapes, self.capability = shapes, capability
@@ -77,16 +130,23 @@ class Fp8Table:
     def __contains__(self, shape) -> bool:
         return shape in self.shapes
 
-    def __getitem__(self, shape: tuple[int, int]) -> GemvConfig:
+    def entry(self, shape: tuple[int, int]) -> GemvConfig:
         return gemv_table.fp8_config(1, *shape, torch.bfloat16, "cuda", capability=self.capability)
 
-    def __setitem__(self, shape: tuple[int, int], config: GemvConfig) -> None:
+    def set(self, shape: tuple[int, int], config: GemvConfig) -> None:
         gemv_table.FP8_GEMV_CONFIGS[shape] = config
 
     def restore(self, shape: tuple[int, int]) -> None:
         gemv_table.FP8_GEMV_CONFIGS.pop(shape, None)
         if shape in self.saved:
             gemv_table.FP8_GEMV_CONFIGS[shape] = self.saved[shape]
+
+
+def skinny_candidates(shape: tuple[int, int], entry: GemvConfig | str | None) -> list[GemvConfig | str | None]:
+    """At 2-64 rows: the skinny GEMM's candidates of `bench gemm` (bench.gemm.skinny_configs), cuBLASLt
+    and cuBLAS's default, but the entry itself."""
+    from bench.gemm import skinny_configs
+    return [c for c in (*skinny_configs(*shape), gemv_table.CUBLASLT, None) if c != entry]
 
 
 def neighbours(entry: GemvConfig) -> list[GemvConfig]:
@@ -107,15 +167,15 @@ def whole_k(shape: tuple[int, int], entry: GemvConfig) -> list[GemvConfig]:
             if n * block_k // (32 * w) <= 128]  # at most 128 weight elements (64 registers) a thread
 
 
-def device_table() -> dict[tuple[int, int], gemv_table.GemvConfig]:
-    """The GEMV table the engine reads on this GPU (its compute capability's), which the sweep edits in
+def device_tables() -> gemv_table.TunedTables:
+    """The tables the engine reads on this GPU (its compute capability's), which the sweep edits in
     place; an error where the capability has none, since the sweep re-picks an existing table's entries."""
     capability = gemv_table.device_capability()
     if capability not in gemv_table.TABLES:
         raise RuntimeError(f"gemv_graph: compute capability {capability[0]}.{capability[1]} has no table in "
                            "custom_ops.gemv_table.TABLES; the sweep re-picks an existing table's entries, so add "
                            "one first (another capability's entries are a starting point)")
-    return gemv_table.TABLES[capability].gemv
+    return gemv_table.TABLES[capability]
 
 
 def model_shapes(model: torch.nn.Module, table: dict | None = None) -> list[tuple[int, int]]:
@@ -138,14 +198,6 @@ def model_shapes(model: torch.nn.Module, table: dict | None = None) -> list[tupl
     return shapes
 
 
-def set_entry(table: Any, shape: tuple[int, int], config: GemvConfig | None) -> None:
-    """table[shape] = config, or no entry (cuBLAS) for None."""
-    if config is None:
-        table.pop(shape, None)
-    else:
-        table[shape] = config
-
-
 def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]:
     """Shape -> its fastest candidate row, for the shapes where that beats the table's entry by more
     than the noise (twice the base's spread, at least 1 us)."""
@@ -159,12 +211,16 @@ def picks(rows: list[dict], base_ms: list[float]) -> dict[tuple[int, int], dict]
 
 
 def run(model: str, contexts=None, time_budget_s: float | None = None, candidate_set: str = "tiles",
-        quantization: str | None = None, tp_size: int | None = None, **_: object) -> Report:
+        quantization: str | None = None, tp_size: int | None = None, batches=None, **_: object) -> Report:
     """candidate_set: "tiles" (CANDIDATES, the tile shapes; FP8_CANDIDATES with FP8 weights),
     "neighbours" (each entry's tile with other stages and warps) or "whole_k" (whole_k).
     quantization "fp8": the engine's linears in FP8, and the sweep edits the FP8 GEMV entries
     (custom_ops.gemv_table.FP8_GEMV_CONFIGS), starting from the configs the engine runs now.
-    tp_size N > 1: one rank's graph (the module docstring); bf16 only."""
+    tp_size N > 1: one rank's graph (the module docstring); bf16 only.
+    batches: the decode graph's rows (the first value; default 1). Above one row the sweep edits the
+    2-64-row table's bucket for that many rows (SkinnyTable) in the decode graph of that batch, over
+    every matmul of the model, with skinny_candidates ("tiles" only, bf16 only): a verify step of 1 + k
+    tokens runs the bucket of 1 + k rows."""
     if not torch.cuda.is_available():
         raise RuntimeError("the gemv_graph suite needs a CUDA device: it times decode graph replays")
     from bench.decode import graph_replay_ms
@@ -174,17 +230,22 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
         raise ValueError(f"gemv_graph: candidate_set {candidate_set!r} is not one of {CANDIDATE_SETS}")
     import models
     context = parse_ints(contexts, (CONTEXT,))[0]
+    batch = parse_ints(batches, (1,))[0]
     budget = TIME_BUDGET_S if time_budget_s is None else time_budget_s
     tp_size = tp_size or 1
     fp8 = quantization == "fp8"
-    if tp_size > 1 and fp8:
-        raise ValueError("gemv_graph: --tp-size sweeps the bf16 table's shapes of one rank; not with --quantization fp8")
-    table = device_table()  # before the engine: a GPU without a table has nothing to sweep
+    if fp8 and (tp_size > 1 or batch > 1):
+        raise ValueError("gemv_graph: --tp-size and --batches above 1 sweep bf16 tables; not with --quantization fp8")
+    if batch > 1 and (candidate_set != "tiles" or batch > gemv_table.ROW_BUCKETS[-1]):
+        raise ValueError(f"gemv_graph: --batches {batch} sweeps the 2-{gemv_table.ROW_BUCKETS[-1]}-row table with "
+                         "--candidates tiles only")
+    tables = device_tables()  # before the engine: a GPU without a table has nothing to sweep
     device, dtype = device_and_dtype()
     net = models.from_config(rank_config(load_config(model), tp_size), dtype=dtype, device=device, seed=0)
-    shapes = model_shapes(net, table if tp_size == 1 else False)
-    llm = LLM(net, max_num_seqs=1, max_model_len=context + 64, prefill_graphs=False, show_progress=False,
-              decode_graph_sizes=(1,), quantization=quantization)
+    shapes = model_shapes(net, tables.gemv if tp_size == 1 and batch == 1 else False)
+    table = SkinnyTable(tables.skinny, batch) if batch > 1 else GemvTable(tables.gemv)
+    llm = LLM(net, max_num_seqs=batch, max_model_len=context + 64, prefill_graphs=False, show_progress=False,
+              decode_graph_sizes=(batch,), quantization=quantization)
     if fp8:  # the FP8 layers' shapes (the LM head and the embedding keep their dtype and bf16 entries)
         from custom_ops.fp8 import FP8_DTYPE
         fp8_shapes = {tuple(m.weight.shape) for m in net.modules()
@@ -195,40 +256,40 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
 
     def replay_ms() -> float:
         with torch.inference_mode():  # the engine made its pool and buffers in inference mode
-            runner.decode_graphs.capture((1,), False)
-            return graph_replay_ms(runner, net.config.vocab_size, 1, context, ITERS)
+            runner.decode_graphs.capture((batch,), False)
+            return graph_replay_ms(runner, net.config.vocab_size, batch, context, ITERS)
 
     report = Report("gemv_graph", model, torch.cuda.get_device_name(), COLUMNS)
     report.meta.update(torch=torch.__version__, context=context, iters=ITERS, candidate_set=candidate_set,
-                       quantization=quantization, tp_size=tp_size)
+                       quantization=quantization, tp_size=tp_size, batch=batch,
+                       bucket=table.bucket if isinstance(table, SkinnyTable) else None)
     rows: list[dict] = []
     start = time.perf_counter()
     skipped = 0
     try:
         base_ms = [replay_ms()]
-        entries: dict[tuple[int, int], GemvConfig | None] = {}  # None: no entry, cuBLAS
         for shape in shapes:
-            entry = entries[shape] = table[shape] if fp8 else table.get(shape)
+            entry = table.entry(shape)  # None: no entry, cuBLAS
             pool = FP8_CANDIDATES if fp8 else CANDIDATES
-            if candidate_set == "neighbours" and entry is None:
-                report.notes.append(f"{shape[0]}x{shape[1]}: no entry to take the neighbours of (cuBLAS); skipped")
+            if not isinstance(entry, GemvConfig) and candidate_set != "tiles":
+                report.notes.append(f"{shape[0]}x{shape[1]}: no tile to take the {candidate_set} of ({label(entry)}); skipped")
                 continue
-            tried = {"tiles": lambda: candidates(shape, entry, pool), "neighbours": lambda: neighbours(entry),
-                     "whole_k": lambda: whole_k(shape, entry)}[candidate_set]()
+            if batch > 1:
+                tried = skinny_candidates(shape, entry)
+            else:
+                tried = {"tiles": lambda: candidates(shape, entry, pool), "neighbours": lambda: neighbours(entry),
+                         "whole_k": lambda: whole_k(shape, entry)}[candidate_set]()
             for config in tried:
                 if time.perf_counter() - start > budget:
                     skipped += 1
                     continue
-                table[shape] = config
+                table.set(shape, config)
                 try:
                     ms = replay_ms()
                 finally:
-                    if fp8:
-                        table.restore(shape)
-                    else:
-                        set_entry(table, shape, entry)
-                rows.append(dict(shape=shape, config=config.label(), replay_ms=ms,
-                                 table_entry=entry.label() if entry is not None else "cublas", candidate=config))
+                    table.restore(shape)
+                rows.append(dict(shape=shape, config=label(config), replay_ms=ms, table_entry=label(entry),
+                                 candidate=config))
             base_ms.append(replay_ms())  # the entry restored: the run's drift and noise
         base = sorted(base_ms)[len(base_ms) // 2]
         for row in rows:
@@ -236,19 +297,17 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
         chosen = picks(rows, base_ms)
         if chosen:  # every pick at once: the step they give together (picks were timed one at a time)
             for shape, row in chosen.items():
-                table[shape] = row["candidate"]
+                table.set(shape, row["candidate"])
             try:
                 report.meta["all_picks_ms"] = [replay_ms() for _ in range(3)]
             finally:
-                for shape, row in chosen.items():
-                    if fp8:
-                        table.restore(shape)
-                    else:
-                        set_entry(table, shape, entries[shape])
+                for shape in chosen:
+                    table.restore(shape)
     finally:
         llm.close()
     report.meta.update(base_ms=base_ms, picks={f"{n}x{k}": r["config"] for (n, k), r in chosen.items()},
-                       pick_configs={f"{n}x{k}": dataclasses.asdict(r["candidate"]) for (n, k), r in chosen.items()})
+                       pick_configs={f"{n}x{k}": dataclasses.asdict(r["candidate"]) if isinstance(r["candidate"], GemvConfig)
+                                     else label(r["candidate"]) for (n, k), r in chosen.items()})
     for row in rows:
         row["pick"] = "pick" if chosen.get(row["shape"]) is row else ""
         row["shape"] = f"{row['shape'][0]}x{row['shape'][1]}"
@@ -261,7 +320,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
         report.notes.append(f"one rank of {tp_size}-way tensor parallelism on one GPU (bench.gemm.rank_config): its "
                             "shapes, without the collectives; a shape with no entry runs cuBLAS, its row's "
                             "table_entry says 'cublas'")
-    report.notes.append(f"batch-1 decode graph at {context} cached tokens, re-captured per candidate; median of "
+    report.notes.append(f"batch-{batch} decode graph at {context} cached tokens, re-captured per candidate; median of "
                         f"{ITERS} replays; delta against the median base replay {base:.4f} ms (base timed "
                         f"{len(base_ms)} times: {min(base_ms):.4f}-{max(base_ms):.4f} ms)")
     if skipped:

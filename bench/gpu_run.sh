@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|verify-tiles|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend|compile-path  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
@@ -116,6 +116,12 @@ case "${1:-smoke}" in
     # decode graph (MODEL, default qwen3-4b; TP, default 2), then time its 8- and 32-row shapes; ~9.5 min
     suite 430 gemv_graph --model "${MODEL:-qwen3-4b}" --tp-size "${TP:-2}"
     suite 130 gemm --model "${MODEL:-qwen3-4b}" --tp-size "${TP:-2}" --batches 8,32
+    ;;
+  verify-tiles)  # issue 40 on one GPU: the 2-8-row table's choices (skinny tiles, cuBLASLt, cuBLAS) re-picked by what
+    # they cost the whole 5-row decode graph (a verify step of 1 + 4 tokens runs that bucket; the entries were
+    # timed alone), then the verify step itself at batch 1; ~9 min
+    suite 400 gemv_graph --model llama-3.2-3b --batches 5
+    BENCH_SPEC_PROFILE=$OUT/prof suite 120 spec --model llama-3.2-3b --batches 1 --ks 4 --variants rejected
     ;;
   knockout)  # what each kernel kind costs the batch-1 decode step: 6 engine start-ups a model, ~2.5-3 min
     suite 280 knockout --model llama-3.2-3b

@@ -76,13 +76,43 @@ def test_the_fp8_sweep_starts_from_what_the_engine_runs_and_restores_it(monkeypa
     monkeypatch.setattr(gemv_table, "FP8_GEMV_CONFIGS", {})
     shape = (3072, 8192)
     table = gemv_graph.Fp8Table([shape], capability=(9, 0))
-    assert shape in table and table[shape] == gemv_table.TABLES[(9, 0)].gemv[shape]
+    assert shape in table and table.entry(shape) == gemv_table.TABLES[(9, 0)].gemv[shape]
     wide = GemvConfig(block_n=8, block_k=2048)
-    assert wide in gemv_graph.candidates(shape, table[shape], gemv_graph.FP8_CANDIDATES)
-    table[shape] = wide
-    assert table[shape] == wide and gemv_table.FP8_GEMV_CONFIGS == {shape: wide}
+    assert wide in gemv_graph.candidates(shape, table.entry(shape), gemv_graph.FP8_CANDIDATES)
+    table.set(shape, wide)
+    assert table.entry(shape) == wide and gemv_table.FP8_GEMV_CONFIGS == {shape: wide}
     table.restore(shape)
-    assert gemv_table.FP8_GEMV_CONFIGS == {} and table[shape] == gemv_table.TABLES[(9, 0)].gemv[shape]
+    assert gemv_table.FP8_GEMV_CONFIGS == {} and table.entry(shape) == gemv_table.TABLES[(9, 0)].gemv[shape]
+
+
+def test_above_one_row_the_sweep_edits_the_bucket_the_graphs_rows_read_and_restores_it():
+    """--batches 5 (a verify step of 1 + 4 tokens): the 2-8-row bucket; a shape without an entry (cuBLAS's
+    default) gets the skinny candidates and cuBLASLt, and restoring leaves the table exactly as it was."""
+    from custom_ops import gemv_table
+    from custom_ops.gemv_table import CUBLASLT, GemvConfig as Config, gemv_config
+    o, qkv = (3072, 3072), (5120, 3072)  # llama-3.2-3b: o has a bucket-8 tile, qkv runs cuBLAS
+    skinny = {o: {8: Config(block_n=64, block_k=128, split_k=4), 16: Config(block_n=64, block_k=128, split_k=3)}}
+    before = {shape: dict(choices) for shape, choices in skinny.items()}
+    table = gemv_graph.SkinnyTable(skinny, 5)
+    assert table.bucket == 8 and table.entry(o) == before[o][8] and table.entry(qkv) is None
+    tried = gemv_graph.skinny_candidates(qkv, None)
+    assert None not in tried and CUBLASLT in tried and all(isinstance(c, Config) for c in tried if c != CUBLASLT)
+    assert None in gemv_graph.skinny_candidates(o, table.entry(o))  # a tiled shape tries cuBLAS's default too
+    table.set(qkv, tried[0])
+    table.set(o, None)
+    tables = gemv_table.TunedTables("test", {}, skinny)
+    assert skinny[qkv] == {8: tried[0]} and 8 not in skinny[o] and skinny[o][16] == before[o][16]
+    capability = (0, 0)  # no real GPU's: the tables gemv_config reads for it are these
+    gemv_table._by_capability[capability] = tables
+    try:
+        assert gemv_config(5, *qkv, torch.bfloat16, "cuda", capability=capability) == tried[0]
+        assert gemv_config(5, *o, torch.bfloat16, "cuda", capability=capability) is None
+    finally:
+        del gemv_table._by_capability[capability]
+    table.restore(qkv)
+    table.restore(o)
+    assert skinny == before
+    assert [gemv_graph.label(c) for c in (None, CUBLASLT, before[o][8])] == ["cublas", "cublaslt", "n64k128s4w4"]
 
 
 _TINY = {  # small configs of the three architectures, heads and intermediate size divisible by 4
@@ -118,14 +148,17 @@ def test_one_ranks_model_on_one_device_has_exactly_rank_0s_shapes(arch, tp_size)
     assert rank_config(config, 1) == config
 
 
-def test_every_linear_and_the_lm_head_are_swept_without_a_table_and_no_entry_means_cublas():
+def test_every_linear_and_the_lm_head_are_swept_without_a_table_and_restoring_puts_back_no_entry():
     import models
     model = models.from_config(_TINY["llama"], dtype=torch.float32, device="meta")
     # qkv (8 + 2 * 2 heads of 16), o, gate_up, down, then the LM head; the embedding is no matmul of its own
     assert gemv_graph.model_shapes(model, False) == [(192, 64), (64, 128), (160, 64), (64, 80), (101, 64)]
     assert gemv_graph.model_shapes(model, {(64, 80): GemvConfig()}) == [(64, 80)]  # with a table: its shapes only
-    table = {(64, 80): GemvConfig()}
-    gemv_graph.set_entry(table, (64, 80), None)
-    assert table == {}
-    gemv_graph.set_entry(table, (192, 64), GemvConfig(block_n=8))
-    assert table == {(192, 64): GemvConfig(block_n=8)}
+    entries = {(64, 80): GemvConfig()}
+    table = gemv_graph.GemvTable(entries)
+    table.set((64, 80), None)  # no entry: cuBLAS
+    table.set((192, 64), GemvConfig(block_n=8))
+    assert entries == {(192, 64): GemvConfig(block_n=8)} and table.entry((64, 80)) is None
+    table.restore((64, 80))
+    table.restore((192, 64))
+    assert entries == {(64, 80): GemvConfig()}
