@@ -74,6 +74,9 @@ HARNESS_VARIANTS = ("eager", "compiled", "piecewise", "full_graph", "full_graph_
 ENGINE_VARIANTS = {"engine": None, "engine_full": "FULL"}
 ENGINE_WARMUP = 3     # LLM.generate calls per T before the engine row's timed ones
 ENGINE_PROFILED = 5   # prefills per T in the torch.profiler trace that gives the engine row's gpu_ms
+# prefills per T whose launching step() is timed for host_ms (median): five read 40 and 7.5 us a layer
+# at 128 and 512 tokens on one H100 (2026-12-08), too few for a 30 us goal
+HOST_TRIES = 15
 ENGINE_MAX_MODEL_LEN = 4096  # the engine's default max_model_len is min(the model's limit, this)
 PROFILE_ENV = "BENCH_PREFILL_PROFILE"  # a directory: one engine prefill step per engine row under torch.profiler
 logger = logging.getLogger("bench")
@@ -368,7 +371,7 @@ def _profile_host_step(llm, add, prefix: str, sleep_cycles: int = 200_000_000) -
     torch.cuda.synchronize()
 
 
-def _engine_host_ms(llm, add, sleep_cycles: int = 200_000_000, tries: int = ENGINE_PROFILED) -> float | None:
+def _engine_host_ms(llm, add, sleep_cycles: int = 200_000_000, tries: int = HOST_TRIES) -> float | None:
     """Median host milliseconds of the step() that launches a prefill, with the GPU asleep so the host
     never waits for it: schedule, staging, and every launch of the forward (each piece's replay and
     each attention launch between them) and of sampling. The overlapped loop returns from that step()
