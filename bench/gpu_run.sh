@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|verify-tiles|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|verify-tiles|fp8-goals|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend|compile-path  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
@@ -114,14 +114,21 @@ case "${1:-smoke}" in
   tp-tiles)  # issue 41 on ONE GPU: a tensor-parallel rank's decode matmuls have no GEMV / skinny entries (its shapes are
     # the split ones), so they run cuBLAS without the GEMV + rotary and gated-GEMV fusions. Sweep one rank's batch-1
     # decode graph (MODEL, default qwen3-4b; TP, default 2), then time its 8- and 32-row shapes; ~9.5 min
-    suite 430 gemv_graph --model "${MODEL:-qwen3-4b}" --tp-size "${TP:-2}"
+    suite 430 gemv_graph --model "${MODEL:-qwen3-4b}" --tp-size "${TP:-2}" --time-budget 330
     suite 130 gemm --model "${MODEL:-qwen3-4b}" --tp-size "${TP:-2}" --batches 8,32
     ;;
   verify-tiles)  # issue 40 on one GPU: the 2-8-row table's choices (skinny tiles, cuBLASLt, cuBLAS) re-picked by what
     # they cost the whole 5-row decode graph (a verify step of 1 + 4 tokens runs that bucket; the entries were
     # timed alone), then the verify step itself at batch 1; ~9 min
-    suite 400 gemv_graph --model llama-3.2-3b --batches 5
+    suite 400 gemv_graph --model llama-3.2-3b --batches 5 --time-budget 300
     BENCH_SPEC_PROFILE=$OUT/prof suite 120 spec --model llama-3.2-3b --batches 1 --ks 4 --variants rejected
+    ;;
+  fp8-goals)  # issue 45's unmeasured goals on one GPU: qwen3-4b's FP8 GEMV tiles in its batch-1 graph (only llama's are
+    # tuned), then decode at batch 1 / 16 / 64 and the 512-token prefill, FP8 next to bf16, for both models; ~9.5 min
+    suite 230 gemv_graph --model qwen3-4b --quantization fp8 --time-budget 150
+    suite 130 decode --model llama-3.2-3b --batches 1,16,64 --contexts 512 --peers none --quantization fp8
+    suite 130 decode --model qwen3-4b --batches 1,16,64 --contexts 512 --peers none --quantization fp8
+    suite 100 prefill --model llama-3.2-3b --tokens 512 --quantization fp8
     ;;
   knockout)  # what each kernel kind costs the batch-1 decode step: 6 engine start-ups a model, ~2.5-3 min
     suite 280 knockout --model llama-3.2-3b
