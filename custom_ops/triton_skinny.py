@@ -71,40 +71,22 @@ def _skinny_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if W_LEFT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:  # a narrow weight tile: x (16 rows or more, padded) on the left, the product transposed once
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # The first weight tile is this layer's own data: loaded before the PDL wait, while the kernel
-    # that writes x may still be running (as the batch-1 GEMV does); x only after it. The first K
-    # tile is peeled off the loop for that, and the sum keeps its order (tile by tile from k_begin).
-    # An empty split (K not even over the splits) masks every element of it.
-    k = k_begin + offs_k
-    if EVEN_K:  # K tiles never straddle a split's end: only the rows need masks
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
-    else:
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if EVEN_K:
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
-    else:
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    w = w.to(x.dtype)  # a no-op unless SCALED
-    if W_LEFT:
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-    else:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    for k_start in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+    for k_start in range(k_begin, k_end, BLOCK_K):
         k = k_start + offs_k
-        if EVEN_K:
+        if EVEN_K:  # K tiles never straddle a split's end: only the rows need masks
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
         else:
             k_mask = k < k_end
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = w.to(x.dtype)
+        w = w.to(x.dtype)  # a no-op unless SCALED
         if W_LEFT:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
