@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|verify-tiles|fp8-goals|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|verify-tiles|skinny-prefetch|fp8-goals|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend|compile-path  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
@@ -122,6 +122,21 @@ case "${1:-smoke}" in
     # timed alone), then the verify step itself at batch 1; ~9 min
     suite 400 gemv_graph --model llama-3.2-3b --batches 5 --time-budget 300
     BENCH_SPEC_PROFILE=$OUT/prof suite 120 spec --model llama-3.2-3b --batches 1 --ks 4 --variants rejected
+    ;;
+  skinny-prefetch)  # A/B of the skinny GEMM's L2 prefetch before the PDL wait (INFER_GRAPHS_SKINNY_PREFETCH, off by
+    # default): its GPU tests, then the verify step at batch 1 (k = 4, every step rejected) off / 4 tiles / off / 4
+    # tiles, and decode at batch 8 / 32 off / 4 tiles, each in its own results folder; ~8.5 min
+    gpu_tests skinny 120 tests/test_triton_skinny.py
+    base=$R
+    for run in 0-a 4-a 0-b 4-b; do
+      R=$base/prefetch$run; mkdir -p "$R"
+      INFER_GRAPHS_SKINNY_PREFETCH=${run%-*} suite 100 spec --model llama-3.2-3b --batches 1 --ks 4 --variants rejected
+    done
+    for tiles in 0 4; do
+      R=$base/prefetch$tiles-decode; mkdir -p "$R"
+      INFER_GRAPHS_SKINNY_PREFETCH=$tiles suite 70 decode --model llama-3.2-3b --batches 8,32 --contexts 512 --peers none
+    done
+    R=$base
     ;;
   fp8-goals)  # issue 45's unmeasured goals on one GPU: qwen3-4b's FP8 GEMV tiles in its batch-1 graph (only llama's are
     # tuned), then decode at batch 1 / 16 / 64 and the 512-token prefill, FP8 next to bf16, for both models; ~9.5 min

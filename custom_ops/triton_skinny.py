@@ -12,6 +12,12 @@ the weight once per tile. Here every weight byte is read once whatever M is:
 - Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``, and a split's partial reduced by the last split to arrive
   (the arrival counter of custom_ops.triton_gemv): a narrow matrix still fills every SM, and the
   reduce costs no launch.
+- Under PDL the kernel waits for the one before it before it loads anything; with
+  INFER_GRAPHS_SKINNY_PREFETCH=T (a power of two, default 0: off) each program first asks L2 for its
+  split's first T weight tiles (`prefetch.global.L2`, no registers), so the weight stream starts while
+  the kernel before finishes, and the loop, pipelined by Triton as before, finds them in L2. Loading
+  the first tile into registers before the wait instead broke that pipelining where it was tried (the
+  decode attention kernel, 5b89729: 34.9 -> 50.7 us on an H100). Off until a GPU A/B says otherwise.
 - No activation inside: with act(gate) * up recomputed by every program for all its rows, a gated
   down projection is slower than act-and-mul followed by this kernel (35-100 us on an H100), so a
   gated MLP runs the act-and-mul kernel first above one row (custom_ops.linear).
@@ -19,6 +25,8 @@ the weight once per tile. Here every weight byte is read once whatever M is:
 The grid and every constexpr depend only on shapes, so a launch is CUDA-graph capturable.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -40,6 +48,29 @@ MMA_MIN_ROWS = 16  # x's side of the MMA: fewer rows are padded to this by maske
 # A weight tile of at least this many rows is the MMA's left operand (a Hopper MMA's 64-row side);
 # narrower tiles put x there and transpose the product.
 W_LEFT_ROWS = 64
+PREFETCH_ENV = "INFER_GRAPHS_SKINNY_PREFETCH"
+L2_LINE_BYTES = 128
+
+
+def prefetch_tiles() -> int:
+    """INFER_GRAPHS_SKINNY_PREFETCH: the weight tiles a program prefetches into L2 before the PDL wait
+    (0, 1, 2, 4 or 8), read once per process: the launcher runs between graphs on graphless steps."""
+    global _prefetch_tiles
+    if _prefetch_tiles is None:
+        value = os.environ.get(PREFETCH_ENV, "0")
+        if value not in ("0", "1", "2", "4", "8"):
+            raise ValueError(f"{PREFETCH_ENV}={value!r} must be one of 0, 1, 2, 4, 8 (weight tiles per program)")
+        _prefetch_tiles = int(value)
+    return _prefetch_tiles
+
+
+_prefetch_tiles: int | None = None
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each pointer (no register holds the data, nothing waits for it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # M (16..64 rows) is not specialized: Triton would otherwise compile a second variant for the row
@@ -51,7 +82,7 @@ def _skinny_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_LEFT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    KEYS: tl.constexpr, SCALED: tl.constexpr,
+    KEYS: tl.constexpr, SCALED: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     # SCALED: w holds FP8 (float8_e4m3fn) values, widened to x's dtype in registers (exact) for the
     # MMA, and scale_ptr one float32 scale per weight row, applied once to the float32 sum (to each
@@ -71,6 +102,9 @@ def _skinny_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
+    if PREFETCH_LINES > 0:  # the split's first weight tiles toward L2, every LINE elements of each row
+        cols = tl.minimum(k_begin + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+        prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + cols[None, :])
     if PDL:
         tl.extra.cuda.gdc_wait()
     if W_LEFT:
@@ -161,6 +195,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     even_k = k % config.block_k == 0 and k_tiles % config.split_k == 0
     parts, arrivals = split_workspaces(x.device, config.split_k, m, n, tiles_n, out)
     pdl = launch_with_pdl(x.device)
+    # the prefetch only pays under PDL, and the interpreter has no inline assembly
+    line = max(1, L2_LINE_BYTES // weight.element_size())
+    prefetch_lines = prefetch_tiles() * max(1, config.block_k // line) if pdl else 0
     launch(_skinny_kernel, (tiles_n, config.split_k), (
         x, weight, out if scale is None else scale, out, parts, arrivals, out if keys is None else keys, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
@@ -168,6 +205,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
         BLOCK_M=max(MMA_MIN_ROWS, next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, EVEN_K=even_k, W_LEFT=config.block_n >= W_LEFT_ROWS,
         DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, KEYS=keys is not None, SCALED=scale is not None,
+        PREFETCH_LINES=prefetch_lines, LINE=line,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(pdl),
     ))
     return out

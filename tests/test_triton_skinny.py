@@ -73,6 +73,18 @@ def test_skinny_refuses_what_it_cannot_serve():
         skinny_gemm(torch.randn(16, 32), weight, cfg, out=torch.empty(16, 15))
 
 
+def test_the_l2_prefetch_setting_is_a_small_power_of_two_named_when_wrong(monkeypatch):
+    from custom_ops import triton_skinny
+    for value, tiles in (("0", 0), ("4", 4)):
+        monkeypatch.setattr(triton_skinny, "_prefetch_tiles", None)
+        monkeypatch.setenv(triton_skinny.PREFETCH_ENV, value)
+        assert triton_skinny.prefetch_tiles() == tiles
+    monkeypatch.setattr(triton_skinny, "_prefetch_tiles", None)
+    monkeypatch.setenv(triton_skinny.PREFETCH_ENV, "3")
+    with pytest.raises(ValueError, match="INFER_GRAPHS_SKINNY_PREFETCH='3'"):
+        triton_skinny.prefetch_tiles()
+
+
 # ----------------------------------------------------------------------------------------- GPU
 
 def decode_shapes() -> list[tuple[str, int, int]]:
@@ -95,6 +107,23 @@ def test_skinny_decode_shapes_in_bf16(m, split_k):
             assert rel_err(out, reference(x, weight)) < TOL[torch.bfloat16], (name, m, cfg)
             # cuBLAS in bf16 is the engine's alternative: the two agree as closely as either with float64
             assert rel_err(out, F.linear(x, weight).double().cpu()) < TOL[torch.bfloat16], (name, m, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_skinny_with_the_l2_prefetch_is_the_same_product(tiles, monkeypatch):
+    """INFER_GRAPHS_SKINNY_PREFETCH (off by default, for a GPU A/B): the prefetch before the PDL wait
+    changes where the weight bytes come from, not the sum: the same bits as without it."""
+    from custom_ops import triton_skinny
+    x = torch.randn(5, 3072, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(16384 + 40, 3072, device="cuda", dtype=torch.bfloat16) * 3072 ** -0.5  # a ragged N tile
+    for cfg in (GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+                GemvConfig(block_n=16, block_k=128, split_k=4, num_warps=4, num_stages=4)):
+        monkeypatch.setattr(triton_skinny, "_prefetch_tiles", 0)
+        plain = skinny_gemm(x, weight, cfg)
+        monkeypatch.setattr(triton_skinny, "_prefetch_tiles", tiles)
+        assert torch.equal(skinny_gemm(x, weight, cfg), plain), cfg
 
 
 @pytest.mark.gpu

@@ -68,12 +68,14 @@ try:
     for block_n, split_k in ((64, 1), (16, 4)):  # the weight on the MMA's left, and x there
         out[f"skinny-fp8-n{block_n}-s{split_k}"] = ptx(triton_skinny._skinny_kernel, SKINNY, dict(
             BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k, EVEN_K=True, W_LEFT=block_n >= 64,
-            DOT_PRECISION="tf32", PDL=True, KEYS=False, SCALED=True), num_warps=4, num_stages=4, launch_pdl=True)
-    for block_n, split_k, even_k in ((64, 1, True), (16, 4, False)):  # bf16, as decode batches and verify steps run it
-        out[f"skinny-n{block_n}-s{split_k}" + ("" if even_k else "-uneven")] = ptx(
+            DOT_PRECISION="tf32", PDL=True, KEYS=False, SCALED=True, PREFETCH_LINES=0, LINE=128),
+            num_warps=4, num_stages=4, launch_pdl=True)
+    for block_n, split_k, even_k, lines in ((64, 1, True, 0), (16, 4, False, 0), (64, 1, True, 8), (16, 4, False, 2)):
+        # bf16, as decode batches and verify steps run it; `lines`: the L2 prefetch (INFER_GRAPHS_SKINNY_PREFETCH)
+        out[f"skinny-n{block_n}-s{split_k}" + ("" if even_k else "-uneven") + (f"-prefetch{lines}" if lines else "")] = ptx(
             triton_skinny._skinny_kernel, dict(SKINNY, w_ptr="*bf16"), dict(
                 BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k, EVEN_K=even_k, W_LEFT=block_n >= 64,
-                DOT_PRECISION="tf32", PDL=True, KEYS=split_k == 1, SCALED=False),
+                DOT_PRECISION="tf32", PDL=True, KEYS=split_k == 1, SCALED=False, PREFETCH_LINES=lines, LINE=64),
             num_warps=4, num_stages=4, launch_pdl=True)
     ROPE_GEMV = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
                  "qkv_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
@@ -217,6 +219,17 @@ def test_the_batch1_gemv_loads_its_first_weight_tile_before_the_wait(sm90_ptx):
     assert 0 <= ptx.find("ld.global") < _first(ptx, "griddepcontrol.wait")
 
 
+
+
+@pytest.mark.parametrize("name", ["skinny-n64-s1-prefetch8", "skinny-n16-s4-uneven-prefetch2"])
+def test_the_skinny_gemms_l2_prefetch_comes_before_the_wait_and_leaves_the_loop_alone(sm90_ptx, name):
+    """With INFER_GRAPHS_SKINNY_PREFETCH the weight lines are asked of L2 before the wait (no load into
+    registers there: that broke a tl.dot loop's pipelining before), and the rest is the kernel without it."""
+    ptx, plain = sm90_ptx[name], sm90_ptx[name.rsplit("-prefetch", 1)[0]]
+    wait = _first(ptx, "griddepcontrol.wait")
+    assert _first(ptx, "prefetch.global.L2") < wait and "prefetch" not in plain
+    assert ptx[:wait].count("ld.global") == plain[:_first(plain, "griddepcontrol.wait")].count("ld.global")
+    assert _first(ptx, "st.global") > wait
 
 
 @pytest.mark.parametrize("name", ["gemv-m1-s4", "gemv-m16-s4", "decode-s8"])
