@@ -142,6 +142,37 @@ class Fp8Table:
             gemv_table.FP8_GEMV_CONFIGS[shape] = self.saved[shape]
 
 
+class Fp8SkinnyTable:
+    """The FP8 skinny GEMM's bucket for `rows` rows as the sweep edits it: a shape's entry is the config
+    the engine runs now (custom_ops.gemv_table.fp8_config: FP8_SKINNY_CONFIGS, else the bf16 table's
+    tile, else the default); setting one sets FP8_SKINNY_CONFIGS; restoring puts back what was there."""
+
+    def __init__(self, shapes: list[tuple[int, int]], rows: int, capability: tuple[int, int] | None = None) -> None:
+        self.shapes, self.rows, self.capability = shapes, rows, capability
+        self.bucket = next(b for b in gemv_table.ROW_BUCKETS if rows <= b)
+        self.saved = {shape: dict(choices) for shape, choices in gemv_table.FP8_SKINNY_CONFIGS.items()}
+
+    def entry(self, shape: tuple[int, int]) -> GemvConfig:
+        return gemv_table.fp8_config(self.rows, *shape, torch.bfloat16, "cuda", capability=self.capability)
+
+    def set(self, shape: tuple[int, int], config: GemvConfig) -> None:
+        gemv_table.FP8_SKINNY_CONFIGS.setdefault(shape, {})[self.bucket] = config
+
+    def restore(self, shape: tuple[int, int]) -> None:
+        gemv_table.FP8_SKINNY_CONFIGS.pop(shape, None)
+        if shape in self.saved:
+            gemv_table.FP8_SKINNY_CONFIGS[shape] = dict(self.saved[shape])
+
+
+def fp8_skinny_candidates(shape: tuple[int, int], entry: GemvConfig) -> list[GemvConfig]:
+    """At 2-64 rows with FP8 weights: the bf16 candidates, and 256-wide K tiles, which load as many bytes
+    a row as the bf16 tables' 128-wide ones (the FP8 kernel has no cuBLAS alternative)."""
+    from bench.gemm import skinny_configs
+    wide = tuple(GemvConfig(block_n=n, block_k=256, split_k=split, num_warps=4, num_stages=4)
+                 for n in (16, 32, 64, 128) for split in (1, 2))
+    return [c for c in (*skinny_configs(*shape), *wide) if c != entry]
+
+
 def skinny_candidates(shape: tuple[int, int], entry: GemvConfig | str | None) -> list[GemvConfig | str | None]:
     """At 2-64 rows: the skinny GEMM's candidates of `bench gemm` (bench.gemm.skinny_configs), cuBLASLt
     and cuBLAS's default, but the entry itself."""
@@ -218,9 +249,9 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
     (custom_ops.gemv_table.FP8_GEMV_CONFIGS), starting from the configs the engine runs now.
     tp_size N > 1: one rank's graph (the module docstring); bf16 only.
     batches: the decode graph's rows (the first value; default 1). Above one row the sweep edits the
-    2-64-row table's bucket for that many rows (SkinnyTable) in the decode graph of that batch, over
-    every matmul of the model, with skinny_candidates ("tiles" only, bf16 only): a verify step of 1 + k
-    tokens runs the bucket of 1 + k rows."""
+    2-64-row table's bucket for that many rows (SkinnyTable; with FP8 weights Fp8SkinnyTable) in the
+    decode graph of that batch, over every matmul of the model, with skinny_candidates
+    (fp8_skinny_candidates; "tiles" only): a verify step of 1 + k tokens runs the bucket of 1 + k rows."""
     if not torch.cuda.is_available():
         raise RuntimeError("the gemv_graph suite needs a CUDA device: it times decode graph replays")
     from bench.decode import graph_replay_ms
@@ -234,8 +265,8 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
     budget = TIME_BUDGET_S if time_budget_s is None else time_budget_s
     tp_size = tp_size or 1
     fp8 = quantization == "fp8"
-    if fp8 and (tp_size > 1 or batch > 1):
-        raise ValueError("gemv_graph: --tp-size and --batches above 1 sweep bf16 tables; not with --quantization fp8")
+    if fp8 and tp_size > 1:
+        raise ValueError("gemv_graph: --tp-size sweeps the bf16 table's shapes of one rank; not with --quantization fp8")
     if batch > 1 and (candidate_set != "tiles" or batch > gemv_table.ROW_BUCKETS[-1]):
         raise ValueError(f"gemv_graph: --batches {batch} sweeps the 2-{gemv_table.ROW_BUCKETS[-1]}-row table with "
                          "--candidates tiles only")
@@ -251,7 +282,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
         fp8_shapes = {tuple(m.weight.shape) for m in net.modules()
                       if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dtype == FP8_DTYPE}
         shapes = [shape for shape in shapes if shape in fp8_shapes]
-        table = Fp8Table(shapes)
+        table = Fp8Table(shapes) if batch == 1 else Fp8SkinnyTable(shapes, batch)
     runner = llm.runtime.runner
 
     def replay_ms() -> float:
@@ -262,7 +293,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
     report = Report("gemv_graph", model, torch.cuda.get_device_name(), COLUMNS)
     report.meta.update(torch=torch.__version__, context=context, iters=ITERS, candidate_set=candidate_set,
                        quantization=quantization, tp_size=tp_size, batch=batch,
-                       bucket=table.bucket if isinstance(table, SkinnyTable) else None)
+                       bucket=getattr(table, "bucket", None))
     rows: list[dict] = []
     start = time.perf_counter()
     skipped = 0
@@ -275,7 +306,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
                 report.notes.append(f"{shape[0]}x{shape[1]}: no tile to take the {candidate_set} of ({label(entry)}); skipped")
                 continue
             if batch > 1:
-                tried = skinny_candidates(shape, entry)
+                tried = fp8_skinny_candidates(shape, entry) if fp8 else skinny_candidates(shape, entry)
             else:
                 tried = {"tiles": lambda: candidates(shape, entry, pool), "neighbours": lambda: neighbours(entry),
                          "whole_k": lambda: whole_k(shape, entry)}[candidate_set]()

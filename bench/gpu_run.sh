@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of the committed results, one plan per device call (run from the repo root).
-#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|verify-tiles|skinny-prefetch|fp8-goals|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
+#   bash bench/gpu_run.sh smoke|full|rest|e2e|e2e-tokenizer|itl|serving-tokenizer|serving-batch|peers|kernels|gemm|tp-tiles|verify-tiles|skinny-prefetch|fp8-goals|fp8-skinny|knockout  -> results under $OUT/res (tarred to $OUT/res.tgz), logs in $OUT
 #   bash bench/gpu_run.sh tests-decode|tests-overlap|tests-tp|tests-attention-rest|frontend|compile-path  -> GPU test logs in $OUT (each plan fits one 10-minute call)
 #   bash bench/gpu_run.sh warm-profile  -> capture's cold / warm start-up, each under cProfile, in $OUT/prof
 #   bash bench/gpu_run.sh host-profile  -> the host step at batch 64 and a cProfile of one generate, in $OUT/prof
@@ -144,6 +144,10 @@ case "${1:-smoke}" in
     suite 130 decode --model llama-3.2-3b --batches 1,16,64 --contexts 512 --peers none --quantization fp8
     suite 130 decode --model qwen3-4b --batches 1,16,64 --contexts 512 --peers none --quantization fp8
     suite 100 prefill --model llama-3.2-3b --tokens 512 --quantization fp8
+    ;;
+  fp8-skinny)  # issue 45: the FP8 skinny GEMM still runs the bf16 tables' tiles (FP8 batch 16 only 3% under bf16);
+    # re-pick its bucket-16 tiles in the batch-16 decode graph, FP8 weights (BATCH= for another bucket); ~7.5 min
+    suite 420 gemv_graph --model llama-3.2-3b --batches "${BATCH:-16}" --quantization fp8 --time-budget 320
     ;;
   knockout)  # what each kernel kind costs the batch-1 decode step: 6 engine start-ups a model, ~2.5-3 min
     suite 280 knockout --model llama-3.2-3b

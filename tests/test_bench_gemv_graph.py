@@ -162,3 +162,20 @@ def test_every_linear_and_the_lm_head_are_swept_without_a_table_and_restoring_pu
     table.restore((64, 80))
     table.restore((192, 64))
     assert entries == {(64, 80): GemvConfig()}
+
+
+def test_the_fp8_skinny_sweep_starts_from_what_the_engine_runs_and_restores_it(monkeypatch):
+    """--batches 5 --quantization fp8: a shape's entry is fp8_config's choice at 5 rows (the bf16 table's
+    bucket-8 tile here, no FP8 entry yet); a candidate lands in FP8_SKINNY_CONFIGS' bucket 8 only, the
+    candidates add 256-wide K tiles and no cuBLAS, and restoring leaves the FP8 table as it was."""
+    from custom_ops import gemv_table
+    monkeypatch.setattr(gemv_table, "FP8_SKINNY_CONFIGS", {})
+    shape = (3072, 8192)  # llama-3.2-3b's down projection: a bf16 tile at bucket 8
+    table = gemv_graph.Fp8SkinnyTable([shape], 5, capability=(9, 0))
+    assert table.bucket == 8 and table.entry(shape) == gemv_table.TABLES[(9, 0)].skinny[shape][8]
+    tried = gemv_graph.fp8_skinny_candidates(shape, table.entry(shape))
+    assert all(isinstance(c, GemvConfig) for c in tried) and any(c.block_k == 256 for c in tried)
+    table.set(shape, tried[0])
+    assert table.entry(shape) == tried[0] and gemv_table.FP8_SKINNY_CONFIGS == {shape: {8: tried[0]}}
+    table.restore(shape)
+    assert gemv_table.FP8_SKINNY_CONFIGS == {} and table.entry(shape) == gemv_table.TABLES[(9, 0)].skinny[shape][8]
