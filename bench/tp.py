@@ -250,6 +250,10 @@ def run(model: str, batches=None, tokens=None, iters: int = 20, tp_sizes=TP_SIZE
             measured = _workloads(llm, batches, tokens, context, config["vocab_size"], iters)
             key = f"engine_stats_tp{n}" + ("_nccl" if kind == "nccl" else "")
             report.meta[key] = {k: v for k, v in llm.stats().items() if k != "backend"}
+            untuned = report.meta[key].get("startup", {}).get("gemv_untuned")
+            if untuned and kind != "nccl":  # said once per tp size: which of its matmuls ran cuBLAS at batch 1
+                report.notes.append(f"tp {n}: {len(untuned)} of rank 0's matmul shapes have no GEMV tuning and ran "
+                                    f"cuBLAS at batch 1 ({', '.join(untuned)}; bench gemv_graph --tp-size {n})")
         finally:
             llm.close()
             del llm
