@@ -39,7 +39,7 @@ BENCH_SPEC_PROFILE=DIR: after the rows, one more generate at the smallest batch 
 `rejected` at the largest k, each under torch.profiler with the engine's stages marked
 (bench/step_timeline.py): DIR/spec-<model>-<variant>.txt (stage times, the GPU's idle gaps, the host
 work between reading a step and launching the next) and .json.gz (the trace); then, without the profiler,
-DIR/graph-launch-<model>.txt: the host time of one replay of each decode and verify graph.
+DIR/graph-launch-<model>.txt: the host time and the GPU time of one replay of each decode and verify graph.
 """
 from __future__ import annotations
 
@@ -183,21 +183,28 @@ def _profile(llm, model: str, directory: str, batch: int, k: int, prompt_len: in
 
 
 def _graph_launch_us(runner, launches: int = 40) -> str:
-    """Host time of one `graph.replay()` (cudaGraphLaunch) per decode and verify graph size, without a
-    profiler (CUPTI's tracing of every kernel node inflates it): launches queued back to back, the GPU
-    busy with the ones before, so the host never waits. Each replay rewrites what the last step wrote
-    (its inputs are still in the static buffers): run it only when the engine is about to close."""
-    lines = ["graph   rows  host us per replay (median, min)"]
+    """Per decode and verify graph size, without a profiler (CUPTI's tracing of every kernel node
+    inflates both): the host time of one `graph.replay()` (cudaGraphLaunch), launches queued back to
+    back so the host never waits, and the GPU time of one replay, CUDA events around the same back-to-
+    back launches (the GPU never waits for the host): the verify graph's GPU time over the batch-1
+    decode graph's is what the kernels alone make a verify step cost, host and read-back aside. Each
+    replay rewrites what the last step wrote (its inputs are still in the static buffers): run it only
+    when the engine is about to close."""
+    lines = ["graph   rows  host us per replay (median, min)  GPU us per replay"]
     for kind, graphs in (("decode", runner.decode_graphs), ("verify", runner.verify_graphs)):
         for size, graph in sorted((graphs.graphs if graphs is not None else {}).items()):
             torch.cuda.synchronize()
             times = []
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
             for _ in range(launches):
                 start = time.perf_counter()
                 graph.replay()
                 times.append((time.perf_counter() - start) * 1e6)
-            torch.cuda.synchronize()
-            lines.append(f"{kind:7} {size:4}  {statistics.median(times):8.1f} {min(times):8.1f}")
+            ended.record()
+            ended.synchronize()
+            gpu_us = began.elapsed_time(ended) * 1e3 / launches
+            lines.append(f"{kind:7} {size:4}  {statistics.median(times):8.1f} {min(times):8.1f}  {gpu_us:10.1f}")
     return "\n".join(lines) + "\n"
 
 
