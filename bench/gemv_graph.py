@@ -147,8 +147,8 @@ class Fp8SkinnyTable:
     the engine runs now (custom_ops.gemv_table.fp8_config: FP8_SKINNY_CONFIGS, else the bf16 table's
     tile, else the default); setting one sets FP8_SKINNY_CONFIGS; restoring puts back what was there."""
 
-    def __init__(self, shapes: list[tuple[int, int]], rows: int, capability: tuple[int, int] | None = None) -> None:
-        self.shapes, self.rows, self.capability = shapes, rows, capability
+    def __init__(self, rows: int, capability: tuple[int, int] | None = None) -> None:
+        self.rows, self.capability = rows, capability
         self.bucket = next(b for b in gemv_table.ROW_BUCKETS if rows <= b)
         self.saved = {shape: dict(choices) for shape, choices in gemv_table.FP8_SKINNY_CONFIGS.items()}
 
@@ -213,11 +213,10 @@ def model_shapes(model: torch.nn.Module, table: dict | None = None) -> list[tupl
     """The table's shapes (default: the sm_90 table) among the model's 2-D weights, in the order the
     model holds them; table=False: every matmul's shape (its linear layers' and the LM head's), in the
     table or not."""
-    import models.layers
     table = gemv_table.GEMV_CONFIGS if table is None else table
     if table is False:
-        weights = [m.weight for m in model.modules() if isinstance(m, models.layers.Linear)]
-        weights.append(model._logits_weight())  # noqa: SLF001 (the LM head, tied or not)
+        from models import matmul_weights
+        weights = matmul_weights(model)
     else:
         weights = [getattr(m, "weight", None) for m in model.modules()]
     shapes: list[tuple[int, int]] = []
@@ -282,7 +281,7 @@ def run(model: str, contexts=None, time_budget_s: float | None = None, candidate
         fp8_shapes = {tuple(m.weight.shape) for m in net.modules()
                       if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dtype == FP8_DTYPE}
         shapes = [shape for shape in shapes if shape in fp8_shapes]
-        table = Fp8Table(shapes) if batch == 1 else Fp8SkinnyTable(shapes, batch)
+        table = Fp8Table(shapes) if batch == 1 else Fp8SkinnyTable(batch)
     runner = llm.runtime.runner
 
     def replay_ms() -> float:

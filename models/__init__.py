@@ -2,7 +2,7 @@
 `torch.ops.infer.attention`; config and weight loading from HF-format dirs, hub ids and GGUF files."""
 from __future__ import annotations
 
-from models.base import CausalLM, set_decode_gemv
+from models.base import CausalLM, matmul_weights, set_decode_gemv
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeParams
 from models.errors import (
     MissingWeightError, ModelLoadError, ModelPathError, UnexpectedWeightError, UnknownArchitectureError,
@@ -20,6 +20,6 @@ __all__ = [
     "ModelLoadError", "ModelPathError", "UnexpectedWeightError", "UnknownArchitectureError",
     "UnsupportedConfigError", "WeightShapeError", "Gemma3ForCausalLM", "LlamaForCausalLM",
     "MODEL_CLASSES", "from_config", "from_pretrained", "load_weights", "DEFAULT_MODEL",
-    "load_tokenizer", "resolve_model_path", "cache_root", "Qwen3ForCausalLM", "set_decode_gemv",
+    "load_tokenizer", "resolve_model_path", "cache_root", "Qwen3ForCausalLM", "set_decode_gemv", "matmul_weights",
     "QUANTIZATIONS", "quantize_fp8",
 ]

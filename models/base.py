@@ -141,6 +141,14 @@ class CausalLM(nn.Module):
         init_random_(self, std, generator)
 
 
+def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of every matmul the model runs through the decode GEMV switch (set_decode_gemv): each
+    models.layers.Linear's, then the logits matmul's (the LM head or the tied embedding)."""
+    weights = [sub.weight for sub in model.modules() if isinstance(sub, Linear)]
+    weights += [sub._logits_weight() for sub in model.modules() if isinstance(sub, CausalLM)]
+    return weights
+
+
 def set_decode_gemv(model: nn.Module, on: bool) -> int:
     """Switch every models.layers.Linear of `model` and its logits matmul (the LM head or the tied
     embedding) to `torch.ops.infer.linear` (the Triton GEMV at one row where measured faster than

@@ -171,7 +171,7 @@ def test_the_fp8_skinny_sweep_starts_from_what_the_engine_runs_and_restores_it(m
     from custom_ops import gemv_table
     monkeypatch.setattr(gemv_table, "FP8_SKINNY_CONFIGS", {})
     shape = (3072, 8192)  # llama-3.2-3b's down projection: a bf16 tile at bucket 8
-    table = gemv_graph.Fp8SkinnyTable([shape], 5, capability=(9, 0))
+    table = gemv_graph.Fp8SkinnyTable(5, capability=(9, 0))
     assert table.bucket == 8 and table.entry(shape) == gemv_table.TABLES[(9, 0)].skinny[shape][8]
     tried = gemv_graph.fp8_skinny_candidates(shape, table.entry(shape))
     assert all(isinstance(c, GemvConfig) for c in tried) and any(c.block_k == 256 for c in tried)

@@ -180,13 +180,10 @@ def build_runtime(model: torch.nn.Module, config: EngineConfig, timeline: Startu
 def _note_untuned_matmuls(model: torch.nn.Module, device: torch.device, timeline: StartupTimeline) -> None:
     """Say once (log and stats()["startup"]["gemv_untuned"]) which of the model's matmul shapes run cuBLAS
     at batch 1 for want of a GEMV table entry on this GPU: a model or tensor-parallel split not yet swept."""
-    import models.layers
     from custom_ops.gemv_table import untuned_shapes
-    weights = [m.weight for m in model.modules() if isinstance(m, models.layers.Linear)]
-    if hasattr(model, "_logits_weight"):
-        weights.append(model._logits_weight())  # noqa: SLF001 (the LM head, tied or not)
-    shapes = list(dict.fromkeys(tuple(w.shape) for w in weights if w.dim() == 2 and w.dtype.is_floating_point
-                                and w.element_size() > 1))  # FP8 layers have tables of their own
+    from models import matmul_weights
+    shapes = list(dict.fromkeys(tuple(w.shape) for w in matmul_weights(model)
+                                if w.element_size() > 1))  # FP8 layers have tables of their own
     untuned = untuned_shapes(shapes, next(model.parameters()).dtype, device.index)
     timeline.notes["gemv_untuned"] = [f"{n}x{k}" for n, k in untuned]
     if untuned:
